@@ -1,1 +1,17 @@
-//! placeholder
+//! Numerical ops the tensor library lacks, each as a plain reference built from tensor ops (the
+//! "slow twin", which runs on any device) plus a fast path, and tests comparing the two.
+//!
+//! - [`gated_delta`]: the Gated DeltaNet recurrence with its gating and q/k normalisation fused.
+//! - [`conv1d`]: depthwise causal conv1d + SiLU over a window, carrying the conv state.
+//! - [`attention`]: causal softmax attention with GQA over a row's KV history.
+
+pub mod attention;
+pub mod conv1d;
+pub mod gated_delta;
+
+pub use candle_core::{Error, Result};
+
+/// Borrow a contiguous CPU tensor's f32 data.
+fn cpu_f32(t: &candle_core::Tensor) -> Result<Vec<f32>> {
+    t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}

@@ -1,0 +1,243 @@
+//! Gated DeltaNet recurrence (Qwen3.5 / Qwen3-Next linear attention), one token at a time.
+//!
+//! Per value head `h` with key head `h / (Hv / Hk)` and state `S` laid out `[Dv, Dk]`:
+//! ```text
+//! q, k  = l2norm(q), l2norm(k);  q *= 1/sqrt(Dk)
+//! g     = -exp(A_log) * softplus(a + dt_bias);   beta = sigmoid(b)
+//! S     = exp(g) * S
+//! S    += (beta * (v - S k)) k^T
+//! o     = S q
+//! ```
+//! Inputs are taken in any float dtype; the state and all arithmetic are f32, as in transformers.
+//! The state layout `[B, Hv, Dv, Dk]` keeps every inner loop contiguous over `Dk`.
+
+use candle_core::{DType, Device, Tensor, D};
+use rayon::prelude::*;
+
+use crate::{cpu_f32, Result};
+
+/// Per-layer constants of the gating.
+pub struct Gating<'a> {
+    /// `A_log`, `[Hv]`.
+    pub a_log: &'a Tensor,
+    /// `dt_bias`, `[Hv]`.
+    pub dt_bias: &'a Tensor,
+}
+
+/// Runs the recurrence over `T` tokens for `B` rows.
+///
+/// Shapes: `q`, `k` `[B, T, Hk, Dk]`; `v` `[B, T, Hv, Dv]`; `a`, `b` `[B, T, Hv]` (raw projections);
+/// `state` `[B, Hv, Dv, Dk]` f32. Returns the output `[B, T, Hv, Dv]` (f32) and the new state.
+pub fn gated_delta_rule(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    gating: &Gating,
+    state: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    match q.device() {
+        Device::Cpu => cpu::run(q, k, v, a, b, gating, state),
+        _ => reference(q, k, v, a, b, gating, state),
+    }
+}
+
+fn softplus(x: &Tensor) -> Result<Tensor> {
+    // Stable: max(x, 0) + log(1 + exp(-|x|)).
+    x.relu()? + (x.abs()?.neg()?.exp()? + 1.0)?.log()?
+}
+
+fn l2norm(x: &Tensor) -> Result<Tensor> {
+    x.broadcast_div(&(x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?)
+}
+
+/// The slow twin: the same recurrence from tensor ops, one token per step. Runs on any device.
+pub fn reference(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    gating: &Gating,
+    state: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (bsz, t_len, hk, dk) = q.dims4()?;
+    let hv = v.dim(2)?;
+    let group = hv / hk;
+    let f = |x: &Tensor| x.to_dtype(DType::F32);
+    let expand = |x: Tensor| -> Result<Tensor> {
+        // [B, T, Hk, Dk] -> [B, T, Hv, Dk], value head h reads key head h / group.
+        let (b_, t_, h_, d_) = x.dims4()?;
+        x.unsqueeze(3)?.expand((b_, t_, h_, group, d_))?.reshape((b_, t_, h_ * group, d_))
+    };
+    let q = (expand(l2norm(&f(q)?)?)? * (1.0 / (dk as f64).sqrt()))?;
+    let k = expand(l2norm(&f(k)?)?)?;
+    let v = f(v)?;
+    let a_log = f(gating.a_log)?;
+    let g = softplus(&f(a)?.broadcast_add(&f(gating.dt_bias)?)?)?
+        .broadcast_mul(&a_log.exp()?.neg()?)?;
+    let beta = sigmoid(&f(b)?)?;
+    let mut s = state.to_dtype(DType::F32)?;
+    let mut outs = Vec::with_capacity(t_len);
+    for t in 0..t_len {
+        let q_t = q.narrow(1, t, 1)?.squeeze(1)?.contiguous()?; // [B, Hv, Dk]
+        let k_t = k.narrow(1, t, 1)?.squeeze(1)?.contiguous()?;
+        let v_t = v.narrow(1, t, 1)?.squeeze(1)?; // [B, Hv, Dv]
+        let decay = g.narrow(1, t, 1)?.squeeze(1)?.exp()?.reshape((bsz, hv, 1, 1))?;
+        let beta_t = beta.narrow(1, t, 1)?.squeeze(1)?.unsqueeze(2)?; // [B, Hv, 1]
+        s = s.broadcast_mul(&decay)?;
+        let kv_mem = s.matmul(&k_t.unsqueeze(3)?)?.squeeze(3)?; // [B, Hv, Dv]
+        let delta = (v_t - kv_mem)?.broadcast_mul(&beta_t)?;
+        s = (s + delta.unsqueeze(3)?.matmul(&k_t.unsqueeze(2)?)?)?;
+        outs.push(s.matmul(&q_t.unsqueeze(3)?)?.squeeze(3)?);
+    }
+    Ok((Tensor::stack(&outs, 1)?, s))
+}
+
+fn sigmoid(x: &Tensor) -> Result<Tensor> {
+    (x.neg()?.exp()? + 1.0)?.recip()
+}
+
+mod cpu {
+    use super::*;
+
+    fn normalize(x: &mut [f32], dim: usize, scale: f32) {
+        for row in x.chunks_mut(dim) {
+            let inv = 1.0 / (row.iter().map(|v| v * v).sum::<f32>() + 1e-6).sqrt() * scale;
+            row.iter_mut().for_each(|v| *v *= inv);
+        }
+    }
+
+    pub(super) fn run(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        gating: &Gating,
+        state: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (bsz, t_len, hk, dk) = q.dims4()?;
+        let (_, _, hv, dv) = v.dims4()?;
+        let group = hv / hk;
+        let mut qd = cpu_f32(q)?;
+        let mut kd = cpu_f32(k)?;
+        normalize(&mut qd, dk, 1.0 / (dk as f32).sqrt());
+        normalize(&mut kd, dk, 1.0);
+        let vd = cpu_f32(v)?;
+        let ad = cpu_f32(a)?;
+        let bd = cpu_f32(b)?;
+        let a_log = cpu_f32(gating.a_log)?;
+        let dt_bias = cpu_f32(gating.dt_bias)?;
+        let mut sd = cpu_f32(state)?;
+        let mut out = vec![0f32; bsz * t_len * hv * dv];
+
+        // One task per (row, value head): the state slice is private to it.
+        let tasks: Vec<(usize, &mut [f32])> = sd.chunks_mut(dv * dk).enumerate().collect();
+        let head_outs: Vec<(usize, Vec<f32>)> = tasks
+            .into_par_iter()
+            .map(|(bh, s)| {
+                let (row, h) = (bh / hv, bh % hv);
+                let kh = h / group;
+                let neg_a = -a_log[h].exp();
+                let mut o = vec![0f32; t_len * dv];
+                let mut delta = vec![0f32; dv];
+                for t in 0..t_len {
+                    let gi = (row * t_len + t) * hv + h;
+                    let x = ad[gi] + dt_bias[h];
+                    let softplus = x.max(0.0) + (-x.abs()).exp().ln_1p();
+                    let decay = (neg_a * softplus).exp();
+                    let beta = 1.0 / (1.0 + (-bd[gi]).exp());
+                    let qk_off = ((row * t_len + t) * hk + kh) * dk;
+                    let q_t = &qd[qk_off..qk_off + dk];
+                    let k_t = &kd[qk_off..qk_off + dk];
+                    let v_t = &vd[gi * dv..gi * dv + dv];
+                    for (j, srow) in s.chunks_mut(dk).enumerate() {
+                        let mut mem = 0f32;
+                        for (sv, kv) in srow.iter_mut().zip(k_t) {
+                            *sv *= decay;
+                            mem += *sv * kv;
+                        }
+                        delta[j] = beta * (v_t[j] - mem);
+                    }
+                    let o_t = &mut o[t * dv..(t + 1) * dv];
+                    for (j, srow) in s.chunks_mut(dk).enumerate() {
+                        let d = delta[j];
+                        let mut acc = 0f32;
+                        for ((sv, kv), qv) in srow.iter_mut().zip(k_t).zip(q_t) {
+                            *sv += kv * d;
+                            acc += *sv * qv;
+                        }
+                        o_t[j] = acc;
+                    }
+                }
+                (bh, o)
+            })
+            .collect();
+        for (bh, o) in head_outs {
+            let (row, h) = (bh / hv, bh % hv);
+            for t in 0..t_len {
+                let dst = ((row * t_len + t) * hv + h) * dv;
+                out[dst..dst + dv].copy_from_slice(&o[t * dv..(t + 1) * dv]);
+            }
+        }
+        let dev = q.device();
+        Ok((
+            Tensor::from_vec(out, (bsz, t_len, hv, dv), dev)?,
+            Tensor::from_vec(sd, (bsz, hv, dv, dk), dev)?,
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn randn(shape: &[usize], scale: f32, seed: u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        // Small deterministic LCG: the test needs varied values, not a distribution.
+        let mut x = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let data: Vec<f32> = (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ((x >> 33) as f32 / (1u64 << 31) as f32 - 0.5) * 2.0 * scale
+            })
+            .collect();
+        Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
+    }
+
+    fn check(bsz: usize, t: usize, hk: usize, hv: usize, dk: usize, dv: usize) {
+        let q = randn(&[bsz, t, hk, dk], 1.0, 1);
+        let k = randn(&[bsz, t, hk, dk], 1.0, 2);
+        let v = randn(&[bsz, t, hv, dv], 1.0, 3);
+        let a = randn(&[bsz, t, hv], 3.0, 4);
+        let b = randn(&[bsz, t, hv], 3.0, 5);
+        let a_log = randn(&[hv], 1.0, 6);
+        let dt_bias = randn(&[hv], 1.0, 7);
+        let s0 = randn(&[bsz, hv, dv, dk], 0.5, 8);
+        let gating = Gating { a_log: &a_log, dt_bias: &dt_bias };
+        let (o1, s1) = reference(&q, &k, &v, &a, &b, &gating, &s0).unwrap();
+        let (o2, s2) = cpu::run(&q, &k, &v, &a, &b, &gating, &s0).unwrap();
+        let diff = |x: &Tensor, y: &Tensor| -> f32 {
+            (x - y).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
+        };
+        assert!(diff(&o1, &o2) < 1e-5, "output differs by {}", diff(&o1, &o2));
+        assert!(diff(&s1, &s2) < 1e-5, "state differs by {}", diff(&s1, &s2));
+        // Splitting the sequence in two through the carried state changes nothing.
+        let half = t / 2;
+        let n = |x: &Tensor, s: usize, l: usize| x.narrow(1, s, l).unwrap();
+        let (oa, sa) = cpu::run(&n(&q, 0, half), &n(&k, 0, half), &n(&v, 0, half), &n(&a, 0, half), &n(&b, 0, half), &gating, &s0).unwrap();
+        let r = t - half;
+        let (ob, sb) = cpu::run(&n(&q, half, r), &n(&k, half, r), &n(&v, half, r), &n(&a, half, r), &n(&b, half, r), &gating, &sa).unwrap();
+        assert_eq!(diff(&Tensor::cat(&[oa, ob], 1).unwrap(), &o2), 0.0);
+        assert_eq!(diff(&sb, &s2), 0.0);
+    }
+
+    #[test]
+    fn fast_path_matches_reference() {
+        check(1, 7, 2, 2, 16, 16);
+        check(3, 9, 2, 4, 8, 12);
+        check(2, 1, 1, 3, 4, 4);
+    }
+}

@@ -1,0 +1,170 @@
+//! Attention KV store: per row, keys and values of every past position.
+//!
+//! Rows have their own lengths, so each row owns its buffers: `[Hkv, capacity, D]`, written in
+//! place and grown by doubling, so appending a token costs O(1) amortised instead of a copy of
+//! the whole history.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{Result, StateError};
+
+#[derive(Clone, Debug)]
+struct KvRow {
+    k: Tensor,
+    v: Tensor,
+    len: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct KvStore {
+    rows: Vec<KvRow>,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+}
+
+impl KvStore {
+    pub fn new(rows: usize, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let mut store = Self { rows: Vec::new(), kv_heads, head_dim, dtype, device: device.clone() };
+        for _ in 0..rows {
+            let row = store.empty_row(0)?;
+            store.rows.push(row);
+        }
+        Ok(store)
+    }
+
+    fn empty_row(&self, capacity: usize) -> Result<KvRow> {
+        let shape = (self.kv_heads, capacity, self.head_dim);
+        Ok(KvRow {
+            k: Tensor::zeros(shape, self.dtype, &self.device)?,
+            v: Tensor::zeros(shape, self.dtype, &self.device)?,
+            len: 0,
+        })
+    }
+
+    /// Bytes per stored token (keys + values).
+    pub fn bytes_per_token(kv_heads: usize, head_dim: usize, dtype: DType) -> usize {
+        2 * kv_heads * head_dim * dtype.size_in_bytes()
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows.len()
+    }
+
+    pub fn len(&self, row: usize) -> usize {
+        self.rows[row].len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.rows.iter().all(|r| r.len == 0)
+    }
+
+    /// Bytes of stored positions (not of spare capacity).
+    pub fn bytes(&self) -> usize {
+        self.rows.iter().map(|r| r.len).sum::<usize>() * Self::bytes_per_token(self.kv_heads, self.head_dim, self.dtype)
+    }
+
+    /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns views of its whole history.
+    pub fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.dim(1)?;
+        let needed = self.rows[row].len + t;
+        if needed > self.rows[row].k.dim(1)? {
+            let capacity = needed.max(2 * self.rows[row].k.dim(1)?).max(16);
+            let mut grown = self.empty_row(capacity)?;
+            let old = &self.rows[row];
+            if old.len > 0 {
+                grown.k.slice_set(&old.k.narrow(1, 0, old.len)?.contiguous()?, 1, 0)?;
+                grown.v.slice_set(&old.v.narrow(1, 0, old.len)?.contiguous()?, 1, 0)?;
+            }
+            grown.len = old.len;
+            self.rows[row] = grown;
+        }
+        let r = &mut self.rows[row];
+        r.k.slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 1, r.len)?;
+        r.v.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 1, r.len)?;
+        r.len = needed;
+        Ok((r.k.narrow(1, 0, needed)?, r.v.narrow(1, 0, needed)?))
+    }
+
+    /// Views of `row`'s stored keys and values, `[Hkv, len, D]`.
+    pub fn history(&self, row: usize) -> Result<(Tensor, Tensor)> {
+        let r = &self.rows[row];
+        Ok((r.k.narrow(1, 0, r.len)?, r.v.narrow(1, 0, r.len)?))
+    }
+
+    /// Cuts `row` back to its first `len` positions.
+    pub fn trim(&mut self, row: usize, len: usize) -> Result<()> {
+        let r = &mut self.rows[row];
+        if len > r.len {
+            return Err(StateError::Untrimmable { kind: "attention KV", from: r.len, to: len });
+        }
+        r.len = len;
+        Ok(())
+    }
+
+    pub fn merge(&mut self, other: &KvStore) -> Result<()> {
+        self.rows.extend(other.rows.iter().cloned());
+        Ok(())
+    }
+
+    pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
+        let n = self.rows.len();
+        if let Some(&bad) = keep.iter().find(|&&r| r >= n) {
+            return Err(StateError::RowOutOfRange { row: bad, rows: n });
+        }
+        self.rows = keep.iter().map(|&r| self.rows[r].clone()).collect();
+        Ok(())
+    }
+
+    pub fn extract(&self, row: usize) -> Result<KvStore> {
+        let n = self.rows.len();
+        let src = self.rows.get(row).ok_or(StateError::RowOutOfRange { row, rows: n })?;
+        let mut copy = self.empty_row(src.len)?;
+        if src.len > 0 {
+            copy.k = src.k.narrow(1, 0, src.len)?.force_contiguous()?;
+            copy.v = src.v.narrow(1, 0, src.len)?.force_contiguous()?;
+        }
+        copy.len = src.len;
+        Ok(KvStore { rows: vec![copy], ..self.clone_empty() })
+    }
+
+    fn clone_empty(&self) -> KvStore {
+        KvStore { rows: Vec::new(), kv_heads: self.kv_heads, head_dim: self.head_dim, dtype: self.dtype, device: self.device.clone() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seq(h: usize, t: usize, d: usize, base: f32) -> Tensor {
+        let data: Vec<f32> = (0..h * t * d).map(|i| base + i as f32).collect();
+        Tensor::from_vec(data, (h, t, d), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn append_grow_trim_extract() {
+        let mut kv = KvStore::new(2, 2, 3, DType::F32, &Device::Cpu).unwrap();
+        let mut all = Vec::new();
+        for step in 0..40 {
+            let k = seq(2, 1, 3, step as f32 * 100.0);
+            all.push(k.clone());
+            let (hk, _) = kv.append(1, &k, &k).unwrap();
+            let want = Tensor::cat(&all, 1).unwrap();
+            assert_eq!(hk.to_vec3::<f32>().unwrap(), want.to_vec3::<f32>().unwrap());
+        }
+        assert_eq!((kv.len(0), kv.len(1)), (0, 40));
+        kv.trim(1, 10).unwrap();
+        assert!(kv.trim(1, 11).is_err());
+        let one = kv.extract(1).unwrap();
+        assert_eq!(one.rows(), 1);
+        assert_eq!(one.len(0), 10);
+        // The copy owns its data: writing more to the batch leaves it unchanged.
+        kv.append(1, &seq(2, 1, 3, -1.0), &seq(2, 1, 3, -1.0)).unwrap();
+        let (k, _) = one.history(0).unwrap();
+        assert_eq!(k.to_vec3::<f32>().unwrap(), Tensor::cat(&all[..10], 1).unwrap().to_vec3::<f32>().unwrap());
+        kv.filter(&[1]).unwrap();
+        assert_eq!((kv.rows(), kv.len(0)), (1, 11));
+    }
+}

@@ -1,0 +1,65 @@
+//! Gated DeltaNet layer state: the causal-conv window and the recurrent matrix, per row.
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::{select_rows, Result};
+
+/// `conv`: `[B, K-1, conv_dim]`, the last `K - 1` conv inputs (compute dtype).
+/// `ssm`: `[B, Hv, Dv, Dk]`, the recurrent matrix, always f32.
+#[derive(Clone, Debug)]
+pub struct RecurrentState {
+    pub conv: Tensor,
+    pub ssm: Tensor,
+}
+
+/// Shape of one layer's recurrent state, from the model config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecurrentShape {
+    pub conv_kernel: usize,
+    pub conv_dim: usize,
+    pub value_heads: usize,
+    pub value_dim: usize,
+    pub key_dim: usize,
+}
+
+impl RecurrentShape {
+    /// Bytes per row for a given conv dtype (the matrix is f32).
+    pub fn bytes_per_row(&self, conv_dtype: DType) -> usize {
+        (self.conv_kernel - 1) * self.conv_dim * conv_dtype.size_in_bytes()
+            + self.value_heads * self.value_dim * self.key_dim * 4
+    }
+}
+
+impl RecurrentState {
+    /// Zero state for `rows` fresh sequences.
+    pub fn zeros(shape: RecurrentShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
+        Ok(Self {
+            conv: Tensor::zeros((rows, shape.conv_kernel - 1, shape.conv_dim), dtype, device)?,
+            ssm: Tensor::zeros((rows, shape.value_heads, shape.value_dim, shape.key_dim), DType::F32, device)?,
+        })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.conv.dims()[0]
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.conv.elem_count() * self.conv.dtype().size_in_bytes() + self.ssm.elem_count() * 4
+    }
+
+    pub fn merge(&mut self, other: &RecurrentState) -> Result<()> {
+        self.conv = Tensor::cat(&[&self.conv, &other.conv], 0)?;
+        self.ssm = Tensor::cat(&[&self.ssm, &other.ssm], 0)?;
+        Ok(())
+    }
+
+    pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
+        self.conv = select_rows(&self.conv, keep)?;
+        self.ssm = select_rows(&self.ssm, keep)?;
+        Ok(())
+    }
+
+    pub fn extract(&self, row: usize) -> Result<RecurrentState> {
+        Ok(Self { conv: select_rows(&self.conv, &[row])?, ssm: select_rows(&self.ssm, &[row])? })
+    }
+}
