@@ -132,10 +132,6 @@ def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, temp
         model = Qwen3_5ForCausalLM(config)
     model.eval()
     randomise(model, seed)
-    if disk_dtype != torch.float32:
-        # Round the weights to what the half-precision file holds, so the f32 reference is
-        # computed from exactly the weights strata will read.
-        model = model.to(disk_dtype).to(torch.float32)
 
     model.config.eos_token_id = [2]  # <|im_end|>
     model.save_pretrained(path, max_shard_size=shard or "1GB")
@@ -166,7 +162,9 @@ def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, temp
         if os.path.exists(os.path.join(path, stale)):
             os.remove(os.path.join(path, stale))
 
-    # Reference outputs, all in f32.
+    # Reference outputs, all in f32, from transformers reading the folder just written: the
+    # oracle sees exactly the (possibly half-precision) weights strata will read.
+    model = type(model).from_pretrained(path, dtype=torch.float32).eval()
     ids = tok.encode("The quick brown fox jumps over the lazy dog. Call get_weather for Paris.").ids
     g = torch.Generator().manual_seed(seed + 1)
     ids += torch.randint(len(SPECIALS), VOCAB, (40 - len(ids),), generator=g).tolist()

@@ -103,3 +103,45 @@ fn select_rows(t: &Tensor, rows: &[usize]) -> Result<Tensor> {
     let idx = Tensor::from_vec(rows.iter().map(|&r| r as u32).collect::<Vec<_>>(), rows.len(), t.device())?;
     Ok(t.index_select(&idx, 0)?.contiguous()?)
 }
+
+/// The state of every layer for a batch of rows, with each row's position (tokens consumed).
+#[derive(Clone, Debug)]
+pub struct BatchState {
+    pub layers: Vec<LayerState>,
+    pub positions: Vec<usize>,
+}
+
+impl BatchState {
+    pub fn rows(&self) -> usize {
+        self.positions.len()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.layers.iter().map(LayerState::bytes).sum()
+    }
+
+    /// Appends `other`'s rows after this batch's rows.
+    pub fn merge(&mut self, other: &BatchState) -> Result<()> {
+        for (a, b) in self.layers.iter_mut().zip(&other.layers) {
+            a.merge(b)?;
+        }
+        self.positions.extend_from_slice(&other.positions);
+        Ok(())
+    }
+
+    /// Keeps only the listed rows, in the listed order.
+    pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
+        for layer in &mut self.layers {
+            layer.filter(keep)?;
+        }
+        self.positions = keep.iter().map(|&r| self.positions[r]).collect();
+        Ok(())
+    }
+
+    /// An owned single-row copy of `row`.
+    pub fn extract(&self, row: usize) -> Result<BatchState> {
+        let rows = self.rows();
+        let position = *self.positions.get(row).ok_or(StateError::RowOutOfRange { row, rows })?;
+        Ok(BatchState { layers: self.layers.iter().map(|l| l.extract(row)).collect::<Result<_>>()?, positions: vec![position] })
+    }
+}

@@ -1,0 +1,320 @@
+//! `config.json` of a Qwen3.5 model: the nested `qwen3_5` layout real releases ship (text fields
+//! under `text_config`) and the flat `qwen3_5_text` one. Every field that changes the math is
+//! read; a present field whose value the code does not implement is an error naming it.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{Map, Value};
+
+use crate::error::{ModelError, Result};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerKind {
+    /// Gated DeltaNet (linear attention, recurrent state).
+    Linear,
+    /// Gated softmax attention (KV state).
+    Full,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Qwen35Config {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub layer_types: Vec<LayerKind>,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub attention_bias: bool,
+    pub linear_conv_kernel_dim: usize,
+    pub linear_key_head_dim: usize,
+    pub linear_value_head_dim: usize,
+    pub linear_num_key_heads: usize,
+    pub linear_num_value_heads: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub partial_rotary_factor: f64,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub eos_token_ids: Vec<u32>,
+    /// Layers of the multi-token-prediction head shipped under `mtp.*` (0 when absent).
+    pub mtp_num_hidden_layers: usize,
+}
+
+impl Qwen35Config {
+    pub fn num_layers(&self) -> usize {
+        self.layer_types.len()
+    }
+
+    /// Width of the rotated part of each attention head (NeoX half-split, even).
+    pub fn rotary_dim(&self) -> usize {
+        let d = (self.head_dim as f64 * self.partial_rotary_factor) as usize;
+        d - d % 2
+    }
+
+    /// Channels of the DeltaNet conv: q and k for all key heads, v for all value heads.
+    pub fn linear_conv_dim(&self) -> usize {
+        2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+    }
+
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let root = crate::error::read_json(path)?;
+        Self::from_json(&root, path)
+    }
+
+    pub fn from_json(root: &Value, path: &Path) -> Result<Self> {
+        let top = root.as_object().ok_or_else(|| ModelError::file(path, "expected a JSON object"))?;
+        let model_type = top.get("model_type").and_then(Value::as_str).unwrap_or("");
+        let (text, text_field) = match model_type {
+            "qwen3_5" => {
+                let text = top.get("text_config").and_then(Value::as_object).ok_or_else(|| {
+                    ModelError::field(path, "text_config", "missing: model_type qwen3_5 nests its text model there")
+                })?;
+                (text, "text_config.")
+            }
+            "qwen3_5_text" => (top, ""),
+            "" => return Err(ModelError::field(path, "model_type", "missing")),
+            other => {
+                return Err(ModelError::field(
+                    path,
+                    "model_type",
+                    format!("`{other}` is not supported (supported: qwen3_5, qwen3_5_text)"),
+                ))
+            }
+        };
+        let f = Fields { map: text, prefix: text_field, path: path.to_path_buf() };
+        f.reject_unsupported()?;
+
+        let num_layers = f.usize_or("num_hidden_layers", 32)?;
+        let layer_types = match f.map.get("layer_types") {
+            Some(Value::Array(items)) => {
+                let kinds = items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, v)| match v.as_str() {
+                        Some("linear_attention") => Ok(LayerKind::Linear),
+                        Some("full_attention") => Ok(LayerKind::Full),
+                        _ => Err(f.err(
+                            &format!("layer_types[{i}]"),
+                            format!("{v} is not supported (expected \"linear_attention\" or \"full_attention\")"),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                if kinds.len() != num_layers {
+                    return Err(f.err("layer_types", format!("has {} entries but num_hidden_layers is {num_layers}", kinds.len())));
+                }
+                kinds
+            }
+            Some(Value::Null) | None => {
+                let interval = f.usize_or("full_attention_interval", 4)?;
+                if interval == 0 {
+                    return Err(f.err("full_attention_interval", "must be at least 1"));
+                }
+                (0..num_layers).map(|i| if (i + 1) % interval == 0 { LayerKind::Full } else { LayerKind::Linear }).collect()
+            }
+            Some(other) => return Err(f.err("layer_types", format!("expected a list, found {other}"))),
+        };
+
+        let rope = f.map.get("rope_parameters").and_then(Value::as_object);
+        if let Some(rope) = rope {
+            let kind = rope.get("rope_type").and_then(Value::as_str).unwrap_or("default");
+            if kind != "default" {
+                return Err(f.err("rope_parameters.rope_type", format!("`{kind}` is not supported (only \"default\")")));
+            }
+        }
+        let rope_field = |name: &str| rope.and_then(|r| r.get(name)).or_else(|| f.map.get(name)).and_then(Value::as_f64);
+        let rope_theta = rope_field("rope_theta").unwrap_or(10_000.0);
+        let partial_rotary_factor = rope_field("partial_rotary_factor").unwrap_or(0.25);
+        if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
+            return Err(f.err("partial_rotary_factor", format!("{partial_rotary_factor} is outside (0, 1]")));
+        }
+
+        // Nested releases carry the tie flag (and eos ids) at the top level.
+        let tie_word_embeddings = top
+            .get("tie_word_embeddings")
+            .or_else(|| text.get("tie_word_embeddings"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false);
+        let mut eos_token_ids = Vec::new();
+        for source in [top.get("eos_token_id"), text.get("eos_token_id")].into_iter().flatten() {
+            for id in token_ids(source) {
+                if !eos_token_ids.contains(&id) {
+                    eos_token_ids.push(id);
+                }
+            }
+        }
+
+        let cfg = Qwen35Config {
+            vocab_size: f.usize_or("vocab_size", 248_320)?,
+            hidden_size: f.usize_or("hidden_size", 4096)?,
+            intermediate_size: f.usize_or("intermediate_size", 12_288)?,
+            layer_types,
+            num_attention_heads: f.usize_or("num_attention_heads", 16)?,
+            num_key_value_heads: f.usize_or("num_key_value_heads", 4)?,
+            head_dim: f.usize_or("head_dim", 256)?,
+            attention_bias: f.bool_or("attention_bias", false)?,
+            linear_conv_kernel_dim: f.usize_or("linear_conv_kernel_dim", 4)?,
+            linear_key_head_dim: f.usize_or("linear_key_head_dim", 128)?,
+            linear_value_head_dim: f.usize_or("linear_value_head_dim", 128)?,
+            linear_num_key_heads: f.usize_or("linear_num_key_heads", 16)?,
+            linear_num_value_heads: f.usize_or("linear_num_value_heads", 32)?,
+            rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
+            rope_theta,
+            partial_rotary_factor,
+            max_position_embeddings: f.usize_or("max_position_embeddings", 32_768)?,
+            tie_word_embeddings,
+            eos_token_ids,
+            mtp_num_hidden_layers: f.usize_or("mtp_num_hidden_layers", 0)?,
+        };
+        cfg.validate(&f)?;
+        Ok(cfg)
+    }
+
+    fn validate(&self, f: &Fields) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.layer_types.len()),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("linear_key_head_dim", self.linear_key_head_dim),
+            ("linear_value_head_dim", self.linear_value_head_dim),
+            ("linear_num_key_heads", self.linear_num_key_heads),
+            ("linear_num_value_heads", self.linear_num_value_heads),
+        ];
+        for (name, v) in positive {
+            if v == 0 {
+                return Err(f.err(name, "must be at least 1"));
+            }
+        }
+        if self.linear_conv_kernel_dim < 2 {
+            return Err(f.err("linear_conv_kernel_dim", "must be at least 2"));
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(f.err("num_key_value_heads", format!("{} does not divide num_attention_heads {}", self.num_key_value_heads, self.num_attention_heads)));
+        }
+        if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
+            return Err(f.err(
+                "linear_num_key_heads",
+                format!("{} does not divide linear_num_value_heads {}", self.linear_num_key_heads, self.linear_num_value_heads),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Token ids from a JSON int or list of ints (as `eos_token_id` is written).
+pub fn token_ids(v: &Value) -> Vec<u32> {
+    match v {
+        Value::Number(n) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Value::Array(items) => items.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        _ => Vec::new(),
+    }
+}
+
+struct Fields<'a> {
+    map: &'a Map<String, Value>,
+    prefix: &'a str,
+    path: PathBuf,
+}
+
+impl Fields<'_> {
+    fn err(&self, field: &str, what: impl std::fmt::Display) -> ModelError {
+        ModelError::field(&self.path, format!("{}{field}", self.prefix), what)
+    }
+
+    fn get(&self, name: &str) -> Option<&Value> {
+        self.map.get(name).filter(|v| !v.is_null())
+    }
+
+    fn usize_or(&self, name: &str, default: usize) -> Result<usize> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| self.err(name, format!("expected a non-negative integer, found {v}"))),
+        }
+    }
+
+    fn f64_or(&self, name: &str, default: f64) -> Result<f64> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => v.as_f64().ok_or_else(|| self.err(name, format!("expected a number, found {v}"))),
+        }
+    }
+
+    fn bool_or(&self, name: &str, default: bool) -> Result<bool> {
+        match self.get(name) {
+            None => Ok(default),
+            Some(v) => v.as_bool().ok_or_else(|| self.err(name, format!("expected true or false, found {v}"))),
+        }
+    }
+
+    /// Fields that, when present with these values, change the math in ways not implemented.
+    fn reject_unsupported(&self) -> Result<()> {
+        if let Some(act) = self.get("hidden_act") {
+            if act.as_str() != Some("silu") {
+                return Err(self.err("hidden_act", format!("{act} is not supported (only \"silu\")")));
+            }
+        }
+        if let Some(v) = self.get("rope_scaling") {
+            return Err(self.err("rope_scaling", format!("{v} is not supported")));
+        }
+        if self.get("attn_output_gate").and_then(Value::as_bool) == Some(false) {
+            return Err(self.err("attn_output_gate", "false is not supported (Qwen3.5 attention is gated)"));
+        }
+        if self.get("use_sliding_window").and_then(Value::as_bool) == Some(true) {
+            return Err(self.err("use_sliding_window", "sliding-window attention is not supported for qwen3_5"));
+        }
+        if let Some(v) = self.get("mlp_only_layers") {
+            if v.as_array().is_some_and(|a| !a.is_empty()) {
+                return Err(self.err("mlp_only_layers", format!("{v} is not supported (expected empty)")));
+            }
+        }
+        for moe in ["num_experts", "num_experts_per_tok"] {
+            if self.get(moe).and_then(Value::as_u64).is_some_and(|n| n > 0) {
+                return Err(self.err(moe, "mixture-of-experts layers are not supported for qwen3_5"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn parse(v: Value) -> Result<Qwen35Config> {
+        Qwen35Config::from_json(&v, Path::new("config.json"))
+    }
+
+    #[test]
+    fn flat_defaults_and_interval() {
+        let c = parse(json!({"model_type": "qwen3_5_text", "num_hidden_layers": 8, "full_attention_interval": 4, "eos_token_id": [5, 6]})).unwrap();
+        use LayerKind::*;
+        assert_eq!(c.layer_types, vec![Linear, Linear, Linear, Full, Linear, Linear, Linear, Full]);
+        assert_eq!(c.rotary_dim(), 64);
+        assert_eq!(c.eos_token_ids, vec![5, 6]);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            (json!({"model_type": "llama"}), "model_type"),
+            (json!({}), "model_type"),
+            (json!({"model_type": "qwen3_5"}), "text_config"),
+            (json!({"model_type": "qwen3_5_text", "hidden_size": "big"}), "hidden_size"),
+            (json!({"model_type": "qwen3_5", "text_config": {"hidden_act": "gelu"}}), "text_config.hidden_act"),
+            (json!({"model_type": "qwen3_5_text", "rope_parameters": {"rope_type": "yarn"}}), "rope_parameters.rope_type"),
+            (json!({"model_type": "qwen3_5_text", "num_hidden_layers": 2, "layer_types": ["linear_attention"]}), "layer_types"),
+            (json!({"model_type": "qwen3_5_text", "num_hidden_layers": 1, "layer_types": ["sliding_attention"]}), "layer_types[0]"),
+            (json!({"model_type": "qwen3_5_text", "num_key_value_heads": 3}), "num_key_value_heads"),
+            (json!({"model_type": "qwen3_5_text", "num_experts": 8}), "num_experts"),
+        ];
+        for (json, field) in cases {
+            let err = parse(json.clone()).unwrap_err().to_string();
+            assert!(err.contains(&format!("`{field}`")), "{json}: {err}");
+        }
+    }
+}

@@ -1,0 +1,63 @@
+//! Gated full attention: per head `[q | gate]` from `q_proj`, q/k norms, partial RoPE, GQA over
+//! each row's KV history, output times `sigmoid(gate)`.
+
+use candle_core::{DType, Tensor};
+use strata_kernels::attention::causal_attention;
+use strata_state::KvStore;
+
+use super::layers::{Linear, RmsNorm, Rotary};
+use crate::config::Qwen35Config;
+use crate::error::Result;
+use crate::source::WeightSource;
+
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    pub fn load(src: &dyn WeightSource, name: &str, cfg: &Qwen35Config, dtype: DType) -> Result<Self> {
+        let (h, kv, d, hidden) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size);
+        let bias = cfg.attention_bias;
+        Ok(Self {
+            q_proj: Linear::load(src, &format!("{name}.q_proj"), 2 * h * d, hidden, bias, dtype)?,
+            k_proj: Linear::load(src, &format!("{name}.k_proj"), kv * d, hidden, bias, dtype)?,
+            v_proj: Linear::load(src, &format!("{name}.v_proj"), kv * d, hidden, bias, dtype)?,
+            o_proj: Linear::load(src, &format!("{name}.o_proj"), hidden, h * d, bias, dtype)?,
+            q_norm: RmsNorm::load(src, &format!("{name}.q_norm"), d, cfg.rms_norm_eps)?,
+            k_norm: RmsNorm::load(src, &format!("{name}.k_norm"), d, cfg.rms_norm_eps)?,
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        })
+    }
+
+    /// `x` `[B, T, hidden]`; `rope` holds the per-row cos/sin tables for these positions.
+    pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rotary: &Rotary, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, d) = (self.heads, self.head_dim);
+        let qg = self.q_proj.forward(x)?.reshape((b, t, h, 2 * d))?;
+        let q = self.q_norm.forward(&qg.narrow(3, 0, d)?)?.transpose(1, 2)?;
+        let gate = qg.narrow(3, d, d)?.reshape((b, t, h * d))?;
+        let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?)?.transpose(1, 2)?;
+        let v = self.v_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
+        let q = rotary.apply(&q, &rope.0, &rope.1)?;
+        let k = rotary.apply(&k, &rope.0, &rope.1)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut rows = Vec::with_capacity(b);
+        for row in 0..b {
+            let (keys, values) = kv.append(row, &k.get(row)?, &v.get(row)?)?;
+            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, scale)?);
+        }
+        let out = Tensor::stack(&rows, 0)?.transpose(1, 2)?.reshape((b, t, h * d))?;
+        let out = (out * candle_nn::ops::sigmoid(&gate)?)?;
+        self.o_proj.forward(&out)
+    }
+}

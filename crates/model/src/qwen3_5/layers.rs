@@ -1,0 +1,148 @@
+//! Building blocks shared by Qwen3.5 layers.
+
+use candle_core::{DType, Device, Tensor, D};
+
+use crate::error::Result;
+use crate::source::WeightSource;
+
+/// A linear projection `x W^T (+ b)`.
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    pub fn load(src: &dyn WeightSource, name: &str, out_dim: usize, in_dim: usize, bias: bool, dtype: DType) -> Result<Self> {
+        let weight = src.get(&format!("{name}.weight"), &[out_dim, in_dim], dtype)?;
+        let bias = if bias { Some(src.get(&format!("{name}.bias"), &[out_dim], dtype)?) } else { None };
+        Ok(Self { weight, bias })
+    }
+
+    pub fn from_weight(weight: Tensor) -> Self {
+        Self { weight, bias: None }
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let dims = x.dims();
+        let in_dim = dims[dims.len() - 1];
+        let rows = x.elem_count() / in_dim;
+        let y = x.reshape((rows, in_dim))?.matmul(&self.weight.t()?)?;
+        let y = match &self.bias {
+            Some(b) => y.broadcast_add(b)?,
+            None => y,
+        };
+        let mut out_shape = dims.to_vec();
+        *out_shape.last_mut().expect("input has at least one dim") = self.weight.dim(0)?;
+        Ok(y.reshape(out_shape)?)
+    }
+}
+
+/// Zero-centred RMSNorm: `x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in f32.
+pub struct RmsNorm {
+    /// `1 + w`, f32.
+    scale: Tensor,
+    eps: f64,
+}
+
+impl RmsNorm {
+    pub fn load(src: &dyn WeightSource, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        let w = src.get(&format!("{name}.weight"), &[dim], DType::F32)?;
+        Ok(Self { scale: (w + 1.0)?, eps })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &self.scale, self.eps as f32)?;
+        Ok(y.to_dtype(x.dtype())?)
+    }
+}
+
+/// The DeltaNet output norm: `w * rmsnorm(x) * silu(gate)` per head (plain weight, not 1 + w).
+pub struct GatedRmsNorm {
+    weight: Tensor,
+    eps: f64,
+}
+
+impl GatedRmsNorm {
+    pub fn load(src: &dyn WeightSource, name: &str, dim: usize, eps: f64) -> Result<Self> {
+        Ok(Self { weight: src.get(&format!("{name}.weight"), &[dim], DType::F32)?, eps })
+    }
+
+    /// `x` f32 `[.., D]`, `gate` `[.., D]`; returns `gate`'s dtype.
+    pub fn forward(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
+        let dtype = gate.dtype();
+        let ones = Tensor::ones(self.weight.shape(), DType::F32, x.device())?;
+        let normed = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &ones, self.eps as f32)?;
+        // transformers rounds the normalised value to the model dtype before the weight.
+        let normed = normed.to_dtype(dtype)?.to_dtype(DType::F32)?.broadcast_mul(&self.weight)?;
+        let gate = candle_nn::ops::silu(&gate.to_dtype(DType::F32)?)?;
+        Ok((normed * gate)?.to_dtype(dtype)?)
+    }
+}
+
+/// SwiGLU: `down(silu(gate(x)) * up(x))`.
+pub struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    pub fn load(src: &dyn WeightSource, name: &str, hidden: usize, inter: usize, dtype: DType) -> Result<Self> {
+        Ok(Self {
+            gate: Linear::load(src, &format!("{name}.gate_proj"), inter, hidden, false, dtype)?,
+            up: Linear::load(src, &format!("{name}.up_proj"), inter, hidden, false, dtype)?,
+            down: Linear::load(src, &format!("{name}.down_proj"), hidden, inter, false, dtype)?,
+        })
+    }
+
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
+        self.down.forward(&h)
+    }
+}
+
+/// Rotary embedding on the first `rotary_dim` dims of each head (NeoX half-split).
+pub struct Rotary {
+    inv_freq: Vec<f32>,
+}
+
+impl Rotary {
+    pub fn new(rotary_dim: usize, theta: f64) -> Self {
+        let inv_freq = (0..rotary_dim / 2).map(|i| (1.0 / theta.powf(2.0 * i as f64 / rotary_dim as f64)) as f32).collect();
+        Self { inv_freq }
+    }
+
+    /// `cos`, `sin` `[B, 1, T, rotary_dim / 2]` for rows starting at `starts` (f32).
+    pub fn tables(&self, starts: &[usize], t_len: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+        let half = self.inv_freq.len();
+        let mut cos = Vec::with_capacity(starts.len() * t_len * half);
+        let mut sin = Vec::with_capacity(cos.capacity());
+        for &start in starts {
+            for p in start..start + t_len {
+                for &f in &self.inv_freq {
+                    let angle = p as f32 * f;
+                    cos.push(angle.cos());
+                    sin.push(angle.sin());
+                }
+            }
+        }
+        let shape = (starts.len(), 1, t_len, half);
+        Ok((Tensor::from_vec(cos, shape, device)?, Tensor::from_vec(sin, shape, device)?))
+    }
+
+    /// `x` `[B, H, T, D]`.
+    pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let half = self.inv_freq.len();
+        let d = x.dim(D::Minus1)?;
+        let (cos, sin) = (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?);
+        let x1 = x.narrow(D::Minus1, 0, half)?;
+        let x2 = x.narrow(D::Minus1, half, half)?;
+        let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+        let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+        let mut parts = vec![r1, r2];
+        if d > 2 * half {
+            parts.push(x.narrow(D::Minus1, 2 * half, d - 2 * half)?);
+        }
+        Ok(Tensor::cat(&parts, D::Minus1)?)
+    }
+}

@@ -1,0 +1,154 @@
+//! The Qwen3.5 text model (transformers `qwen3_5`): decoder layers that are either Gated
+//! DeltaNet or gated full attention, each followed by a SwiGLU MLP, with zero-centred RMSNorms.
+
+mod attention;
+mod deltanet;
+pub mod layers;
+
+use candle_core::{DType, Device, Tensor};
+use strata_state::{BatchState, KvStore, LayerState, RecurrentState};
+
+use self::attention::Attention;
+use self::deltanet::GatedDeltaNet;
+use self::layers::{Linear, Mlp, RmsNorm, Rotary};
+use crate::config::{LayerKind, Qwen35Config};
+use crate::error::{ModelError, Result};
+use crate::source::WeightSource;
+
+enum Mixer {
+    Linear(GatedDeltaNet),
+    Full(Attention),
+}
+
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    mixer: Mixer,
+    post_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+/// Which positions' logits a forward returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Every position: `[B, T, vocab]`.
+    All,
+    /// The last position of each row: `[B, vocab]`.
+    Last,
+}
+
+pub struct Qwen35 {
+    cfg: Qwen35Config,
+    embed: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: Rotary,
+    dtype: DType,
+    device: Device,
+}
+
+impl Qwen35 {
+    /// Builds the model from `src`, whose names are relative to the text model
+    /// (`embed_tokens.weight`, `layers.N.…`, `norm.weight`), plus `lm_head.weight` when untied.
+    pub fn load(cfg: &Qwen35Config, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
+        let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let embed = src.get("embed_tokens.weight", &[cfg.vocab_size, hidden], dtype)?;
+        let layers = cfg
+            .layer_types
+            .iter()
+            .enumerate()
+            .map(|(i, kind)| {
+                let p = format!("layers.{i}");
+                Ok(DecoderLayer {
+                    input_norm: RmsNorm::load(src, &format!("{p}.input_layernorm"), hidden, eps)?,
+                    mixer: match kind {
+                        LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(src, &format!("{p}.linear_attn"), cfg, dtype)?),
+                        LayerKind::Full => Mixer::Full(Attention::load(src, &format!("{p}.self_attn"), cfg, dtype)?),
+                    },
+                    post_norm: RmsNorm::load(src, &format!("{p}.post_attention_layernorm"), hidden, eps)?,
+                    mlp: Mlp::load(src, &format!("{p}.mlp"), hidden, cfg.intermediate_size, dtype)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::from_weight(embed.clone())
+        } else {
+            Linear::load(src, "lm_head", cfg.vocab_size, hidden, false, dtype)?
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm: RmsNorm::load(src, "norm", hidden, eps)?,
+            lm_head,
+            rotary: Rotary::new(cfg.rotary_dim(), cfg.rope_theta),
+            dtype,
+            device: src.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &Qwen35Config {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Fresh state for `rows` empty sequences.
+    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
+        let cfg = &self.cfg;
+        let layers = cfg
+            .layer_types
+            .iter()
+            .map(|kind| {
+                Ok(match kind {
+                    LayerKind::Linear => LayerState::Recurrent(RecurrentState::zeros(
+                        GatedDeltaNet::state_shape(cfg),
+                        rows,
+                        self.dtype,
+                        &self.device,
+                    )?),
+                    LayerKind::Full => LayerState::Attention(KvStore::new(rows, cfg.num_key_value_heads, cfg.head_dim, self.dtype, &self.device)?),
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BatchState { layers, positions: vec![0; rows] })
+    }
+
+    /// Runs `tokens` (`[B, T]`, u32) through the model, each row continuing from its own
+    /// position in `state`, and advances the state. Returns f32 logits.
+    pub fn forward(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        if b != state.rows() {
+            return Err(ModelError::Invalid(format!("forward got {b} rows of tokens for a state of {} rows", state.rows())));
+        }
+        if let Some(&bad) = tokens.flatten_all()?.to_vec1::<u32>()?.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)));
+        }
+        let mut x = self.embed.index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        let rope = self.rotary.tables(&state.positions, t, &self.device)?;
+        for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
+            let h = layer.input_norm.forward(&x)?;
+            let h = match (&layer.mixer, layer_state) {
+                (Mixer::Linear(m), LayerState::Recurrent(s)) => m.forward(&h, s)?,
+                (Mixer::Full(m), LayerState::Attention(s)) => m.forward(&h, s, &self.rotary, &rope)?,
+                (_, s) => return Err(ModelError::Invalid(format!("layer state of kind {} does not match its layer", s.kind()))),
+            };
+            x = (x + h)?;
+            x = (&x + layer.mlp.forward(&layer.post_norm.forward(&x)?)?)?;
+        }
+        for p in &mut state.positions {
+            *p += t;
+        }
+        let x = match logits {
+            Logits::All => x,
+            Logits::Last => x.narrow(1, t - 1, 1)?.squeeze(1)?,
+        };
+        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?)
+    }
+}

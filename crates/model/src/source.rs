@@ -1,0 +1,69 @@
+//! Where a model's tensors come from: a checkpoint on disk, or random values of the right
+//! shapes (synthetic models for benchmarks that need no download).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::error::Result;
+use crate::weights::Weights;
+
+pub trait WeightSource {
+    /// The tensor `name`, which must have `shape`, as `dtype` on the source's device.
+    fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor>;
+    fn device(&self) -> &Device;
+}
+
+pub struct FileSource<'a> {
+    pub weights: &'a Weights,
+    pub prefix: String,
+    pub device: Device,
+}
+
+impl WeightSource for FileSource<'_> {
+    fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let full = if name == "lm_head.weight" { name.to_string() } else { format!("{}{name}", self.prefix) };
+        self.weights.get(&full, shape, dtype, &self.device)
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+/// Uniform random weights scaled by 1/sqrt(fan-in), so activations stay in range through deep
+/// stacks; 1-D tensors (norms, biases, gating constants) get small values.
+pub struct RandomSource {
+    pub device: Device,
+    seed: AtomicU64,
+}
+
+impl RandomSource {
+    pub fn new(device: Device, seed: u64) -> Self {
+        Self { device, seed: AtomicU64::new(seed) }
+    }
+}
+
+impl WeightSource for RandomSource {
+    fn get(&self, _name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let seed = self.seed.fetch_add(1, Ordering::Relaxed);
+        let n: usize = shape.iter().product();
+        let scale = if shape.len() >= 2 { 1.0 / (shape[shape.len() - 1] as f32).sqrt() } else { 0.1 };
+        let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        let data: Vec<f32> = (0..n)
+            .map(|_| {
+                // xorshift64*: fast and plenty for benchmark weights.
+                x ^= x >> 12;
+                x ^= x << 25;
+                x ^= x >> 27;
+                let r = (x.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40) as f32 / (1u64 << 24) as f32;
+                (2.0 * r - 1.0) * scale
+            })
+            .collect();
+        Ok(Tensor::from_vec(data, shape, &Device::Cpu)?.to_dtype(dtype)?.to_device(&self.device)?)
+    }
+
+    fn device(&self) -> &Device {
+        &self.device
+    }
+}
