@@ -1,1 +1,38 @@
-fn main() {}
+//! The `strata` binary. Only this crate reads arguments and the environment.
+
+mod bench;
+mod common;
+mod generate;
+mod logits;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "strata", version, about = "Inference engine for hybrid (Gated DeltaNet + attention) language models")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate text from a prompt, streaming it as it is produced.
+    Generate(generate::Args),
+    /// Write the logits of a token sequence to a safetensors file.
+    Logits(logits::Args),
+    /// Measure prefill and decode tokens/s.
+    Bench(bench::Args),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(args) => generate::run(args),
+        Command::Logits(args) => logits::run(args),
+        Command::Bench(args) => bench::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}

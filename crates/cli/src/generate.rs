@@ -1,0 +1,144 @@
+//! `strata generate`.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Result};
+use strata_engine::{generate, FinishReason, GenerationOptions, SamplingParams};
+
+use crate::common::{open_model, parse_device, parse_tokens, DTypeArg};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model folder (Hugging Face layout).
+    #[arg(long)]
+    model: PathBuf,
+    /// Raw prompt text (no chat template).
+    #[arg(long, group = "input")]
+    prompt: Option<String>,
+    /// A user message, wrapped in the model's chat template.
+    #[arg(long, group = "input")]
+    chat: Option<String>,
+    /// Prompt token ids, e.g. 1,2,3.
+    #[arg(long, group = "input")]
+    tokens: Option<String>,
+    /// With --chat: switch the model's thinking off (template kwarg enable_thinking=false).
+    #[arg(long)]
+    no_thinking: bool,
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Keep generating past end-of-sequence tokens (for benchmarks and oracle comparisons).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// 0 means greedy. Defaults to the model's generation_config.json.
+    #[arg(long)]
+    temperature: Option<f64>,
+    #[arg(long)]
+    top_p: Option<f64>,
+    #[arg(long)]
+    top_k: Option<usize>,
+    #[arg(long)]
+    min_p: Option<f64>,
+    #[arg(long)]
+    repetition_penalty: Option<f64>,
+    #[arg(long)]
+    presence_penalty: Option<f64>,
+    #[arg(long)]
+    frequency_penalty: Option<f64>,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Prompt tokens per prefill forward.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    /// Print, as the last line, a JSON object with the generated tokens and text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let device = parse_device(&a.device)?;
+    let folder = open_model(&a.model)?;
+    let prompt = match (&a.prompt, &a.chat, &a.tokens) {
+        (Some(text), _, _) => folder.tokenizer.encode(text)?,
+        (_, Some(text), _) => {
+            let Some(template) = &folder.chat_template else {
+                bail!("--chat: {} has no chat template (tokenizer_config.json chat_template or chat_template.jinja); use --prompt", a.model.display());
+            };
+            let rendered = template.render(serde_json::json!({
+                "messages": [{"role": "user", "content": text}],
+                "add_generation_prompt": true,
+                "enable_thinking": !a.no_thinking,
+            }))?;
+            folder.tokenizer.encode(&rendered)?
+        }
+        (_, _, Some(list)) => parse_tokens(list)?,
+        _ => bail!("give one of --prompt, --chat or --tokens"),
+    };
+    let g = &folder.generation;
+    let sampled = g.do_sample.unwrap_or(true);
+    let sampling = SamplingParams {
+        temperature: a.temperature.unwrap_or(if sampled { g.temperature.unwrap_or(1.0) } else { 0.0 }),
+        top_p: a.top_p.or(g.top_p).unwrap_or(1.0),
+        top_k: a.top_k.or(g.top_k).unwrap_or(0),
+        min_p: a.min_p.or(g.min_p).unwrap_or(0.0),
+        repetition_penalty: a.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0),
+        presence_penalty: a.presence_penalty.or(g.presence_penalty).unwrap_or(0.0),
+        frequency_penalty: a.frequency_penalty.or(g.frequency_penalty).unwrap_or(0.0),
+        seed: a.seed,
+    };
+    if let Err(msg) = sampling.validate() {
+        bail!("{msg}");
+    }
+    let model = folder.load(a.dtype.dtype(), &device)?;
+    let opts = GenerationOptions { max_tokens: a.max_tokens, sampling, stop_tokens: if a.ignore_eos { vec![] } else { folder.eos_token_ids() }, prefill_chunk: a.prefill_chunk };
+
+    let mut stream = folder.tokenizer.stream(true);
+    let mut stdout = std::io::stdout().lock();
+    let mut text = String::new();
+    let mut failure = None;
+    let out = generate(&model, &prompt, &opts, |id| match stream.push(id) {
+        Ok(piece) => {
+            text.push_str(&piece);
+            // A closed stdout (e.g. piped into `head`) ends the generation quietly.
+            write!(stdout, "{piece}").and_then(|_| stdout.flush()).is_ok()
+        }
+        Err(e) => {
+            failure = Some(e);
+            false
+        }
+    })?;
+    if let Some(e) = failure {
+        return Err(e.into());
+    }
+    let _ = writeln!(stdout);
+    let finish = match out.finish {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "cancelled",
+    };
+    eprintln!(
+        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | finish: {finish}",
+        prompt.len(),
+        out.prefill_tok_s(prompt.len()),
+        out.tokens.len(),
+        out.decode_tok_s()
+    );
+    if a.json {
+        let text = folder.tokenizer.decode(&out.tokens, true)?;
+        let json = serde_json::json!({
+            "tokens": out.tokens,
+            "text": text,
+            "prompt_tokens": prompt.len(),
+            "finish_reason": finish,
+            "prefill_tok_s": out.prefill_tok_s(prompt.len()),
+            "decode_tok_s": out.decode_tok_s(),
+        });
+        let _ = writeln!(stdout, "{json}");
+    }
+    Ok(())
+}
