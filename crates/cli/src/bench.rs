@@ -58,7 +58,12 @@ pub fn run(a: Args) -> Result<()> {
         let vocab = model.config().vocab_size as u64;
         // A fixed pseudo-random prompt: the same workload on every run.
         let prompt: Vec<u32> = (0..a.prompt_len as u64).map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32).collect();
-        let opts = GenerationOptions { max_tokens: a.gen_len, sampling: SamplingParams::greedy(), stop_tokens: vec![], prefill_chunk: a.prefill_chunk };
+        let opts = GenerationOptions {
+            max_tokens: a.gen_len,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: vec![],
+            prefill_chunk: a.prefill_chunk,
+        };
         // Warm-up: first-touch of weights and allocator pools.
         generate(&model, &prompt[..prompt.len().min(8)], &GenerationOptions { max_tokens: 2, ..opts.clone() }, |_| true)?;
         let out = generate(&model, &prompt, &opts, |_| true)?;

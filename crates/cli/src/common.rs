@@ -33,7 +33,9 @@ pub fn parse_device(spec: &str) -> Result<Device> {
     match spec {
         "cpu" => Ok(Device::Cpu),
         "cuda" => cuda(0),
-        s if s.starts_with("cuda:") => cuda(s[5..].parse().with_context(|| format!("--device {s}: expected cuda:N with N a GPU index"))?),
+        s if s.starts_with("cuda:") => {
+            cuda(s[5..].parse().with_context(|| format!("--device {s}: expected cuda:N with N a GPU index"))?)
+        }
         s => bail!("--device {s}: expected cpu, cuda or cuda:N"),
     }
 }
@@ -62,7 +64,9 @@ pub fn open_model(dir: &Path) -> Result<ModelFolder> {
 pub fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string())
+        })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string());
     format!("{cpu}, {} threads", candle_core::utils::get_num_threads())
 }

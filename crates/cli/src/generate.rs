@@ -67,7 +67,10 @@ pub fn run(a: Args) -> Result<()> {
         (Some(text), _, _) => folder.tokenizer.encode(text)?,
         (_, Some(text), _) => {
             let Some(template) = &folder.chat_template else {
-                bail!("--chat: {} has no chat template (tokenizer_config.json chat_template or chat_template.jinja); use --prompt", a.model.display());
+                bail!(
+                    "--chat: {} has no chat template (tokenizer_config.json chat_template or chat_template.jinja); use --prompt",
+                    a.model.display()
+                );
             };
             let rendered = template.render(serde_json::json!({
                 "messages": [{"role": "user", "content": text}],
@@ -95,7 +98,12 @@ pub fn run(a: Args) -> Result<()> {
         bail!("{msg}");
     }
     let model = folder.load(a.dtype.dtype(), &device)?;
-    let opts = GenerationOptions { max_tokens: a.max_tokens, sampling, stop_tokens: if a.ignore_eos { vec![] } else { folder.eos_token_ids() }, prefill_chunk: a.prefill_chunk };
+    let opts = GenerationOptions {
+        max_tokens: a.max_tokens,
+        sampling,
+        stop_tokens: if a.ignore_eos { vec![] } else { folder.eos_token_ids() },
+        prefill_chunk: a.prefill_chunk,
+    };
 
     let mut stream = folder.tokenizer.stream(true);
     let mut stdout = std::io::stdout().lock();

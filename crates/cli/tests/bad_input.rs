@@ -72,7 +72,9 @@ fn missing_or_broken_config() {
     check(|d| write(d, "config.json", r#"{"model_type": "llama"}"#), &["config.json", "`model_type`", "llama", "not supported"]);
     check(
         |d| {
-            let text = std::fs::read_to_string(d.join("config.json")).unwrap().replace("\"hidden_act\": \"silu\"", "\"hidden_act\": \"relu\"");
+            let text = std::fs::read_to_string(d.join("config.json"))
+                .unwrap()
+                .replace("\"hidden_act\": \"silu\"", "\"hidden_act\": \"relu\"");
             write(d, "config.json", &text);
         },
         &["`text_config.hidden_act`", "relu"],
@@ -87,7 +89,10 @@ fn missing_or_broken_tokenizer() {
 
 #[test]
 fn broken_template_and_generation_config() {
-    check(|d| write(d, "tokenizer_config.json", r#"{"chat_template": "{% for m in messages %}"}"#), &["tokenizer_config.json", "`chat_template`"]);
+    check(
+        |d| write(d, "tokenizer_config.json", r#"{"chat_template": "{% for m in messages %}"}"#),
+        &["tokenizer_config.json", "`chat_template`"],
+    );
     check(|d| write(d, "generation_config.json", "[1,"), &["generation_config.json", "invalid JSON"]);
 }
 
@@ -137,7 +142,8 @@ fn missing_shard() {
 
 /// Runs `strata generate` on fixture A with `args` and returns stderr, which must report failure.
 fn flag_error(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_strata")).args(["generate", "--model"]).arg(fixture()).args(args).output().unwrap();
+    let out =
+        Command::new(env!("CARGO_BIN_EXE_strata")).args(["generate", "--model"]).arg(fixture()).args(args).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success() && !err.contains("panicked"), "{err}");
     err

@@ -8,7 +8,8 @@ use candle_core::{Device, Tensor};
 
 fn fixtures() -> Vec<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
     dirs.sort();
     dirs
 }
@@ -30,7 +31,8 @@ fn logits_command_matches_transformers() {
     for dir in fixtures() {
         let reference = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
         let tokens: Vec<String> = reference["tokens"].to_vec1::<i64>().unwrap().iter().map(|t| t.to_string()).collect();
-        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
         let from = json["incremental_from"].to_string();
         let model = dir.to_str().unwrap();
         let out = tmp.path().join("logits.safetensors");
@@ -49,8 +51,21 @@ fn generate_json_reports_greedy_tokens() {
     for dir in fixtures() {
         let reference = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
         let tokens: Vec<String> = reference["tokens"].to_vec1::<i64>().unwrap().iter().map(|t| t.to_string()).collect();
-        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-        let stdout = strata(&["generate", "--model", dir.to_str().unwrap(), "--tokens", &tokens.join(","), "--max-tokens", "24", "--temperature", "0", "--ignore-eos", "--json"]);
+        let json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let stdout = strata(&[
+            "generate",
+            "--model",
+            dir.to_str().unwrap(),
+            "--tokens",
+            &tokens.join(","),
+            "--max-tokens",
+            "24",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ]);
         let last: serde_json::Value = serde_json::from_str(stdout.trim_end().lines().last().unwrap()).unwrap();
         assert_eq!(last["tokens"], json["greedy_tokens"], "{}", dir.display());
         assert!(last["text"].is_string());

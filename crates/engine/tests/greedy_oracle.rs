@@ -9,7 +9,8 @@ use strata_model::ModelFolder;
 
 fn fixtures() -> Vec<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
     dirs.sort();
     dirs
 }
@@ -61,12 +62,15 @@ fn seeded_sampling_repeats_and_stops_on_end_tokens() {
     let dir = &fixtures()[0];
     let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
     let (prompt, _) = reference(dir);
-    let sampling = |seed| SamplingParams { temperature: 1.0, top_p: 0.95, top_k: 50, seed: Some(seed), ..SamplingParams::greedy() };
+    let sampling =
+        |seed| SamplingParams { temperature: 1.0, top_p: 0.95, top_k: 50, seed: Some(seed), ..SamplingParams::greedy() };
     let run = |seed| generate(&model, &prompt, &opts(sampling(seed)), |_| true).unwrap().tokens;
     assert_eq!(run(3), run(3));
     assert_ne!(run(3), run(4));
     // Stopping on the first greedy token ends at once with reason Stop.
     let first = generate(&model, &prompt, &opts(SamplingParams::greedy()), |_| true).unwrap().tokens[0];
-    let stopped = generate(&model, &prompt, &GenerationOptions { stop_tokens: vec![first], ..opts(SamplingParams::greedy()) }, |_| true).unwrap();
+    let stopped =
+        generate(&model, &prompt, &GenerationOptions { stop_tokens: vec![first], ..opts(SamplingParams::greedy()) }, |_| true)
+            .unwrap();
     assert_eq!((stopped.tokens.len(), stopped.finish), (0, FinishReason::Stop));
 }

@@ -64,8 +64,7 @@ fn cpu(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> 
     });
     for row in 0..bsz {
         for i in 0..hist {
-            new_state[(row * hist + i) * c..(row * hist + i + 1) * c]
-                .copy_from_slice(window(row, t_len + i));
+            new_state[(row * hist + i) * c..(row * hist + i + 1) * c].copy_from_slice(window(row, t_len + i));
         }
     }
     let dev = x.device();

@@ -75,8 +75,7 @@ pub fn reference(
     let k = expand(l2norm(&f(k)?)?)?;
     let v = f(v)?;
     let a_log = f(gating.a_log)?;
-    let g = softplus(&f(a)?.broadcast_add(&f(gating.dt_bias)?)?)?
-        .broadcast_mul(&a_log.exp()?.neg()?)?;
+    let g = softplus(&f(a)?.broadcast_add(&f(gating.dt_bias)?)?)?.broadcast_mul(&a_log.exp()?.neg()?)?;
     let beta = sigmoid(&f(b)?)?;
     let mut s = state.to_dtype(DType::F32)?;
     let mut outs = Vec::with_capacity(t_len);
@@ -183,10 +182,7 @@ mod cpu {
             }
         }
         let dev = q.device();
-        Ok((
-            Tensor::from_vec(out, (bsz, t_len, hv, dv), dev)?,
-            Tensor::from_vec(sd, (bsz, hv, dv, dk), dev)?,
-        ))
+        Ok((Tensor::from_vec(out, (bsz, t_len, hv, dv), dev)?, Tensor::from_vec(sd, (bsz, hv, dv, dk), dev)?))
     }
 }
 
@@ -227,9 +223,11 @@ mod tests {
         // Splitting the sequence in two through the carried state changes nothing.
         let half = t / 2;
         let n = |x: &Tensor, s: usize, l: usize| x.narrow(1, s, l).unwrap();
-        let (oa, sa) = cpu::run(&n(&q, 0, half), &n(&k, 0, half), &n(&v, 0, half), &n(&a, 0, half), &n(&b, 0, half), &gating, &s0).unwrap();
+        let (oa, sa) =
+            cpu::run(&n(&q, 0, half), &n(&k, 0, half), &n(&v, 0, half), &n(&a, 0, half), &n(&b, 0, half), &gating, &s0).unwrap();
         let r = t - half;
-        let (ob, sb) = cpu::run(&n(&q, half, r), &n(&k, half, r), &n(&v, half, r), &n(&a, half, r), &n(&b, half, r), &gating, &sa).unwrap();
+        let (ob, sb) =
+            cpu::run(&n(&q, half, r), &n(&k, half, r), &n(&v, half, r), &n(&a, half, r), &n(&b, half, r), &gating, &sa).unwrap();
         assert_eq!(diff(&Tensor::cat(&[oa, ob], 1).unwrap(), &o2), 0.0);
         assert_eq!(diff(&sb, &s2), 0.0);
     }

@@ -101,7 +101,9 @@ impl Qwen35Config {
                     })
                     .collect::<Result<Vec<_>>>()?;
                 if kinds.len() != num_layers {
-                    return Err(f.err("layer_types", format!("has {} entries but num_hidden_layers is {num_layers}", kinds.len())));
+                    return Err(
+                        f.err("layer_types", format!("has {} entries but num_hidden_layers is {num_layers}", kinds.len()))
+                    );
                 }
                 kinds
             }
@@ -130,11 +132,8 @@ impl Qwen35Config {
         }
 
         // Nested releases carry the tie flag (and eos ids) at the top level.
-        let tie_word_embeddings = top
-            .get("tie_word_embeddings")
-            .or_else(|| text.get("tie_word_embeddings"))
-            .and_then(Value::as_bool)
-            .unwrap_or(false);
+        let tie_word_embeddings =
+            top.get("tie_word_embeddings").or_else(|| text.get("tie_word_embeddings")).and_then(Value::as_bool).unwrap_or(false);
         let mut eos_token_ids = Vec::new();
         for source in [top.get("eos_token_id"), text.get("eos_token_id")].into_iter().flatten() {
             for id in token_ids(source) {
@@ -193,7 +192,10 @@ impl Qwen35Config {
             return Err(f.err("linear_conv_kernel_dim", "must be at least 2"));
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
-            return Err(f.err("num_key_value_heads", format!("{} does not divide num_attention_heads {}", self.num_key_value_heads, self.num_attention_heads)));
+            return Err(f.err(
+                "num_key_value_heads",
+                format!("{} does not divide num_attention_heads {}", self.num_key_value_heads, self.num_attention_heads),
+            ));
         }
         if self.linear_num_value_heads % self.linear_num_key_heads != 0 {
             return Err(f.err(
@@ -232,7 +234,10 @@ impl Fields<'_> {
     fn usize_or(&self, name: &str, default: usize) -> Result<usize> {
         match self.get(name) {
             None => Ok(default),
-            Some(v) => v.as_u64().map(|x| x as usize).ok_or_else(|| self.err(name, format!("expected a non-negative integer, found {v}"))),
+            Some(v) => v
+                .as_u64()
+                .map(|x| x as usize)
+                .ok_or_else(|| self.err(name, format!("expected a non-negative integer, found {v}"))),
         }
     }
 
@@ -291,7 +296,10 @@ mod tests {
 
     #[test]
     fn flat_defaults_and_interval() {
-        let c = parse(json!({"model_type": "qwen3_5_text", "num_hidden_layers": 8, "full_attention_interval": 4, "eos_token_id": [5, 6]})).unwrap();
+        let c = parse(
+            json!({"model_type": "qwen3_5_text", "num_hidden_layers": 8, "full_attention_interval": 4, "eos_token_id": [5, 6]}),
+        )
+        .unwrap();
         use LayerKind::*;
         assert_eq!(c.layer_types, vec![Linear, Linear, Linear, Full, Linear, Linear, Linear, Full]);
         assert_eq!(c.rotary_dim(), 64);
@@ -308,7 +316,10 @@ mod tests {
             (json!({"model_type": "qwen3_5", "text_config": {"hidden_act": "gelu"}}), "text_config.hidden_act"),
             (json!({"model_type": "qwen3_5_text", "rope_parameters": {"rope_type": "yarn"}}), "rope_parameters.rope_type"),
             (json!({"model_type": "qwen3_5_text", "num_hidden_layers": 2, "layer_types": ["linear_attention"]}), "layer_types"),
-            (json!({"model_type": "qwen3_5_text", "num_hidden_layers": 1, "layer_types": ["sliding_attention"]}), "layer_types[0]"),
+            (
+                json!({"model_type": "qwen3_5_text", "num_hidden_layers": 1, "layer_types": ["sliding_attention"]}),
+                "layer_types[0]",
+            ),
             (json!({"model_type": "qwen3_5_text", "num_key_value_heads": 3}), "num_key_value_heads"),
             (json!({"model_type": "qwen3_5_text", "num_experts": 8}), "num_experts"),
         ];

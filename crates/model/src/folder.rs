@@ -56,11 +56,8 @@ impl ModelFolder {
     /// `model.visual.*` and `mtp.*` beside them, not used by the text model); flat text
     /// checkpoints name them `model.*`.
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Qwen35> {
-        let prefix = if self.weights.contains("model.language_model.embed_tokens.weight") {
-            "model.language_model."
-        } else {
-            "model."
-        };
+        let prefix =
+            if self.weights.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
         let src = FileSource { weights: &self.weights, prefix: prefix.into(), device: device.clone() };
         Qwen35::load(&self.config, &src, dtype)
     }

@@ -30,7 +30,9 @@ impl GenerationConfig {
         let num = |name: &str| -> Result<Option<f64>> {
             match json.get(name) {
                 None | Some(Value::Null) => Ok(None),
-                Some(v) => v.as_f64().map(Some).ok_or_else(|| ModelError::field(&path, name, format!("expected a number, found {v}"))),
+                Some(v) => {
+                    v.as_f64().map(Some).ok_or_else(|| ModelError::field(&path, name, format!("expected a number, found {v}")))
+                }
             }
         };
         Ok(Self {

@@ -13,7 +13,8 @@ impl Tokenizer {
         if !path.exists() {
             return Err(ModelError::file(path, "missing: the model folder needs a tokenizer.json"));
         }
-        let inner = tokenizers::Tokenizer::from_file(path).map_err(|e| ModelError::file(path, format!("not a valid tokenizer: {e}")))?;
+        let inner =
+            tokenizers::Tokenizer::from_file(path).map_err(|e| ModelError::file(path, format!("not a valid tokenizer: {e}")))?;
         Ok(Self { inner })
     }
 

@@ -47,7 +47,9 @@ impl Weights {
             let file = std::fs::File::open(path).map_err(|e| ModelError::file(path, format!("cannot open: {e}")))?;
             // SAFETY: the map is read-only; strata never writes model files while serving them.
             let mmap = unsafe { Mmap::map(&file) }.map_err(|e| ModelError::file(path, format!("cannot map: {e}")))?;
-            let invalid = |e: &dyn std::fmt::Display| ModelError::file(path, format!("not a valid safetensors file (truncated or corrupt?): {e}"));
+            let invalid = |e: &dyn std::fmt::Display| {
+                ModelError::file(path, format!("not a valid safetensors file (truncated or corrupt?): {e}"))
+            };
             SafeTensors::deserialize(&mmap).map_err(|e| invalid(&e))?;
             let (header_len, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| invalid(&e))?;
             let data_start = 8 + header_len;
@@ -63,7 +65,10 @@ impl Weights {
                     _ => continue,
                 };
                 let (s, e) = info.data_offsets;
-                entries.insert(name.clone(), Entry { file: i, dtype, shape: info.shape.clone(), start: data_start + s, end: data_start + e });
+                entries.insert(
+                    name.clone(),
+                    Entry { file: i, dtype, shape: info.shape.clone(), start: data_start + s, end: data_start + e },
+                );
             }
             files.push((path.clone(), mmap));
         }
@@ -106,7 +111,8 @@ fn shard_paths(index: &Path) -> Result<Vec<PathBuf>> {
     let dir = index.parent().unwrap_or(Path::new("."));
     let mut files: Vec<String> = Vec::new();
     for (tensor, file) in map {
-        let file = file.as_str().ok_or_else(|| ModelError::field(index, format!("weight_map.{tensor}"), "expected a file name"))?;
+        let file =
+            file.as_str().ok_or_else(|| ModelError::field(index, format!("weight_map.{tensor}"), "expected a file name"))?;
         if !files.iter().any(|f| f == file) {
             files.push(file.to_string());
         }

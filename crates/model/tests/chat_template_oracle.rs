@@ -16,7 +16,8 @@ fn templates_and_tokens_match_transformers() {
         }
         let folder = ModelFolder::open(&dir).unwrap();
         let template = folder.chat_template.as_ref().expect("fixtures ship a chat template");
-        let reference: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+        let reference: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
         for chat in reference["chats"].as_array().unwrap() {
             let mut context = serde_json::json!({
                 "messages": chat["messages"],
@@ -33,7 +34,10 @@ fn templates_and_tokens_match_transformers() {
             assert_eq!(ids, want, "{}", dir.display());
             checked += 1;
         }
-        let decoded = folder.tokenizer.decode(&folder.tokenizer.encode(reference["decoded_prompt"].as_str().unwrap()).unwrap(), false).unwrap();
+        let decoded = folder
+            .tokenizer
+            .decode(&folder.tokenizer.encode(reference["decoded_prompt"].as_str().unwrap()).unwrap(), false)
+            .unwrap();
         assert_eq!(decoded, reference["decoded_prompt"].as_str().unwrap());
     }
     assert!(checked >= 9);

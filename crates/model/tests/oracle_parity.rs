@@ -7,7 +7,8 @@ use strata_model::{Logits, ModelFolder};
 
 pub fn fixtures() -> Vec<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> = std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
     dirs.sort();
     assert!(dirs.len() >= 3, "fixtures missing under {}", root.display());
     dirs
@@ -63,7 +64,8 @@ fn chunked_prefill_equals_one_shot() {
         let one_shot = model.forward(&row(&tokens), &mut state, Logits::All).unwrap();
         for chunk in [1, 3, 7, 16, 39] {
             let mut state = model.new_state(1).unwrap();
-            let parts: Vec<Tensor> = tokens.chunks(chunk).map(|c| model.forward(&row(c), &mut state, Logits::All).unwrap()).collect();
+            let parts: Vec<Tensor> =
+                tokens.chunks(chunk).map(|c| model.forward(&row(c), &mut state, Logits::All).unwrap()).collect();
             // The recurrences are bit-exact across chunkings; matmuls of other shapes accumulate in
             // another order, which moves logits by ~1e-5 through the layers.
             let d = max_diff(&Tensor::cat(&parts, 1).unwrap(), &one_shot);

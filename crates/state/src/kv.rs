@@ -130,7 +130,13 @@ impl KvStore {
     }
 
     fn clone_empty(&self) -> KvStore {
-        KvStore { rows: Vec::new(), kv_heads: self.kv_heads, head_dim: self.head_dim, dtype: self.dtype, device: self.device.clone() }
+        KvStore {
+            rows: Vec::new(),
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            dtype: self.dtype,
+            device: self.device.clone(),
+        }
     }
 }
 

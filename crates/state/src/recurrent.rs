@@ -25,8 +25,7 @@ pub struct RecurrentShape {
 impl RecurrentShape {
     /// Bytes per row for a given conv dtype (the matrix is f32).
     pub fn bytes_per_row(&self, conv_dtype: DType) -> usize {
-        (self.conv_kernel - 1) * self.conv_dim * conv_dtype.size_in_bytes()
-            + self.value_heads * self.value_dim * self.key_dim * 4
+        (self.conv_kernel - 1) * self.conv_dim * conv_dtype.size_in_bytes() + self.value_heads * self.value_dim * self.key_dim * 4
     }
 }
 

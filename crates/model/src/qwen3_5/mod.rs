@@ -113,7 +113,13 @@ impl Qwen35 {
                         self.dtype,
                         &self.device,
                     )?),
-                    LayerKind::Full => LayerState::Attention(KvStore::new(rows, cfg.num_key_value_heads, cfg.head_dim, self.dtype, &self.device)?),
+                    LayerKind::Full => LayerState::Attention(KvStore::new(
+                        rows,
+                        cfg.num_key_value_heads,
+                        cfg.head_dim,
+                        self.dtype,
+                        &self.device,
+                    )?),
                 })
             })
             .collect::<Result<Vec<_>>>()?;
