@@ -4,10 +4,12 @@
 //! - [`gated_delta`]: the Gated DeltaNet recurrence with its gating and q/k normalisation fused.
 //! - [`conv1d`]: depthwise causal conv1d + SiLU over a window, carrying the conv state.
 //! - [`attention`]: causal softmax attention with GQA over a row's KV history.
+//! - [`matmul`]: weight-streaming `x W^T` for decode-sized inputs against bf16 weights on CPU.
 
 pub mod attention;
 pub mod conv1d;
 pub mod gated_delta;
+pub mod matmul;
 
 pub use candle_core::{Error, Result};
 

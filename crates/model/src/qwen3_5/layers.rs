@@ -26,7 +26,7 @@ impl Linear {
         let dims = x.dims();
         let in_dim = dims[dims.len() - 1];
         let rows = x.elem_count() / in_dim;
-        let y = x.reshape((rows, in_dim))?.matmul(&self.weight.t()?)?;
+        let y = strata_kernels::matmul::matmul_t(&x.reshape((rows, in_dim))?, &self.weight)?;
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
