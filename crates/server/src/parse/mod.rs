@@ -1,0 +1,1 @@
+//! Turning generated text into API fields: stop strings, thinking blocks, tool calls.
