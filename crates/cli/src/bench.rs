@@ -63,6 +63,7 @@ pub fn run(a: Args) -> Result<()> {
             sampling: SamplingParams::greedy(),
             stop_tokens: vec![],
             prefill_chunk: a.prefill_chunk,
+            logprobs: None,
         };
         // Warm-up: first-touch of weights and allocator pools.
         generate(&model, &prompt[..prompt.len().min(8)], &GenerationOptions { max_tokens: 2, ..opts.clone() }, |_| true)?;

@@ -92,6 +92,7 @@ pub fn run(a: Args) -> Result<()> {
         repetition_penalty: a.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0),
         presence_penalty: a.presence_penalty.or(g.presence_penalty).unwrap_or(0.0),
         frequency_penalty: a.frequency_penalty.or(g.frequency_penalty).unwrap_or(0.0),
+        logit_bias: Vec::new(),
         seed: a.seed,
     };
     if let Err(msg) = sampling.validate() {
@@ -103,13 +104,14 @@ pub fn run(a: Args) -> Result<()> {
         sampling,
         stop_tokens: if a.ignore_eos { vec![] } else { folder.eos_token_ids() },
         prefill_chunk: a.prefill_chunk,
+        logprobs: None,
     };
 
     let mut stream = folder.tokenizer.stream(true);
     let mut stdout = std::io::stdout().lock();
     let mut text = String::new();
     let mut failure = None;
-    let out = generate(&model, &prompt, &opts, |id| match stream.push(id) {
+    let out = generate(&model, &prompt, &opts, |s| match stream.push(s.id) {
         Ok(piece) => {
             text.push_str(&piece);
             // A closed stdout (e.g. piped into `head`) ends the generation quietly.

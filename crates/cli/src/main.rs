@@ -3,7 +3,9 @@
 mod bench;
 mod common;
 mod generate;
+mod hub;
 mod logits;
+mod serve;
 
 use clap::{Parser, Subcommand};
 
@@ -22,6 +24,8 @@ enum Command {
     Logits(logits::Args),
     /// Measure prefill and decode tokens/s.
     Bench(bench::Args),
+    /// Serve the OpenAI- and Anthropic-compatible HTTP API.
+    Serve(serve::Args),
 }
 
 fn main() {
@@ -30,6 +34,7 @@ fn main() {
         Command::Generate(args) => generate::run(args),
         Command::Logits(args) => logits::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Serve(args) => serve::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

@@ -16,6 +16,17 @@ pub struct GenerationOptions {
     pub stop_tokens: Vec<u32>,
     /// Prompt tokens fed per forward during prefill (bounds activation memory).
     pub prefill_chunk: usize,
+    /// Report each token's log-probability and this many alternatives (`None`: skip the work).
+    pub logprobs: Option<usize>,
+}
+
+/// A chosen token, with its log-probability under the model's raw distribution when asked.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sampled {
+    pub id: u32,
+    pub logprob: Option<f32>,
+    /// The most likely tokens and their log-probabilities, best first.
+    pub top_logprobs: Vec<(u32, f32)>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,7 +64,7 @@ pub fn generate(
     model: &Qwen35,
     prompt: &[u32],
     opts: &GenerationOptions,
-    mut on_token: impl FnMut(u32) -> bool,
+    mut on_token: impl FnMut(&Sampled) -> bool,
 ) -> strata_model::Result<Generation> {
     if prompt.is_empty() {
         return Err(strata_model::ModelError::Invalid("the prompt is empty".into()));
@@ -82,7 +93,11 @@ pub fn generate(
         }
         tokens.push(next);
         context.push(next);
-        if !on_token(next) {
+        let sampled = match opts.logprobs {
+            None => Sampled { id: next, logprob: None, top_logprobs: Vec::new() },
+            Some(top) => with_logprobs(&logits, next, top),
+        };
+        if !on_token(&sampled) {
             break FinishReason::Cancelled;
         }
         if tokens.len() >= opts.max_tokens {
@@ -92,4 +107,22 @@ pub fn generate(
         logits = model.forward(&input, &mut state, Logits::Last)?.squeeze(0)?.to_vec1::<f32>()?;
     };
     Ok(Generation { tokens, finish, prefill_time, decode_time: decode_start.elapsed() })
+}
+
+/// Log-softmax of `logits` at `id`, and the `top` most likely tokens.
+fn with_logprobs(logits: &[f32], id: u32, top: usize) -> Sampled {
+    let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    let log_z = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
+    let mut order: Vec<u32> = (0..logits.len() as u32).collect();
+    let top = top.min(order.len());
+    if top > 0 {
+        order.select_nth_unstable_by(top - 1, |&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        order.truncate(top);
+        order.sort_unstable_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+    }
+    Sampled {
+        id,
+        logprob: Some(logits[id as usize] - log_z),
+        top_logprobs: order.iter().take(top).map(|&t| (t, logits[t as usize] - log_z)).collect(),
+    }
 }

@@ -1,8 +1,11 @@
-//! Turning logits into tokens: the sampler and the generation loop. Knows models only through
-//! their forward and state; knows nothing of HTTP or files.
+//! Turning logits into tokens: the sampler, the generation loop, and the engine thread that
+//! serves queued requests. Knows models only through their forward and state; knows nothing
+//! of HTTP or files.
 
 pub mod generate;
 pub mod sampler;
+pub mod worker;
 
-pub use generate::{generate, FinishReason, Generation, GenerationOptions};
+pub use generate::{generate, FinishReason, Generation, GenerationOptions, Sampled};
 pub use sampler::{Sampler, SamplingParams};
+pub use worker::{Event, EventSink, Job, Worker, WorkerStats};

@@ -1,5 +1,5 @@
 //! Per-request sampling: penalties, temperature, top-k, top-p, min-p, and a seeded RNG.
-//! Processing order follows transformers: repetition penalty, presence/frequency penalties,
+//! Processing order follows transformers, after the logit bias: repetition penalty, presence/frequency penalties,
 //! temperature, top-k, top-p, min-p, then a draw.
 
 use rand::rngs::StdRng;
@@ -21,6 +21,8 @@ pub struct SamplingParams {
     pub presence_penalty: f64,
     /// Subtracted from each generated token's logit once per occurrence.
     pub frequency_penalty: f64,
+    /// Added to the logits of these tokens before anything else (OpenAI `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
     pub seed: Option<u64>,
 }
 
@@ -40,6 +42,7 @@ impl SamplingParams {
             repetition_penalty: 1.0,
             presence_penalty: 0.0,
             frequency_penalty: 0.0,
+            logit_bias: Vec::new(),
             seed: None,
         }
     }
@@ -88,6 +91,11 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], context: &[u32], generated: &[u32]) -> u32 {
         let p = &self.params;
         let mut logits = logits.to_vec();
+        for &(t, bias) in &p.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += bias;
+            }
+        }
         if p.repetition_penalty != 1.0 {
             let mut seen = vec![false; logits.len()];
             for &t in context {

@@ -23,7 +23,7 @@ fn reference(dir: &PathBuf) -> (Vec<u32>, serde_json::Value) {
 
 fn opts(sampling: SamplingParams) -> GenerationOptions {
     // No stop tokens: the oracle's greedy run does not stop at end tokens either.
-    GenerationOptions { max_tokens: 24, sampling, stop_tokens: vec![], prefill_chunk: 16 }
+    GenerationOptions { max_tokens: 24, sampling, stop_tokens: vec![], prefill_chunk: 16, logprobs: None }
 }
 
 #[test]
@@ -34,7 +34,7 @@ fn greedy_tokens_match_transformers() {
         let want: Vec<u32> = serde_json::from_value(reference["greedy_tokens"].clone()).unwrap();
         let mut streamed = Vec::new();
         let out = generate(&model, &prompt, &opts(SamplingParams::greedy()), |t| {
-            streamed.push(t);
+            streamed.push(t.id);
             true
         })
         .unwrap();

@@ -1,4 +1,114 @@
 //! The HTTP server: OpenAI- and Anthropic-compatible endpoints over the engine. The only crate
-//! that knows HTTP and the wire schemas.
+//! that knows HTTP and the wire schemas; handlers never touch model state (they queue jobs
+//! for the engine thread and read its events).
 
+mod admin;
+mod anthropic;
+pub mod error;
+mod openai;
+mod output;
 pub mod parse;
+mod request;
+pub mod state;
+
+use std::sync::atomic::Ordering;
+
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+
+use crate::error::{ApiError, Dialect};
+pub use crate::state::{AppState, ServerConfig, Shared};
+
+/// Largest request body accepted (larger ones get a 400 error object).
+pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+
+pub fn router(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/v1/chat/completions", post(openai::chat_completions))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/v1/messages", post(anthropic::messages))
+        .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
+    Router::new()
+        .merge(api)
+        .route("/health", get(admin::health))
+        .route("/stats", get(admin::stats))
+        .route("/metrics", get(admin::metrics))
+        .layer(middleware::from_fn_with_state(state.clone(), count_and_shape_errors))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(state)
+}
+
+fn dialect_of(path: &str) -> Dialect {
+    if path.starts_with("/v1/messages") {
+        Dialect::Anthropic
+    } else {
+        Dialect::OpenAi
+    }
+}
+
+/// With `--api-key`, `/v1/*` needs `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY`
+/// (Anthropic).
+async fn authorize(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    if let Some(key) = &state.config.api_key {
+        let headers = req.headers();
+        let bearer = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
+        let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+        if bearer != Some(key.as_str()) && x_api_key != Some(key.as_str()) {
+            return ApiError::unauthorized().in_dialect(dialect_of(req.uri().path())).into_response();
+        }
+    }
+    next.run(req).await
+}
+
+/// Counts requests and errors, and gives axum's own rejections (oversized body, unknown route)
+/// the API's error shape.
+async fn count_and_shape_errors(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    state.http_requests.fetch_add(1, Ordering::Relaxed);
+    let dialect = dialect_of(req.uri().path());
+    let response = next.run(req).await;
+    let status = response.status();
+    if status.is_client_error() || status.is_server_error() {
+        state.http_errors.fetch_add(1, Ordering::Relaxed);
+    }
+    let is_json = response.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"));
+    if is_json || status.is_success() {
+        return response;
+    }
+    let message = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => format!("request body is larger than {MAX_BODY_BYTES} bytes"),
+        StatusCode::NOT_FOUND => "no such endpoint".to_string(),
+        StatusCode::METHOD_NOT_ALLOWED => "method not allowed on this endpoint".to_string(),
+        s => s.canonical_reason().unwrap_or("error").to_string(),
+    };
+    let status = if status == StatusCode::PAYLOAD_TOO_LARGE { StatusCode::BAD_REQUEST } else { status };
+    ApiError { status, message, param: None, dialect }.into_response()
+}
+
+/// One structured log line per finished request.
+fn log_request(id: &str, o: &output::Outcome) {
+    let decode_s = o.elapsed.saturating_sub(o.ttft.unwrap_or_default()).as_secs_f64();
+    tracing::info!(
+        id,
+        prompt_tokens = o.prompt_tokens,
+        cached_tokens = 0,
+        generated_tokens = o.completion_tokens,
+        ttft_ms = o.ttft.map(|t| t.as_secs_f64() * 1e3).unwrap_or(0.0),
+        tok_s = o.completion_tokens.saturating_sub(1) as f64 / decode_s.max(1e-9),
+        finish = ?o.finish,
+        "request done"
+    );
+}
+
+/// Serves `state` on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: AppState,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+}

@@ -1,0 +1,112 @@
+//! `strata serve`: the OpenAI- and Anthropic-compatible HTTP server.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use strata_engine::Worker;
+use strata_server::{ServerConfig, Shared};
+
+use crate::common::{parse_device, DTypeArg};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Model folder, or a Hugging Face repo id (found in the local cache, else downloaded).
+    /// Without it: the newest supported model in the local Hugging Face cache.
+    #[arg(long)]
+    model: Option<String>,
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    #[arg(long, default_value_t = 8080)]
+    port: u16,
+    /// Require this key (`Authorization: Bearer KEY` or `x-api-key: KEY`) on /v1 endpoints.
+    #[arg(long)]
+    api_key: Option<String>,
+    /// Longest prompt + output per request, in tokens (default: the model's maximum).
+    #[arg(long)]
+    max_context: Option<usize>,
+    #[arg(long, value_enum, default_value = "f32")]
+    dtype: DTypeArg,
+    /// cpu, cuda or cuda:N.
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Prompt tokens per prefill forward.
+    #[arg(long, default_value_t = 512)]
+    prefill_chunk: usize,
+    #[arg(long, value_enum, default_value = "text")]
+    log_format: LogFormat,
+}
+
+pub fn run(a: Args) -> Result<()> {
+    let subscriber = tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false);
+    match a.log_format {
+        LogFormat::Text => subscriber.init(),
+        LogFormat::Json => subscriber.json().init(),
+    }
+    let device = parse_device(&a.device)?;
+    let dir = crate::hub::resolve_model(a.model.as_deref())?;
+    let folder = crate::common::open_model(&dir)?;
+    let model_max = folder.config.max_position_embeddings;
+    let max_context = a.max_context.unwrap_or(model_max);
+    if max_context == 0 {
+        anyhow::bail!("--max-context must be at least 1");
+    }
+    let model = folder.load(a.dtype.dtype(), &device)?;
+    let model_name =
+        a.model.clone().unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+    let vocab_size = folder.config.vocab_size;
+    let eos_token_ids = folder.eos_token_ids();
+    let state = Arc::new(Shared {
+        config: ServerConfig {
+            model_name,
+            dtype: a.dtype.name().into(),
+            device: a.device.clone(),
+            max_context,
+            api_key: a.api_key.clone(),
+            prefill_chunk: a.prefill_chunk,
+        },
+        worker: Worker::spawn(model),
+        tokenizer: folder.tokenizer,
+        template: folder.chat_template,
+        generation: folder.generation,
+        eos_token_ids,
+        vocab_size,
+        started: Instant::now(),
+        http_requests: AtomicU64::new(0),
+        http_errors: AtomicU64::new(0),
+    });
+    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", a.host, a.port);
+        let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+        tracing::info!(address = %listener.local_addr()?, model = %dir.display(), "strata serving");
+        strata_server::serve(listener, state, shutdown_signal()).await.context("server failed")
+    })
+}
+
+/// Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        if let Ok(mut s) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            s.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+    tracing::info!("shutting down");
+}

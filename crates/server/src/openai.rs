@@ -1,0 +1,416 @@
+//! OpenAI endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+use std::convert::Infallible;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tokio_stream::StreamExt;
+
+use crate::error::{parse_body, ApiError, ApiResult};
+use crate::output::{drive, Finish, Outcome, OutputOptions, Piece};
+use crate::parse::thinking::prompt_opens_thinking;
+use crate::request::{generation_options, render_chat, SamplingFields, StopField};
+use crate::state::AppState;
+
+#[derive(Debug, Deserialize)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+struct ChatRequest {
+    model: Option<String>,
+    messages: Vec<Value>,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<i64>,
+    max_completion_tokens: Option<i64>,
+    stop: Option<StopField>,
+    n: Option<i64>,
+    #[serde(default)]
+    logprobs: bool,
+    top_logprobs: Option<usize>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    chat_template_kwargs: Option<Map<String, Value>>,
+    reasoning_effort: Option<String>,
+}
+
+fn new_id(prefix: &str) -> String {
+    format!("{prefix}{:016x}{:08x}", rand::random::<u64>(), rand::random::<u32>())
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// Messages as the chat template expects them: text content parts joined, tool-call arguments
+/// given as JSON strings parsed into objects, `developer` treated as `system`.
+fn template_messages(messages: &[Value]) -> ApiResult<Vec<Value>> {
+    if messages.is_empty() {
+        return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
+    }
+    messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let obj = m
+                .as_object()
+                .ok_or_else(|| ApiError::bad_request(format!("messages[{i}] must be an object"), Some("messages")))?;
+            let role = obj.get("role").and_then(Value::as_str).unwrap_or_default();
+            let role = match role {
+                "system" | "user" | "assistant" | "tool" => role,
+                "developer" => "system",
+                other => {
+                    return Err(ApiError::bad_request(
+                        format!("messages[{i}].role `{other}` is not one of system, developer, user, assistant, tool"),
+                        Some(&format!("messages[{i}].role")),
+                    ))
+                }
+            };
+            let mut out = obj.clone();
+            out.insert("role".into(), role.into());
+            let content = match obj.get("content") {
+                None | Some(Value::Null) => Value::String(String::new()),
+                Some(Value::String(s)) => Value::String(s.clone()),
+                Some(Value::Array(parts)) => {
+                    let mut text = String::new();
+                    for (j, part) in parts.iter().enumerate() {
+                        match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
+                            (Some("text"), Some(t)) => text.push_str(t),
+                            _ => {
+                                return Err(ApiError::bad_request(
+                                    format!("messages[{i}].content[{j}]: only text parts are supported"),
+                                    Some(&format!("messages[{i}].content")),
+                                ))
+                            }
+                        }
+                    }
+                    Value::String(text)
+                }
+                Some(_) => {
+                    return Err(ApiError::bad_request(
+                        format!("messages[{i}].content must be a string or an array of content parts"),
+                        Some(&format!("messages[{i}].content")),
+                    ))
+                }
+            };
+            out.insert("content".into(), content);
+            if let Some(Value::Array(calls)) = obj.get("tool_calls") {
+                let calls: Vec<Value> = calls
+                    .iter()
+                    .map(|c| {
+                        let mut c = c.clone();
+                        if let Some(args) = c.pointer("/function/arguments").and_then(Value::as_str) {
+                            let parsed = serde_json::from_str::<Value>(args).unwrap_or(Value::String(args.to_string()));
+                            c["function"]["arguments"] = parsed;
+                        }
+                        c
+                    })
+                    .collect();
+                out.insert("tool_calls".into(), Value::Array(calls));
+            }
+            Ok(Value::Object(out))
+        })
+        .collect()
+}
+
+fn finish_name(outcome: &Outcome) -> &'static str {
+    match outcome.finish {
+        Finish::Stop => "stop",
+        Finish::Length => "length",
+        Finish::ToolCalls => "tool_calls",
+    }
+}
+
+fn usage(o: &Outcome) -> Value {
+    json!({
+        "prompt_tokens": o.prompt_tokens,
+        "completion_tokens": o.completion_tokens,
+        "total_tokens": o.prompt_tokens + o.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    })
+}
+
+fn tool_call_json(index: usize, call: &crate::parse::tool_calls::ToolCall) -> Value {
+    json!({
+        "index": index,
+        "id": new_id("call_"),
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments.to_string()},
+    })
+}
+
+fn logprob_json(token: &str, logprob: f32, top: &[(String, f32)]) -> Value {
+    let entry = |t: &str, l: f32| json!({"token": t, "logprob": l, "bytes": t.as_bytes()});
+    let mut v = entry(token, logprob);
+    v["top_logprobs"] = Value::Array(top.iter().map(|(t, l)| entry(t, *l)).collect());
+    v
+}
+
+pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+    match chat(state, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
+    let req: ChatRequest = parse_body(&body)?;
+    // Parsed on its own rather than flattened into the request, so errors name the field.
+    let sampling: SamplingFields = parse_body(&body)?;
+    if req.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
+    }
+    let sampling = sampling.resolve(&state)?;
+    let messages = template_messages(&req.messages)?;
+    let tool_choice_none = req.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    let tools = req.tools.filter(|t| !t.is_empty() && !tool_choice_none);
+    let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
+    if req.reasoning_effort.as_deref() == Some("none") {
+        kwargs.insert("enable_thinking".into(), Value::Bool(false));
+    }
+    let prompt_text = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
+    let prompt = state.tokenizer.encode(&prompt_text).map_err(|e| ApiError::internal(e.to_string()))?;
+    let top = if req.logprobs { Some(req.top_logprobs.unwrap_or(0).min(20)) } else { None };
+    let opts = generation_options(&state, prompt.len(), req.max_completion_tokens.or(req.max_tokens), 4096, sampling, top)?;
+    let output = OutputOptions {
+        stop: req.stop.map(StopField::into_vec).unwrap_or_default(),
+        thinking: Some(prompt_opens_thinking(&prompt_text)),
+        tools,
+    };
+    let model = req.model.unwrap_or_else(|| state.config.model_name.clone());
+    let id = new_id("chatcmpl-");
+
+    if !req.stream {
+        let (mut content, mut reasoning, mut calls, mut logprobs) = (String::new(), String::new(), Vec::new(), Vec::new());
+        let outcome = drive(&state, prompt, opts, output, |p| {
+            match p {
+                Piece::Content(t) => content.push_str(&t),
+                Piece::Reasoning(t) => reasoning.push_str(&t),
+                Piece::ToolCall(c) => calls.push(c),
+                Piece::Logprob { token, logprob, top } => logprobs.push(logprob_json(&token, logprob, &top)),
+            }
+            true
+        })
+        .await?
+        .expect("the collector never stops early");
+        crate::log_request(&id, &outcome);
+        let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
+        if !reasoning.is_empty() {
+            message["reasoning_content"] = Value::String(reasoning);
+        }
+        if !calls.is_empty() {
+            message["tool_calls"] = calls.iter().enumerate().map(|(i, c)| tool_call_json(i, c)).collect();
+        }
+        let logprobs = if req.logprobs { json!({"content": logprobs}) } else { Value::Null };
+        return Ok(Json(json!({
+            "id": id, "object": "chat.completion", "created": now(), "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_name(&outcome)}],
+            "usage": usage(&outcome),
+        }))
+        .into_response());
+    }
+
+    let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    let (tx, rx) = mpsc::unbounded_channel::<Value>();
+    let created = now();
+    let chunk = {
+        let (id, model) = (id.clone(), model.clone());
+        move |delta: Value, finish: Value, logprobs: Value| {
+            json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model,
+                   "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]})
+        }
+    };
+    let _ = tx.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null));
+    tokio::spawn(async move {
+        let mut calls = 0;
+        let sent = drive(&state, prompt, opts, output, |p| {
+            let c = match p {
+                Piece::Content(t) => chunk(json!({"content": t}), Value::Null, Value::Null),
+                Piece::Reasoning(t) => chunk(json!({"reasoning_content": t}), Value::Null, Value::Null),
+                Piece::ToolCall(c) => {
+                    calls += 1;
+                    chunk(json!({"tool_calls": [tool_call_json(calls - 1, &c)]}), Value::Null, Value::Null)
+                }
+                Piece::Logprob { token, logprob, top } => {
+                    chunk(json!({}), Value::Null, json!({"content": [logprob_json(&token, logprob, &top)]}))
+                }
+            };
+            tx.send(c).is_ok()
+        })
+        .await;
+        match sent {
+            Ok(Some(outcome)) => {
+                crate::log_request(&id, &outcome);
+                let mut last = chunk(json!({}), Value::String(finish_name(&outcome).into()), Value::Null);
+                if include_usage {
+                    let _ = tx.send(last);
+                    last = json!({"id": id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [], "usage": usage(&outcome)});
+                }
+                let _ = tx.send(last);
+            }
+            Ok(None) => tracing::info!(id = %id, "client disconnected; generation cancelled"),
+            Err(e) => {
+                let _ = tx.send(e.body());
+            }
+        }
+    });
+    Ok(sse(rx))
+}
+
+/// An SSE response from a channel of JSON payloads, closed with `data: [DONE]`.
+fn sse(rx: mpsc::UnboundedReceiver<Value>) -> Response {
+    let events = UnboundedReceiverStream::new(rx)
+        .map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string())))
+        .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
+    Sse::new(events).into_response()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum PromptField {
+    Text(String),
+    Tokens(Vec<u32>),
+    Batch(Vec<PromptField>),
+}
+
+#[derive(Debug, Deserialize)]
+struct CompletionRequest {
+    model: Option<String>,
+    prompt: PromptField,
+    #[serde(default)]
+    stream: bool,
+    stream_options: Option<StreamOptions>,
+    max_tokens: Option<i64>,
+    stop: Option<StopField>,
+    n: Option<i64>,
+    #[serde(default)]
+    echo: bool,
+    logprobs: Option<usize>,
+}
+
+pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
+    match completion(state, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
+    let req: CompletionRequest = parse_body(&body)?;
+    let sampling: SamplingFields = parse_body(&body)?;
+    if req.n.is_some_and(|n| n != 1) {
+        return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
+    }
+    let prompt = match req.prompt {
+        PromptField::Text(t) => state.tokenizer.encode(&t).map_err(|e| ApiError::internal(e.to_string()))?,
+        PromptField::Tokens(ids) => ids,
+        PromptField::Batch(mut items) if items.len() == 1 => match items.remove(0) {
+            PromptField::Text(t) => state.tokenizer.encode(&t).map_err(|e| ApiError::internal(e.to_string()))?,
+            PromptField::Tokens(ids) => ids,
+            PromptField::Batch(_) => return Err(ApiError::bad_request("prompt: nested lists are not supported", Some("prompt"))),
+        },
+        PromptField::Batch(_) => return Err(ApiError::bad_request("only one prompt per request is supported", Some("prompt"))),
+    };
+    if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= state.vocab_size) {
+        return Err(ApiError::bad_request(
+            format!("prompt token {bad} is outside the vocabulary (size {})", state.vocab_size),
+            Some("prompt"),
+        ));
+    }
+    let sampling = sampling.resolve(&state)?;
+    let opts = generation_options(&state, prompt.len(), req.max_tokens, 16, sampling, req.logprobs.map(|n| n.min(20)))?;
+    let output = OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: None, tools: None };
+    let echo = if req.echo {
+        state.tokenizer.decode(&prompt, false).map_err(|e| ApiError::internal(e.to_string()))?
+    } else {
+        String::new()
+    };
+    let model = req.model.unwrap_or_else(|| state.config.model_name.clone());
+    let id = new_id("cmpl-");
+    let created = now();
+    let choice = |text: String, logprobs: Value, finish: Value| json!({"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish});
+    let legacy_logprobs = |entries: &[(String, f32, Vec<(String, f32)>)]| {
+        json!({
+            "tokens": entries.iter().map(|e| e.0.clone()).collect::<Vec<_>>(),
+            "token_logprobs": entries.iter().map(|e| e.1).collect::<Vec<_>>(),
+            "top_logprobs": entries.iter().map(|e| e.2.iter().map(|(t, l)| (t.clone(), json!(l))).collect::<Map<_, _>>()).collect::<Vec<_>>(),
+        })
+    };
+
+    if !req.stream {
+        let mut text = echo;
+        let mut entries = Vec::new();
+        let outcome = drive(&state, prompt, opts, output, |p| {
+            match p {
+                Piece::Content(t) | Piece::Reasoning(t) => text.push_str(&t),
+                Piece::ToolCall(_) => {}
+                Piece::Logprob { token, logprob, top } => entries.push((token, logprob, top)),
+            }
+            true
+        })
+        .await?
+        .expect("the collector never stops early");
+        crate::log_request(&id, &outcome);
+        let logprobs = if req.logprobs.is_some() { legacy_logprobs(&entries) } else { Value::Null };
+        return Ok(Json(json!({
+            "id": id, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice(text, logprobs, Value::String(finish_name(&outcome).into()))],
+            "usage": usage(&outcome),
+        }))
+        .into_response());
+    }
+
+    let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+    let (tx, rx) = mpsc::unbounded_channel::<Value>();
+    let chunk = {
+        let (id, model) = (id.clone(), model.clone());
+        move |c: Value| json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [c]})
+    };
+    if !echo.is_empty() {
+        let _ = tx.send(chunk(choice(echo, Value::Null, Value::Null)));
+    }
+    tokio::spawn(async move {
+        let sent = drive(&state, prompt, opts, output, |p| {
+            let c = match p {
+                Piece::Content(t) | Piece::Reasoning(t) => choice(t, Value::Null, Value::Null),
+                Piece::ToolCall(_) => return true,
+                Piece::Logprob { token, logprob, top } => {
+                    choice(String::new(), legacy_logprobs(&[(token, logprob, top)]), Value::Null)
+                }
+            };
+            tx.send(chunk(c)).is_ok()
+        })
+        .await;
+        match sent {
+            Ok(Some(outcome)) => {
+                crate::log_request(&id, &outcome);
+                let _ = tx.send(chunk(choice(String::new(), Value::Null, Value::String(finish_name(&outcome).into()))));
+                if include_usage {
+                    let _ = tx.send(json!({"id": id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": usage(&outcome)}));
+                }
+            }
+            Ok(None) => tracing::info!(id = %id, "client disconnected; generation cancelled"),
+            Err(e) => {
+                let _ = tx.send(e.body());
+            }
+        }
+    });
+    Ok(sse(rx))
+}
+
+pub async fn models(State(state): State<AppState>) -> Json<Value> {
+    Json(json!({
+        "object": "list",
+        "data": [{"id": state.config.model_name, "object": "model", "created": 0, "owned_by": "strata"}],
+    }))
+}

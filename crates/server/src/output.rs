@@ -1,0 +1,188 @@
+//! From engine events to API output: detokenise, cut at stop strings, split thinking from
+//! content, parse tool calls. Shared by the OpenAI and Anthropic endpoints so both dialects
+//! see the same pieces.
+
+use std::time::{Duration, Instant};
+
+use strata_engine::{Event, EventSink, FinishReason, GenerationOptions, Job, Sampled};
+use tokio::sync::mpsc;
+
+use crate::error::{ApiError, ApiResult};
+use crate::parse::stop::StopMatcher;
+use crate::parse::thinking::ThinkingSplitter;
+use crate::parse::tool_calls::{ToolCall, ToolCallParser, ToolEvent};
+use crate::state::AppState;
+
+/// A piece of the answer, in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    Reasoning(String),
+    Content(String),
+    ToolCall(ToolCall),
+    /// A token's log-probability (`token` is its text).
+    Logprob {
+        token: String,
+        logprob: f32,
+        top: Vec<(String, f32)>,
+    },
+}
+
+/// How the answer ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end token or a stop string.
+    Stop,
+    Length,
+    ToolCalls,
+}
+
+#[derive(Debug, Clone)]
+pub struct Outcome {
+    pub finish: Finish,
+    /// The stop string that ended the answer, if one did.
+    pub stop_string: Option<String>,
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub ttft: Option<Duration>,
+    pub elapsed: Duration,
+}
+
+/// How to read the generated text.
+pub struct OutputOptions {
+    pub stop: Vec<String>,
+    /// Some(opens_in_thinking) splits `<think>` blocks out as reasoning; None leaves text alone.
+    pub thinking: Option<bool>,
+    /// Tools to parse calls against (None: no tool parsing).
+    pub tools: Option<Vec<serde_json::Value>>,
+}
+
+struct ChannelSink(mpsc::UnboundedSender<Event>);
+
+impl EventSink for ChannelSink {
+    fn send(&mut self, event: Event) -> bool {
+        self.0.send(event).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        self.0.is_closed()
+    }
+}
+
+/// Runs one generation and hands each piece to `emit` as soon as it is known. `emit` returns
+/// false when the client has gone; the generation is then cancelled (the engine notices the
+/// dropped channel within one step).
+pub async fn drive(
+    state: &AppState,
+    prompt: Vec<u32>,
+    opts: GenerationOptions,
+    output: OutputOptions,
+    mut emit: impl FnMut(Piece) -> bool,
+) -> ApiResult<Option<Outcome>> {
+    let started = Instant::now();
+    let prompt_tokens = prompt.len();
+    let wants_logprobs = opts.logprobs.is_some();
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    state.worker.submit(Job { prompt, opts, sink: Box::new(ChannelSink(tx)) }).map_err(ApiError::internal)?;
+
+    let tokenizer = &state.tokenizer;
+    let mut text = tokenizer.stream(true);
+    let mut stop = StopMatcher::new(output.stop.clone());
+    let mut think = output.thinking.map(ThinkingSplitter::new);
+    let mut tools = output.tools.as_deref().map(ToolCallParser::new);
+    let mut pipeline = |delta: &str, flush: bool, saw_call: &mut bool, emit: &mut dyn FnMut(Piece) -> bool| -> bool {
+        let (content_parts, reasoning) = match &mut think {
+            Some(t) => {
+                let mut split = t.push(delta);
+                if flush {
+                    let rest = t.finish();
+                    split.reasoning.push_str(&rest.reasoning);
+                    split.content.push_str(&rest.content);
+                }
+                (split.content, split.reasoning)
+            }
+            None => (delta.to_string(), String::new()),
+        };
+        if !reasoning.is_empty() && !emit(Piece::Reasoning(reasoning)) {
+            return false;
+        }
+        let events = match &mut tools {
+            Some(p) => {
+                let mut ev = p.push(&content_parts);
+                if flush {
+                    ev.extend(p.finish());
+                }
+                ev
+            }
+            None => vec![ToolEvent::Text(content_parts)],
+        };
+        for e in events {
+            let piece = match e {
+                ToolEvent::Text(t) if t.is_empty() => continue,
+                ToolEvent::Text(t) => Piece::Content(t),
+                ToolEvent::Call(c) => {
+                    *saw_call = true;
+                    Piece::ToolCall(c)
+                }
+            };
+            if !emit(piece) {
+                return false;
+            }
+        }
+        true
+    };
+
+    let mut ttft = None;
+    let mut completion_tokens = 0;
+    let mut saw_call = false;
+    while let Some(event) = rx.recv().await {
+        match event {
+            Event::Token(Sampled { id, logprob, top_logprobs }) => {
+                ttft.get_or_insert_with(|| started.elapsed());
+                completion_tokens += 1;
+                let delta = text.push(id).map_err(|e| ApiError::internal(e.to_string()))?;
+                if let (true, Some(lp)) = (wants_logprobs, logprob) {
+                    let name = |t: u32| tokenizer.decode(&[t], false).unwrap_or_default();
+                    let top = top_logprobs.iter().map(|&(t, l)| (name(t), l)).collect();
+                    if !emit(Piece::Logprob { token: name(id), logprob: lp, top }) {
+                        return Ok(None);
+                    }
+                }
+                let (safe, hit) = stop.push(&delta);
+                if !pipeline(&safe, hit, &mut saw_call, &mut emit) {
+                    return Ok(None);
+                }
+                if hit {
+                    // Returning drops the receiver, which cancels the generation at its next token.
+                    return Ok(Some(Outcome {
+                        finish: if saw_call { Finish::ToolCalls } else { Finish::Stop },
+                        stop_string: stop.matched().map(str::to_string),
+                        prompt_tokens,
+                        completion_tokens,
+                        ttft,
+                        elapsed: started.elapsed(),
+                    }));
+                }
+            }
+            Event::Finished(g) => {
+                let rest = stop.finish();
+                if !pipeline(&rest, true, &mut saw_call, &mut emit) {
+                    return Ok(None);
+                }
+                let finish = match (saw_call, g.finish) {
+                    (true, _) => Finish::ToolCalls,
+                    (false, FinishReason::Length) => Finish::Length,
+                    (false, _) => Finish::Stop,
+                };
+                return Ok(Some(Outcome {
+                    finish,
+                    stop_string: None,
+                    prompt_tokens,
+                    completion_tokens,
+                    ttft,
+                    elapsed: started.elapsed(),
+                }));
+            }
+            Event::Failed(message) => return Err(ApiError::internal(message)),
+        }
+    }
+    Err(ApiError::internal("the engine dropped the request"))
+}

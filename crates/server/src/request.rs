@@ -1,0 +1,144 @@
+//! Request pieces shared by the endpoints: sampling with the model's defaults, limits, the
+//! chat-template prompt.
+
+use std::collections::HashMap;
+
+use serde::Deserialize;
+use serde_json::{Map, Value};
+use strata_engine::{GenerationOptions, SamplingParams};
+
+use crate::error::{ApiError, ApiResult};
+use crate::state::AppState;
+
+/// Sampling fields as the APIs spell them; absent ones default from generation_config.json.
+#[derive(Debug, Default, Deserialize)]
+pub struct SamplingFields {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<i64>,
+    pub min_p: Option<f64>,
+    pub seed: Option<u64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub logit_bias: Option<HashMap<String, f64>>,
+}
+
+impl SamplingFields {
+    pub fn resolve(&self, state: &AppState) -> ApiResult<SamplingParams> {
+        let g = &state.generation;
+        let sampled = g.do_sample.unwrap_or(true);
+        let mut logit_bias = Vec::new();
+        for (token, bias) in self.logit_bias.iter().flatten() {
+            let id: u32 = token
+                .parse()
+                .map_err(|_| ApiError::bad_request(format!("logit_bias key `{token}` is not a token id"), Some("logit_bias")))?;
+            if id as usize >= state.vocab_size {
+                return Err(ApiError::bad_request(
+                    format!("logit_bias token {id} is outside the vocabulary"),
+                    Some("logit_bias"),
+                ));
+            }
+            logit_bias.push((id, bias.clamp(-100.0, 100.0) as f32));
+        }
+        if let Some(k) = self.top_k {
+            if k < -1 {
+                return Err(ApiError::bad_request("top_k must be >= 0 (or -1 for off)", Some("top_k")));
+            }
+        }
+        let params = SamplingParams {
+            temperature: self.temperature.unwrap_or(if sampled { g.temperature.unwrap_or(1.0) } else { 0.0 }),
+            top_p: self.top_p.or(g.top_p).unwrap_or(1.0),
+            top_k: self.top_k.map(|k| k.max(0) as usize).or(g.top_k).unwrap_or(0),
+            min_p: self.min_p.or(g.min_p).unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+            logit_bias,
+            seed: self.seed,
+        };
+        params.validate().map_err(|msg| {
+            let param = msg.split_whitespace().next().unwrap_or_default().to_string();
+            ApiError::bad_request(msg, Some(&param))
+        })?;
+        Ok(params)
+    }
+}
+
+/// Checks the output budget and the context limit; returns the options for the engine.
+pub fn generation_options(
+    state: &AppState,
+    prompt_len: usize,
+    max_tokens: Option<i64>,
+    default_max: usize,
+    sampling: SamplingParams,
+    logprobs: Option<usize>,
+) -> ApiResult<GenerationOptions> {
+    let limit = state.config.max_context;
+    if prompt_len == 0 {
+        return Err(ApiError::bad_request("the prompt is empty", Some("messages")));
+    }
+    if prompt_len >= limit {
+        return Err(ApiError::bad_request(
+            format!("the prompt has {prompt_len} tokens; this server's context is {limit} tokens"),
+            Some("messages"),
+        ));
+    }
+    let max_tokens = match max_tokens {
+        Some(n) if n <= 0 => return Err(ApiError::bad_request("max_tokens must be at least 1", Some("max_tokens"))),
+        Some(n) => n as usize,
+        None => default_max.min(limit - prompt_len),
+    };
+    if prompt_len + max_tokens > limit {
+        return Err(ApiError::bad_request(
+            format!("prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this server's context of {limit} tokens"),
+            Some("max_tokens"),
+        ));
+    }
+    Ok(GenerationOptions {
+        max_tokens,
+        sampling,
+        stop_tokens: state.eos_token_ids.clone(),
+        prefill_chunk: state.config.prefill_chunk,
+        logprobs,
+    })
+}
+
+/// `stop` as a string or a list of strings.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopField {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopField::One(s) => vec![s],
+            StopField::Many(v) => v,
+        }
+    }
+}
+
+/// Renders the chat template; returns the prompt text.
+pub fn render_chat(
+    state: &AppState,
+    messages: &[Value],
+    tools: Option<&[Value]>,
+    kwargs: &Map<String, Value>,
+) -> ApiResult<String> {
+    let template = state
+        .template
+        .as_ref()
+        .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions", Some("messages")))?;
+    let mut context = serde_json::json!({
+        "messages": messages,
+        "tools": tools,
+        "add_generation_prompt": true,
+    });
+    for (k, v) in kwargs {
+        context[k] = v.clone();
+    }
+    template.render(&context).map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
+}

@@ -1,0 +1,308 @@
+//! The HTTP API end to end (in process, through the router) on a fixture model.
+
+use std::path::PathBuf;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use candle_core::{DType, Device};
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+use strata_engine::Worker;
+use strata_model::ModelFolder;
+use strata_server::{router, AppState, ServerConfig, Shared};
+use tower::ServiceExt;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
+}
+
+fn state(name: &str, max_context: usize, api_key: Option<&str>) -> AppState {
+    let folder = ModelFolder::open(&fixture(name)).unwrap();
+    let model = folder.load(DType::F32, &Device::Cpu).unwrap();
+    let eos_token_ids = folder.eos_token_ids();
+    Arc::new(Shared {
+        config: ServerConfig {
+            model_name: name.into(),
+            dtype: "f32".into(),
+            device: "cpu".into(),
+            max_context,
+            api_key: api_key.map(str::to_string),
+            prefill_chunk: 512,
+        },
+        worker: Worker::spawn(model),
+        vocab_size: folder.config.vocab_size,
+        tokenizer: folder.tokenizer,
+        template: folder.chat_template,
+        generation: folder.generation,
+        eos_token_ids,
+        started: Instant::now(),
+        http_requests: AtomicU64::new(0),
+        http_errors: AtomicU64::new(0),
+    })
+}
+
+fn app() -> Router {
+    router(state("qwen3_5-tiny-a", 4096, None))
+}
+
+async fn call(app: &Router, method: &str, path: &str, body: Value, headers: &[(&str, &str)]) -> (StatusCode, Vec<u8>) {
+    let mut req = Request::builder().method(method).uri(path).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let body = if body.is_null() { Body::empty() } else { Body::from(body.to_string()) };
+    let resp = app.clone().oneshot(req.body(body).unwrap()).await.unwrap();
+    let status = resp.status();
+    (status, axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap().to_vec())
+}
+
+async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
+    let (s, b) = call(app, "POST", path, body, &[]).await;
+    (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+/// `(event name, data)` pairs of an SSE body.
+fn sse(body: &[u8]) -> Vec<(String, String)> {
+    let text = String::from_utf8_lossy(body);
+    text.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let mut name = String::new();
+            let mut data = String::new();
+            for line in e.lines() {
+                if let Some(v) = line.strip_prefix("event: ").or_else(|| line.strip_prefix("event:")) {
+                    name = v.trim().to_string();
+                } else if let Some(v) = line.strip_prefix("data: ").or_else(|| line.strip_prefix("data:")) {
+                    data.push_str(v);
+                }
+            }
+            (name, data)
+        })
+        .collect()
+}
+
+fn chat(extra: Value) -> Value {
+    let mut body = json!({"model": "anything", "messages": [{"role": "user", "content": "Hello! How are you today?"}], "max_tokens": 12, "temperature": 0});
+    for (k, v) in extra.as_object().unwrap() {
+        body[k] = v.clone();
+    }
+    body
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn chat_streaming_equals_non_streaming_and_splits_thinking() {
+    let app = app();
+    for kwargs in [json!({"enable_thinking": false}), json!({})] {
+        let (s, full) = post(&app, "/v1/chat/completions", chat(json!({"chat_template_kwargs": kwargs}))).await;
+        assert_eq!(s, StatusCode::OK, "{full}");
+        assert_eq!(full["model"], "anything");
+        assert_eq!(full["usage"]["completion_tokens"], 12);
+        assert_eq!(full["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+        let msg = &full["choices"][0]["message"];
+        let (_, raw) = call(
+            &app,
+            "POST",
+            "/v1/chat/completions",
+            chat(json!({"chat_template_kwargs": kwargs, "stream": true, "stream_options": {"include_usage": true}})),
+            &[],
+        )
+        .await;
+        let events = sse(&raw);
+        assert_eq!(events.last().unwrap().1, "[DONE]");
+        let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|(_, d)| serde_json::from_str(d).unwrap()).collect();
+        let joined = |field: &str| chunks.iter().filter_map(|c| c["choices"][0]["delta"][field].as_str()).collect::<String>();
+        assert_eq!(joined("content"), msg["content"].as_str().unwrap_or_default());
+        assert_eq!(joined("reasoning_content"), msg["reasoning_content"].as_str().unwrap_or_default());
+        assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 12);
+        if kwargs["enable_thinking"] == false {
+            assert!(msg.get("reasoning_content").is_none(), "{msg}");
+            assert!(!msg["content"].as_str().unwrap().is_empty());
+        } else {
+            // The generation prompt opened a think block the tiny model never closes: all reasoning.
+            assert!(!msg["reasoning_content"].as_str().unwrap().is_empty(), "{msg}");
+            assert!(!msg["content"].as_str().unwrap_or_default().contains("<think>"));
+        }
+    }
+    // reasoning_effort "none" switches thinking off like the template kwarg.
+    let (_, a) = post(&app, "/v1/chat/completions", chat(json!({"reasoning_effort": "none"}))).await;
+    let (_, b) = post(&app, "/v1/chat/completions", chat(json!({"chat_template_kwargs": {"enable_thinking": false}}))).await;
+    assert_eq!(a["choices"][0]["message"], b["choices"][0]["message"]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn completions_with_token_ids_match_the_oracle_and_stop_strings_never_leak() {
+    let app = app();
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_5-tiny-a").join("reference.json")).unwrap()).unwrap();
+    let t = candle_core::safetensors::load(fixture("qwen3_5-tiny-a").join("reference.safetensors"), &Device::Cpu).unwrap();
+    let prompt: Vec<i64> = t["tokens"].to_vec1().unwrap();
+    let folder = ModelFolder::open(&fixture("qwen3_5-tiny-a")).unwrap();
+    let greedy: Vec<u32> = serde_json::from_value(reference["greedy_tokens"].clone()).unwrap();
+    let want = folder.tokenizer.decode(&greedy, true).unwrap();
+
+    let (s, r) =
+        post(&app, "/v1/completions", json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "logprobs": 2})).await;
+    assert_eq!(s, StatusCode::OK, "{r}");
+    let text = r["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(text, want);
+    assert_eq!(r["choices"][0]["finish_reason"], "length");
+    assert_eq!(r["choices"][0]["logprobs"]["token_logprobs"].as_array().unwrap().len(), 24);
+    assert_eq!(r["usage"]["prompt_tokens"], 40);
+
+    // A stop string spanning several tokens, cut out in full and not leaked when streaming.
+    let chars: Vec<char> = text.chars().collect();
+    let stop: String = chars[3..9].iter().collect();
+    let cut = &text[..text.find(&stop).unwrap()];
+    let body = json!({"prompt": prompt, "max_tokens": 24, "temperature": 0, "stop": [stop.clone(), "never-there"]});
+    let (_, r) = post(&app, "/v1/completions", body.clone()).await;
+    assert_eq!((r["choices"][0]["text"].as_str().unwrap(), r["choices"][0]["finish_reason"].as_str().unwrap()), (cut, "stop"));
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let (_, raw) = call(&app, "POST", "/v1/completions", streamed, &[]).await;
+    let events = sse(&raw);
+    let text: String = events[..events.len() - 1]
+        .iter()
+        .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["choices"][0]["text"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(text, cut);
+    // The chat endpoint cuts the same way.
+    let (_, r) = post(
+        &app,
+        "/v1/chat/completions",
+        chat(json!({"stop": "never-there", "chat_template_kwargs": {"enable_thinking": false}})),
+    )
+    .await;
+    let full = r["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let stop: String = full.chars().skip(2).take(5).collect();
+    let (_, r) = post(
+        &app,
+        "/v1/chat/completions",
+        chat(json!({"stop": stop.clone(), "chat_template_kwargs": {"enable_thinking": false}})),
+    )
+    .await;
+    assert_eq!(r["choices"][0]["message"]["content"].as_str().unwrap(), &full[..full.find(&stop).unwrap()]);
+    assert_eq!(r["choices"][0]["finish_reason"], "stop");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn anthropic_messages_streaming_grammar_and_text() {
+    let app = app();
+    let body = json!({"model": "claude-anything", "max_tokens": 10, "temperature": 0, "system": "Be brief.",
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "Hello!"}]}]});
+    let (s, full) = post(&app, "/v1/messages", body.clone()).await;
+    assert_eq!(s, StatusCode::OK, "{full}");
+    assert_eq!(full["type"], "message");
+    assert_eq!(full["stop_reason"], "max_tokens");
+    assert_eq!(full["usage"]["output_tokens"], 10);
+    let text = full["content"][0]["text"].as_str().unwrap();
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let (_, raw) = call(&app, "POST", "/v1/messages", streamed, &[]).await;
+    let events = sse(&raw);
+    let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(&names[..3], &["message_start", "ping", "content_block_start"]);
+    assert_eq!(&names[names.len() - 3..], &["content_block_stop", "message_delta", "message_stop"]);
+    assert!(names[3..names.len() - 3].iter().all(|n| *n == "content_block_delta"), "{names:?}");
+    let deltas: String = events
+        .iter()
+        .filter(|(n, _)| n == "content_block_delta")
+        .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["delta"]["text"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(deltas, text);
+    let delta: Value = serde_json::from_str(&events[events.len() - 2].1).unwrap();
+    assert_eq!(delta["delta"]["stop_reason"], "max_tokens");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_input_gets_400_in_each_dialect() {
+    let app = router(state("qwen3_5-tiny-a", 64, None));
+    let cases = [
+        (json!({"messages": []}), "messages"),
+        (json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role"),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}), "max_tokens"),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "temperature": -1}), "temperature"),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "top_p": 1.5}), "top_p"),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}), "temperature"),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "n": 2}), "n"),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}), "max_tokens"),
+        (json!({"messages": [{"role": "user", "content": "word ".repeat(200)}]}), "messages"),
+        (json!({"messages": "hi"}), "messages"),
+    ];
+    for (body, param) in cases {
+        let (s, r) = post(&app, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body} -> {r}");
+        assert_eq!(r["error"]["type"], "invalid_request_error", "{r}");
+        assert_eq!(r["error"]["param"], param, "{body} -> {r}");
+        assert!(r["error"]["message"].as_str().unwrap().len() > 5);
+    }
+    let (s, raw) = call(&app, "POST", "/v1/chat/completions", Value::Null, &[]).await;
+    let r: Value = serde_json::from_slice(&raw).unwrap();
+    assert_eq!((s, r["error"]["type"].as_str()), (StatusCode::BAD_REQUEST, Some("invalid_request_error")));
+    let huge = json!({"messages": [{"role": "user", "content": "x".repeat(strata_server::MAX_BODY_BYTES)}]});
+    let (s, r) = post(&app, "/v1/chat/completions", huge).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST, "{r}");
+    assert!(r["error"]["message"].as_str().unwrap().contains("larger than"));
+    let (s, r) = post(&app, "/v1/completions", json!({"prompt": [1, 99999]})).await;
+    assert_eq!((s, r["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("prompt")));
+    let (s, r) = post(&app, "/v1/messages", json!({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+    assert_eq!((r["type"].as_str(), r["error"]["type"].as_str()), (Some("error"), Some("invalid_request_error")));
+    let (s, r) = post(&app, "/v1/messages", json!({"messages": [{"role": "user", "content": "x"}]})).await;
+    assert_eq!((s, r["type"].as_str()), (StatusCode::BAD_REQUEST, Some("error")), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn api_key_and_admin_endpoints() {
+    let app = router(state("qwen3_5-tiny-a", 4096, Some("sekrit")));
+    let (s, r) = call(&app, "GET", "/v1/models", Value::Null, &[]).await;
+    assert_eq!(s, StatusCode::UNAUTHORIZED);
+    assert_eq!(serde_json::from_slice::<Value>(&r).unwrap()["error"]["type"], "invalid_api_key");
+    let (s, r) = call(&app, "POST", "/v1/messages", chat(json!({})), &[("x-api-key", "wrong")]).await;
+    assert_eq!(
+        (s, serde_json::from_slice::<Value>(&r).unwrap()["error"]["type"].as_str()),
+        (StatusCode::UNAUTHORIZED, Some("authentication_error"))
+    );
+    let (s, r) = call(&app, "GET", "/v1/models", Value::Null, &[("authorization", "Bearer sekrit")]).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(serde_json::from_slice::<Value>(&r).unwrap()["data"][0]["id"], "qwen3_5-tiny-a");
+    let (s, _) = call(&app, "POST", "/v1/chat/completions", chat(json!({})), &[("x-api-key", "sekrit")]).await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, _) = call(&app, "GET", "/health", Value::Null, &[]).await;
+    assert_eq!(s, StatusCode::OK);
+    let (_, r) = call(&app, "GET", "/stats", Value::Null, &[]).await;
+    let stats: Value = serde_json::from_slice(&r).unwrap();
+    assert_eq!((stats["requests"].as_u64(), stats["generated_tokens"].as_u64()), (Some(1), Some(12)));
+    assert_eq!(stats["dtype"], "f32");
+    let (_, r) = call(&app, "GET", "/metrics", Value::Null, &[]).await;
+    let text = String::from_utf8(r).unwrap();
+    assert!(text.contains("# TYPE strata_generated_tokens_total counter\nstrata_generated_tokens_total 12\n"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_disconnects_frees_the_engine() {
+    let state = state("qwen3_5-tiny-a", 100_000, None);
+    let app = router(state.clone());
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 50_000, "temperature": 0, "stream": true});
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/completions")
+        .header("content-type", "application/json")
+        .body(Body::from(body.to_string()))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let mut stream = resp.into_body().into_data_stream();
+    stream.next().await.unwrap().unwrap();
+    drop(stream);
+    // The engine notices within a step; the next request then runs at once.
+    let start = Instant::now();
+    let (s, r) = post(&app, "/v1/completions", json!({"prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})).await;
+    assert_eq!(s, StatusCode::OK, "{r}");
+    assert!(start.elapsed() < Duration::from_secs(20));
+    let stats = state.worker.stats();
+    assert_eq!(stats.cancelled.load(std::sync::atomic::Ordering::Relaxed), 1);
+    assert!(stats.generated_tokens.load(std::sync::atomic::Ordering::Relaxed) < 50_000);
+}
