@@ -11,9 +11,6 @@
 //! `https://huggingface.co`; `HF_TOKEN` (else the token file `HF_TOKEN_PATH`, else `HF_HOME/token`)
 //! authenticates; `HF_HUB_OFFLINE=1` forbids downloads.
 
-// Nothing calls `resolve_model` yet: wired into serve/generate next.
-#![allow(dead_code)]
-
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 use std::path::{Path, PathBuf};
@@ -251,9 +248,9 @@ impl Hub {
                 bail!("Hugging Face repo {repo} has no {name}: strata needs config.json, tokenizer.json and safetensors weights");
             }
         }
+        // The weights come last, so a snapshot whose weights are all there is complete.
         plan.push(CONFIG);
         plan.extend(OPTIONAL_FILES.into_iter().filter(|name| listed(name)));
-        // Weights last: a snapshot whose weights are all there is complete.
         plan.push(TOKENIZER);
         let sharded = listed(INDEX);
         if sharded {
@@ -287,14 +284,14 @@ impl Hub {
             }
         }
 
+        // hf-hub wrote `refs/<commit>` for the pinned downloads; the standard layout has none.
+        let _ = std::fs::remove_file(self.repo_dir(repo).join("refs").join(&listing.commit));
         // Only a complete snapshot gets the revision's ref.
         if repo.revision != listing.commit {
             Cache::new(self.cache.clone())
                 .repo(repo.at(&repo.revision))
                 .create_ref(&listing.commit)
                 .with_context(|| format!("cannot write refs/{} in {}", repo.revision, self.repo_dir(repo).display()))?;
-            // hf-hub wrote `refs/<commit>` for the pinned downloads; the standard layout has none.
-            let _ = std::fs::remove_file(self.repo_dir(repo).join("refs").join(&listing.commit));
         }
         eprintln!("strata: {repo} is ready in {}", snapshot.display());
         Ok(snapshot)
@@ -394,18 +391,20 @@ impl Hub {
             Some(name) => format!("{name} of Hugging Face repo {repo}"),
             None => format!("Hugging Face repo {repo}"),
         };
+        // `owner/name` may also have been meant as a relative path.
+        let no_folder = if name.is_none() { " (and there is no local folder of that name)" } else { "" };
         match e {
             ureq::Error::Status(code, response) => match (*code, response.header("x-error-code").unwrap_or("")) {
                 (_, "RevisionNotFound") => {
                     anyhow!("Hugging Face repo {} has no revision {} ({endpoint} answered HTTP {code})", repo.id, repo.revision)
                 }
                 (401 | 403, _) if self.token.is_some() => anyhow!(
-                    "{what}: access denied by {endpoint} (HTTP {code}); check the name, and that the token (HF_TOKEN or the token file) may read it"
+                    "{what}: not found or access denied by {endpoint} (HTTP {code}){no_folder}; check the name, and that the token (HF_TOKEN or the token file) may read it"
                 ),
                 (401 | 403, _) => anyhow!(
-                    "{what}: not found or access denied by {endpoint} (HTTP {code}); check the name, and if the repo is gated or private set HF_TOKEN"
+                    "{what}: not found or access denied by {endpoint} (HTTP {code}){no_folder}; check the name, and if the repo is gated or private set HF_TOKEN"
                 ),
-                (404, _) => anyhow!("{what}: not found at {endpoint} (HTTP 404)"),
+                (404, _) => anyhow!("{what}: not found at {endpoint} (HTTP 404){no_folder}"),
                 (code, _) => anyhow!("{what}: {endpoint} answered HTTP {code}"),
             },
             ureq::Error::Transport(t) => anyhow!("{what}: cannot reach {endpoint}: {t}"),

@@ -273,9 +273,7 @@ fn respond(
 }
 
 fn error_of(spec: Option<&str>) -> String {
-    let e = format!("{:#}", resolve_model(spec).expect_err("expected an error"));
-    eprintln!("MSG {e}");
-    e
+    format!("{:#}", resolve_model(spec).expect_err("expected an error"))
 }
 
 fn assert_same_files(snapshot: &Path) {

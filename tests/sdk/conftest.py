@@ -1,0 +1,58 @@
+"""Starts `strata serve` on a fixture model for the SDK tests."""
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+FIXTURE = ROOT / "fixtures" / "qwen3_5-tiny-a"
+BINARY = Path(os.environ.get("STRATA_BIN", ROOT / "target" / "debug" / "strata"))
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(*extra):
+    port = free_port()
+    proc = subprocess.Popen([str(BINARY), "serve", "--model", str(FIXTURE), "--port", str(port), *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(url + "/health", timeout=1)
+            return proc, url
+        except OSError:
+            if proc.poll() is not None:
+                raise RuntimeError("strata serve exited: " + proc.stderr.read().decode())
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("strata serve did not come up")
+
+
+@pytest.fixture(scope="session")
+def server():
+    proc, url = start()
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def keyed_server():
+    proc, url = start("--api-key", "sekrit")
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    return json.loads((FIXTURE / "reference.json").read_text())
