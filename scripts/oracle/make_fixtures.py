@@ -17,7 +17,7 @@ import sys
 
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 import transformers
 from transformers import (
     PreTrainedTokenizerFast,
@@ -29,10 +29,15 @@ from transformers import (
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 VOCAB = 512
-SPECIALS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
-    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
-]
+# Control tokens. As in real Qwen3.5 tokenizers, only the first three are "special" (dropped
+# when decoding with skip_special_tokens); the think and tool markers are added tokens that
+# decode as text, so reasoning and tool calls survive detokenisation.
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+# One added token holding a whole tool call, so a test can make a random model emit a real
+# tool call (logit_bias on this id) and check the server parses it.
+TOOL_CALL_TOKEN = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                   "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>")
 CORPUS = """The quick brown fox jumps over the lazy dog. A hybrid model mixes recurrent layers with
 attention layers; the recurrent state has no token axis, so it cannot be trimmed. Speculative
 decoding drafts several tokens and verifies them in one forward pass. The weather today is sunny
@@ -47,11 +52,13 @@ def build_tokenizer():
     tok = Tokenizer(models.BPE(unk_token=None))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
+    added = MARKERS + [TOOL_CALL_TOKEN]
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=SPECIALS, show_progress=False,
+        vocab_size=VOCAB - len(added), special_tokens=SPECIALS, show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator([CORPUS] * 4, trainer=trainer)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added])
     assert tok.get_vocab_size() <= VOCAB, tok.get_vocab_size()
     return tok
 
@@ -167,7 +174,7 @@ def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, temp
     model = type(model).from_pretrained(path, dtype=torch.float32).eval()
     ids = tok.encode("The quick brown fox jumps over the lazy dog. Call get_weather for Paris.").ids
     g = torch.Generator().manual_seed(seed + 1)
-    ids += torch.randint(len(SPECIALS), VOCAB, (40 - len(ids),), generator=g).tolist()
+    ids += torch.randint(len(SPECIALS), VOCAB - len(MARKERS) - 1, (40 - len(ids),), generator=g).tolist()
     prompt = torch.tensor(ids[:40])
     n_prefill = 17
     with torch.no_grad():
@@ -188,7 +195,8 @@ def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, temp
     ref = {"transformers": transformers.__version__, "torch": torch.__version__,
            "incremental_from": n_prefill, "greedy_tokens": tokens, "greedy_margin": margin,
            "greedy_tokens_bf16": tokens_bf16, "chats": chats,
-           "decoded_prompt": tok.decode(prompt.tolist(), skip_special_tokens=False)}
+           "decoded_prompt": tok.decode(prompt.tolist(), skip_special_tokens=False),
+           "tool_call_token": tok.token_to_id(TOOL_CALL_TOKEN)}
     with open(os.path.join(path, "reference.json"), "w") as f:
         json.dump(ref, f, indent=1)
     print(name, "margin", round(margin, 5), "bf16 agrees on",

@@ -49,3 +49,19 @@ def test_bad_input_is_a_400(server):
         with pytest.raises(anthropic.BadRequestError) as e:
             c.messages.create(model="tiny", max_tokens=5, messages=bad)
         assert e.value.body["error"]["type"] == "invalid_request_error"
+
+
+def test_model_tool_use(server, reference):
+    c = client(server)
+    tools = [{"name": "get_weather", "description": "Get the weather",
+              "input_schema": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}]
+    args = dict(model="tiny", max_tokens=1, tools=tools, messages=[{"role": "user", "content": "Weather in Paris?"}],
+                extra_body={"temperature": 0, "logit_bias": {str(reference["tool_call_token"]): 100}})
+    r = c.messages.create(**args)
+    assert r.stop_reason == "tool_use"
+    block = [b for b in r.content if b.type == "tool_use"][0]
+    assert (block.name, block.input) == ("get_weather", {"city": "Paris", "days": 2})
+    with c.messages.stream(**args) as stream:
+        final = stream.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"] == [{"city": "Paris", "days": 2}]
+    assert final.stop_reason == "tool_use"

@@ -130,3 +130,32 @@ def test_32_concurrent_streams_match_single_client(server):
         return await asyncio.gather(*(one(c) for _ in range(32)))
 
     assert asyncio.run(all_of_them()) == [want] * 32
+
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the weather",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}
+
+
+def test_model_tool_call_round_trip(server, reference):
+    # The fixture tokenizer has one token spelling a whole Qwen3.5 tool call; biasing the sampler
+    # to it makes the model emit a real call that the server must parse.
+    c = client(server)
+    force = {"logit_bias": {str(reference["tool_call_token"]): 100}, "max_tokens": 1}
+    r = chat_text(c, tools=[WEATHER_TOOL], **force)
+    call = r.choices[0].message.tool_calls[0]
+    assert r.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "days": 2}
+    assert not r.choices[0].message.content
+    streamed = [ch for ch in c.chat.completions.create(model="tiny", messages=MESSAGES, tools=[WEATHER_TOOL], temperature=0,
+                                                       extra_body=NO_THINKING, stream=True, **force)]
+    deltas = [tc for ch in streamed if ch.choices for tc in (ch.choices[0].delta.tool_calls or [])]
+    assert deltas[0].function.name == "get_weather"
+    assert json.loads(deltas[0].function.arguments) == {"city": "Paris", "days": 2}
+    assert [ch.choices[0].finish_reason for ch in streamed if ch.choices][-1] == "tool_calls"
+    # Send the result back: the conversation renders and the model answers.
+    follow = MESSAGES + [r.choices[0].message.model_dump(exclude_none=True),
+                         {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    r2 = c.chat.completions.create(model="tiny", messages=follow, tools=[WEATHER_TOOL], max_tokens=3, temperature=0)
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens

@@ -31,9 +31,6 @@ struct MessagesRequest {
     tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
     thinking: Option<Value>,
-    temperature: Option<f64>,
-    top_p: Option<f64>,
-    top_k: Option<i64>,
 }
 
 fn bad(message: impl Into<String>, param: &str) -> ApiError {
@@ -134,8 +131,9 @@ pub async fn messages(State(state): State<AppState>, body: Bytes) -> Response {
 
 async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let req: MessagesRequest = parse_body(&body)?;
-    let sampling = SamplingFields { temperature: req.temperature, top_p: req.top_p, top_k: req.top_k, ..Default::default() }
-        .resolve(&state)?;
+    // temperature, top_p, top_k, and the OpenAI-style extensions (seed, penalties, logit_bias).
+    let sampling: SamplingFields = parse_body(&body)?;
+    let sampling = sampling.resolve(&state)?;
     let messages = to_chat_messages(req.system.as_ref(), &req.messages)?;
     let tool_choice_none = req.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Value::as_str) == Some("none");
     let tools: Option<Vec<Value>> = req.tools.filter(|t| !t.is_empty() && !tool_choice_none).map(|tools| {
