@@ -1,14 +1,16 @@
-//! `strata bench`: prefill and decode tokens/s on a fixed workload.
+//! `strata bench`: a fixed workload through the batched engine at one or more concurrencies.
 
 use std::path::PathBuf;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use strata_engine::{generate, GenerationOptions, SamplingParams};
+use strata_engine::{EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Worker};
 use strata_model::{synthetic, Qwen35};
 
 use crate::common::{machine, open_model, parse_device, DTypeArg};
 
-#[derive(clap::Args)]
+#[derive(Clone, clap::Args)]
 pub struct Args {
     /// Model folder to measure.
     #[arg(long, group = "source")]
@@ -20,6 +22,9 @@ pub struct Args {
     prompt_len: usize,
     #[arg(long, default_value_t = 64)]
     gen_len: usize,
+    /// Concurrent requests, one run per value, e.g. 1,4,8,16,32.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    concurrency: Vec<usize>,
     /// One or more compute dtypes, e.g. f32,bf16.
     #[arg(long, value_enum, value_delimiter = ',', default_value = "f32")]
     dtype: Vec<DTypeArg>,
@@ -32,10 +37,91 @@ pub struct Args {
     json: bool,
 }
 
+/// Timestamps of one request's tokens.
+struct Timing(mpsc::Sender<(usize, Instant, bool)>, usize);
+
+impl EventSink for Timing {
+    fn send(&mut self, event: Event) -> bool {
+        let done = match event {
+            Event::Token(_) => false,
+            Event::Finished(_) | Event::Failed(_) => true,
+        };
+        let _ = self.0.send((self.1, Instant::now(), done));
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+struct Measured {
+    prefill_tok_s: f64,
+    aggregate_decode_tok_s: f64,
+    ttft_ms_p50: f64,
+    itl_ms_p50: f64,
+    itl_ms_p99: f64,
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Submits `concurrency` requests at once and times every token.
+fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<Measured> {
+    let (tx, rx) = mpsc::channel();
+    let start = Instant::now();
+    for i in 0..concurrency {
+        // Distinct fixed pseudo-random prompts: the same workload on every run.
+        let prompt: Vec<u32> =
+            (0..a.prompt_len as u64).map(|t| ((t * 2_654_435_761 + 12_345 + i as u64 * 7_919) % vocab) as u32).collect();
+        let opts = GenerationOptions {
+            max_tokens: a.gen_len,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: vec![],
+            prefill_chunk: a.prefill_chunk,
+            logprobs: None,
+        };
+        worker.submit(Job { prompt, opts, sink: Box::new(Timing(tx.clone(), i)) }).map_err(anyhow::Error::msg)?;
+    }
+    let mut times: Vec<Vec<Instant>> = vec![Vec::new(); concurrency];
+    let mut done = 0;
+    while done < concurrency {
+        let (i, t, finished) = rx.recv()?;
+        if finished {
+            done += 1;
+        } else {
+            times[i].push(t);
+        }
+    }
+    let firsts: Vec<Instant> = times.iter().map(|t| t[0]).collect();
+    let first = *firsts.iter().min().expect("at least one request");
+    let last = times.iter().filter_map(|t| t.last()).max().copied().expect("tokens");
+    let all_first = *firsts.iter().max().expect("at least one request");
+    let mut ttft: Vec<f64> = firsts.iter().map(|t| (*t - start).as_secs_f64() * 1e3).collect();
+    let mut itl: Vec<f64> = times.iter().flat_map(|t| t.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)).collect();
+    ttft.sort_by(f64::total_cmp);
+    itl.sort_by(f64::total_cmp);
+    let decode_tokens: usize = times.iter().map(|t| t.len() - 1).sum();
+    let window = (last - first).max(Duration::from_nanos(1)).as_secs_f64();
+    Ok(Measured {
+        prefill_tok_s: (a.prompt_len * concurrency) as f64 / (all_first - start).as_secs_f64().max(1e-9),
+        aggregate_decode_tok_s: decode_tokens as f64 / window,
+        ttft_ms_p50: percentile(&ttft, 0.5),
+        itl_ms_p50: percentile(&itl, 0.5),
+        itl_ms_p99: percentile(&itl, 0.99),
+    })
+}
+
 pub fn run(a: Args) -> Result<()> {
     let device = parse_device(&a.device)?;
-    if a.prompt_len == 0 || a.gen_len == 0 {
-        bail!("--prompt-len and --gen-len must be at least 1");
+    if a.prompt_len == 0 || a.gen_len < 2 {
+        bail!("--prompt-len must be at least 1 and --gen-len at least 2");
+    }
+    if a.concurrency.contains(&0) {
+        bail!("--concurrency values must be at least 1");
     }
     let (name, folder) = match (&a.model, &a.synthetic) {
         (Some(dir), _) => (dir.display().to_string(), Some(open_model(dir)?)),
@@ -48,38 +134,50 @@ pub fn run(a: Args) -> Result<()> {
     let machine = machine();
     if !a.json {
         println!("strata bench: {name} on {} ({machine})", a.device);
-        println!("{:<6} {:>7} {:>5} {:>14} {:>13}", "dtype", "prompt", "gen", "prefill tok/s", "decode tok/s");
+        println!(
+            "{:<6} {:>5} {:>7} {:>5} {:>14} {:>14} {:>10} {:>10} {:>10}",
+            "dtype", "conc", "prompt", "gen", "prefill tok/s", "decode tok/s", "TTFT p50", "ITL p50", "ITL p99"
+        );
     }
+    let max_concurrency = *a.concurrency.iter().max().expect("clap gives at least one value");
     for dtype in &a.dtype {
         let model: Qwen35 = match &folder {
             Some(f) => f.load(dtype.dtype(), &device)?,
             None => synthetic::build(a.synthetic.as_deref().expect("checked above"), dtype.dtype(), &device)?,
         };
         let vocab = model.config().vocab_size as u64;
-        // A fixed pseudo-random prompt: the same workload on every run.
-        let prompt: Vec<u32> = (0..a.prompt_len as u64).map(|i| ((i * 2_654_435_761 + 12_345) % vocab) as u32).collect();
-        let opts = GenerationOptions {
-            max_tokens: a.gen_len,
-            sampling: SamplingParams::greedy(),
-            stop_tokens: vec![],
-            prefill_chunk: a.prefill_chunk,
-            logprobs: None,
-        };
-        // Warm-up: first-touch of weights and allocator pools.
-        generate(&model, &prompt[..prompt.len().min(8)], &GenerationOptions { max_tokens: 2, ..opts.clone() }, |_| true)?;
-        let out = generate(&model, &prompt, &opts, |_| true)?;
-        let (prefill, decode) = (out.prefill_tok_s(prompt.len()), out.decode_tok_s());
-        if a.json {
-            println!(
-                "{}",
-                serde_json::json!({
-                    "model": name, "device": a.device, "machine": machine, "threads": candle_core::utils::get_num_threads(),
-                    "dtype": dtype.name(), "prompt_len": a.prompt_len, "gen_len": a.gen_len,
-                    "prefill_tok_s": prefill, "decode_tok_s": decode,
-                })
-            );
-        } else {
-            println!("{:<6} {:>7} {:>5} {:>14.1} {:>13.2}", dtype.name(), a.prompt_len, a.gen_len, prefill, decode);
+        let worker = Worker::spawn(
+            model,
+            EngineConfig { max_batch: max_concurrency, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX },
+        );
+        // Warm-up: first touch of weights and allocator pools.
+        measure(&worker, vocab, &Args { prompt_len: 8, gen_len: 2, ..a.clone() }, 1)?;
+        for &c in &a.concurrency {
+            let m = measure(&worker, vocab, &a, c)?;
+            if a.json {
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "model": name, "device": a.device, "machine": machine, "threads": candle_core::utils::get_num_threads(),
+                        "dtype": dtype.name(), "concurrency": c, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+                        "prefill_tok_s": m.prefill_tok_s, "aggregate_decode_tok_s": m.aggregate_decode_tok_s,
+                        "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,
+                    })
+                );
+            } else {
+                println!(
+                    "{:<6} {:>5} {:>7} {:>5} {:>14.1} {:>14.2} {:>8.0}ms {:>8.1}ms {:>8.1}ms",
+                    dtype.name(),
+                    c,
+                    a.prompt_len,
+                    a.gen_len,
+                    m.prefill_tok_s,
+                    m.aggregate_decode_tok_s,
+                    m.ttft_ms_p50,
+                    m.itl_ms_p50,
+                    m.itl_ms_p99
+                );
+            }
         }
     }
     Ok(())

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
-use strata_engine::Worker;
+use strata_engine::{EngineConfig, Worker};
 use strata_server::{ServerConfig, Shared};
 
 use crate::common::{parse_device, DTypeArg};
@@ -37,9 +37,17 @@ pub struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Prompt tokens per prefill forward.
+    /// Prompt tokens per prefill forward; a joining prompt holds running streams up for at most
+    /// one chunk per step.
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// Most requests decoded together (default: 16 on CPU, 64 on GPU).
+    #[arg(long)]
+    max_batch: Option<usize>,
+    /// Bytes of KV + recurrent state the running requests may hold (default: 8 GiB on CPU,
+    /// 32 GiB on GPU). A request is admitted only when its whole prompt + max_tokens fits.
+    #[arg(long)]
+    state_budget_bytes: Option<usize>,
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
 }
@@ -58,6 +66,12 @@ pub fn run(a: Args) -> Result<()> {
     if max_context == 0 {
         anyhow::bail!("--max-context must be at least 1");
     }
+    let defaults = EngineConfig::for_device(&device);
+    let engine = EngineConfig {
+        max_batch: a.max_batch.unwrap_or(defaults.max_batch).max(1),
+        prefill_chunk: a.prefill_chunk.max(1),
+        state_budget_bytes: a.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
+    };
     let model = folder.load(a.dtype.dtype(), &device)?;
     let model_name =
         a.model.clone().unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
@@ -70,9 +84,8 @@ pub fn run(a: Args) -> Result<()> {
             device: a.device.clone(),
             max_context,
             api_key: a.api_key.clone(),
-            prefill_chunk: a.prefill_chunk,
         },
-        worker: Worker::spawn(model),
+        worker: Worker::spawn(model, engine),
         tokenizer: folder.tokenizer,
         template: folder.chat_template,
         generation: folder.generation,

@@ -110,7 +110,7 @@ pub fn generate(
 }
 
 /// Log-softmax of `logits` at `id`, and the `top` most likely tokens.
-fn with_logprobs(logits: &[f32], id: u32, top: usize) -> Sampled {
+pub(crate) fn with_logprobs(logits: &[f32], id: u32, top: usize) -> Sampled {
     let max = logits.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     let log_z = max + logits.iter().map(|&l| (l - max).exp()).sum::<f32>().ln();
     let mut order: Vec<u32> = (0..logits.len() as u32).collect();

@@ -8,4 +8,4 @@ pub mod worker;
 
 pub use generate::{generate, FinishReason, Generation, GenerationOptions, Sampled};
 pub use sampler::{Sampler, SamplingParams};
-pub use worker::{Event, EventSink, Job, Worker, WorkerStats};
+pub use worker::{EngineConfig, Event, EventSink, Job, Worker, WorkerStats};

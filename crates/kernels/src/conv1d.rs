@@ -82,7 +82,7 @@ mod tests {
     fn fast_path_matches_reference_and_splits() {
         let dev = Device::Cpu;
         let (b, t, c, k) = (2, 9, 6, 4);
-        let ramp = |n: usize, s: f32| (0..n).map(|i| ((i as f32 * 0.37 + s).sin())).collect::<Vec<_>>();
+        let ramp = |n: usize, s: f32| (0..n).map(|i| (i as f32 * 0.37 + s).sin()).collect::<Vec<_>>();
         let x = Tensor::from_vec(ramp(b * t * c, 0.1), (b, t, c), &dev).unwrap();
         let s0 = Tensor::from_vec(ramp(b * (k - 1) * c, 0.7), (b, k - 1, c), &dev).unwrap();
         let w = Tensor::from_vec(ramp(c * k, 1.3), (c, k), &dev).unwrap();

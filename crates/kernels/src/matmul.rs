@@ -1,7 +1,11 @@
-//! `x W^T` for a few rows against bf16 weights on CPU — the decode-time case, where the cost is
-//! reading the weights once. candle's CPU bf16 matmul is not vectorised for it; this reads each
-//! weight row once, widens bf16 to f32 (a 16-bit shift the compiler vectorises) and accumulates
-//! in f32, parallel over output features.
+//! `x W^T` for a few rows on CPU — the decode-time case, where the cost is reading the weights
+//! once. Each weight row is read once for all input rows (bf16 widened to f32 in registers, a
+//! 16-bit shift the compiler vectorises), parallel over output features.
+//!
+//! Every output element is one [`dot`] over K whatever the number of rows, so a row's result is
+//! bit-identical whether it is decoded alone or in a batch: continuous batching then changes no
+//! token, even under seeded sampling. (candle's CPU bf16 matmul is also not vectorised for a
+//! handful of rows; this path is several times faster there.)
 
 use candle_core::{DType, Device, Tensor};
 use half::bf16;
@@ -9,60 +13,84 @@ use rayon::prelude::*;
 
 use crate::Result;
 
-/// Rows up to which [`matmul_t`] takes the weight-streaming path.
-pub const MAX_STREAMED_ROWS: usize = 8;
+/// Rows up to which [`matmul_t`] takes the weight-streaming path (a batch's decode step).
+pub const MAX_STREAMED_ROWS: usize = 64;
 
-/// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. Uses the streaming path for bf16
-/// weights on CPU when `M <= MAX_STREAMED_ROWS`, and candle's matmul otherwise.
+/// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. Uses the streaming path for f32 and
+/// bf16 weights on CPU when `M <= MAX_STREAMED_ROWS`, and candle's matmul otherwise.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (m, _) = x.dims2()?;
-    if matches!(x.device(), Device::Cpu) && w.dtype() == DType::BF16 && m <= MAX_STREAMED_ROWS && w.is_contiguous() {
-        return streamed(x, w);
+    if matches!(x.device(), Device::Cpu) && m <= MAX_STREAMED_ROWS && w.is_contiguous() {
+        match w.dtype() {
+            DType::BF16 => return streamed::<bf16>(x, w),
+            DType::F32 => return streamed::<f32>(x, w),
+            _ => {}
+        }
     }
     x.matmul(&w.t()?)
 }
 
-fn streamed(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+/// A weight element widened to f32 for accumulation.
+trait Widen: candle_core::WithDType {
+    fn widen(self) -> f32;
+}
+
+impl Widen for bf16 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits((self.to_bits() as u32) << 16)
+    }
+}
+
+impl Widen for f32 {
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+fn streamed<W: Widen>(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (m, k) = x.dims2()?;
     let n = w.dim(0)?;
     let xs = crate::cpu_f32(x)?;
     let (storage, layout) = w.storage_and_layout();
     let candle_core::Storage::Cpu(cpu) = &*storage else { unreachable!("checked CPU above") };
-    let all: &[bf16] = cpu.as_slice::<bf16>()?;
+    let all: &[W] = cpu.as_slice::<W>()?;
     let ws = &all[layout.start_offset()..layout.start_offset() + n * k];
-    let mut out = vec![0f32; m * n];
-    // out is [M, N]; compute it transposed per output feature, then scatter.
-    let cols: Vec<[f32; MAX_STREAMED_ROWS]> = ws
-        .par_chunks(k)
-        .map(|row| {
-            let mut acc = [0f32; MAX_STREAMED_ROWS];
-            for (r, a) in acc.iter_mut().enumerate().take(m) {
-                *a = dot(row, &xs[r * k..(r + 1) * k]);
-            }
-            acc
-        })
-        .collect();
-    for (j, col) in cols.iter().enumerate() {
-        for r in 0..m {
-            out[r * n + j] = col[r];
+    // Computed as [N, M] (one weight row per task), then laid out as [M, N].
+    let mut out_t = vec![0f32; n * m];
+    out_t.par_chunks_mut(m).zip(ws.par_chunks(k)).for_each(|(o, row)| {
+        for (r, v) in o.iter_mut().enumerate() {
+            *v = dot(row, &xs[r * k..(r + 1) * k]);
         }
-    }
+    });
+    let out = if m == 1 {
+        out_t
+    } else {
+        let mut out = vec![0f32; m * n];
+        for (j, col) in out_t.chunks(m).enumerate() {
+            for (r, v) in col.iter().enumerate() {
+                out[r * n + j] = *v;
+            }
+        }
+        out
+    };
     Tensor::from_vec(out, (m, n), x.device())?.to_dtype(x.dtype())
 }
 
-fn dot(w: &[bf16], x: &[f32]) -> f32 {
+fn dot<W: Widen>(w: &[W], x: &[f32]) -> f32 {
     // Eight independent accumulators let the loop vectorise.
     let mut acc = [0f32; 8];
     let chunks = w.len() / 8;
     for c in 0..chunks {
         for l in 0..8 {
             let i = c * 8 + l;
-            acc[l] += f32::from_bits((w[i].to_bits() as u32) << 16) * x[i];
+            acc[l] += w[i].widen() * x[i];
         }
     }
     let mut s: f32 = acc.iter().sum();
     for i in chunks * 8..w.len() {
-        s += w[i].to_f32() * x[i];
+        s += w[i].widen() * x[i];
     }
     s
 }
@@ -74,15 +102,25 @@ mod tests {
     #[test]
     fn streamed_matches_candle_matmul() {
         let dev = Device::Cpu;
-        for (m, k, n) in [(1, 64, 10), (3, 37, 5), (8, 128, 33)] {
-            let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.13).sin()).collect();
-            let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.07).cos()).collect();
-            let x = Tensor::from_vec(x, (m, k), &dev).unwrap();
-            let w = Tensor::from_vec(w, (n, k), &dev).unwrap().to_dtype(DType::BF16).unwrap();
-            let want = x.matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
-            let got = matmul_t(&x, &w).unwrap();
-            let d: f32 = (want - got).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
-            assert!(d < 1e-4, "{m}x{k}x{n}: {d}");
+        for dtype in [DType::BF16, DType::F32] {
+            for (m, k, n) in [(1, 64, 10), (3, 37, 5), (8, 128, 33), (40, 16, 7)] {
+                let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.13).sin()).collect();
+                let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.07).cos()).collect();
+                let x = Tensor::from_vec(x, (m, k), &dev).unwrap();
+                let w = Tensor::from_vec(w, (n, k), &dev).unwrap().to_dtype(dtype).unwrap();
+                let want = x.matmul(&w.to_dtype(DType::F32).unwrap().t().unwrap()).unwrap();
+                let got = matmul_t(&x, &w).unwrap();
+                let d: f32 = (want - &got).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
+                assert!(d < 1e-4, "{dtype:?} {m}x{k}x{n}: {d}");
+                // Each row alone gives bit-identical results to the batch.
+                for r in 0..m {
+                    let alone = matmul_t(&x.narrow(0, r, 1).unwrap(), &w).unwrap();
+                    assert_eq!(
+                        alone.squeeze(0).unwrap().to_vec1::<f32>().unwrap(),
+                        got.get(r).unwrap().to_vec1::<f32>().unwrap()
+                    );
+                }
+            }
         }
     }
 }

@@ -95,11 +95,12 @@ pub fn generation_options(
             Some("max_tokens"),
         ));
     }
+    state.worker.admissible(prompt_len + max_tokens).map_err(|m| ApiError::bad_request(m, Some("max_tokens")))?;
     Ok(GenerationOptions {
         max_tokens,
         sampling,
         stop_tokens: state.eos_token_ids.clone(),
-        prefill_chunk: state.config.prefill_chunk,
+        prefill_chunk: state.worker.config().prefill_chunk,
         logprobs,
     })
 }

@@ -15,7 +15,6 @@ pub struct ServerConfig {
     /// Longest prompt + output a request may ask for.
     pub max_context: usize,
     pub api_key: Option<String>,
-    pub prefill_chunk: usize,
 }
 
 pub struct Shared {

@@ -27,6 +27,20 @@ struct DecoderLayer {
     mlp: Mlp,
 }
 
+/// Memory cost of one sequence's state; see [`Qwen35::state_cost`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StateCost {
+    pub bytes_per_token: usize,
+    pub bytes_per_row: usize,
+}
+
+impl StateCost {
+    /// Bytes of state for a sequence of `tokens` tokens.
+    pub fn bytes(&self, tokens: usize) -> usize {
+        self.bytes_per_row + tokens * self.bytes_per_token
+    }
+}
+
 /// Which positions' logits a forward returns.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Logits {
@@ -97,6 +111,22 @@ impl Qwen35 {
 
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// What a sequence's state costs in memory: bytes per token held (KV of every attention
+    /// layer) and fixed bytes per row (conv window and recurrent matrix of every DeltaNet layer).
+    pub fn state_cost(&self) -> StateCost {
+        let cfg = &self.cfg;
+        let mut cost = StateCost { bytes_per_token: 0, bytes_per_row: 0 };
+        for kind in &cfg.layer_types {
+            match kind {
+                LayerKind::Full => {
+                    cost.bytes_per_token += KvStore::bytes_per_token(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
+                }
+                LayerKind::Linear => cost.bytes_per_row += GatedDeltaNet::state_shape(cfg).bytes_per_row(self.dtype),
+            }
+        }
+        cost
     }
 
     /// Fresh state for `rows` empty sequences.

@@ -1,0 +1,176 @@
+//! Continuous batching against single-sequence runs: rows joining at different steps, at their
+//! own positions, give the tokens they give alone; a long prompt joining a running batch is fed
+//! one chunk per step while the running streams keep flowing.
+
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use strata_engine::{generate, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Worker};
+use strata_model::{ModelFolder, Qwen35};
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
+    dirs.sort();
+    dirs
+}
+
+fn load(dir: &PathBuf) -> (Qwen35, Vec<u32>) {
+    let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+    let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    (model, t["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect())
+}
+
+/// Records every event with the time it was sent.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<(Instant, Event)>>>);
+
+impl EventSink for Recorder {
+    fn send(&mut self, event: Event) -> bool {
+        self.0.lock().unwrap().push((Instant::now(), event));
+        true
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+impl Recorder {
+    fn tokens(&self) -> Vec<u32> {
+        self.0.lock().unwrap().iter().filter_map(|(_, e)| if let Event::Token(s) = e { Some(s.id) } else { None }).collect()
+    }
+    fn token_times(&self) -> Vec<Instant> {
+        self.0.lock().unwrap().iter().filter_map(|(t, e)| matches!(e, Event::Token(_)).then_some(*t)).collect()
+    }
+    fn finished(&self) -> bool {
+        self.0.lock().unwrap().iter().any(|(_, e)| matches!(e, Event::Finished(_) | Event::Failed(_)))
+    }
+    fn wait(&self, f: impl Fn(&Self) -> bool) {
+        let start = Instant::now();
+        while !f(self) {
+            assert!(start.elapsed() < Duration::from_secs(120), "timed out");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+fn opts(max_tokens: usize, sampling: SamplingParams) -> GenerationOptions {
+    GenerationOptions { max_tokens, sampling, stop_tokens: vec![], prefill_chunk: 512, logprobs: None }
+}
+
+fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {
+    for dir in fixtures() {
+        let (model, tokens) = load(&dir);
+        // Eight requests of different prompt lengths and budgets.
+        let jobs: Vec<(Vec<u32>, GenerationOptions)> =
+            [(3, 10), (7, 24), (12, 16), (20, 20), (25, 12), (33, 24), (40, 18), (5, 22)]
+                .iter()
+                .enumerate()
+                .map(|(i, &(len, max))| (tokens[i..(i + len).min(tokens.len())].to_vec(), opts(max, sampling(i))))
+                .collect();
+        // Alone, with the engine's prefill chunking: a row's logits are then bit-identical in and
+        // out of a batch, so even seeded sampling must give the same tokens.
+        let chunk = 4;
+        let solo: Vec<Vec<u32>> = jobs
+            .iter()
+            .map(|(p, o)| generate(&model, p, &GenerationOptions { prefill_chunk: chunk, ..o.clone() }, |_| true).unwrap().tokens)
+            .collect();
+        let worker = Worker::spawn(model, EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 });
+        let recorders: Vec<Recorder> = (0..jobs.len()).map(|_| Recorder::default()).collect();
+        let submit = |i: usize| {
+            let (prompt, o) = jobs[i].clone();
+            worker.submit(Job { prompt, opts: o, sink: Box::new(recorders[i].clone()) }).unwrap();
+        };
+        // Join in three waves, each while the earlier rows are mid-generation.
+        (0..3).for_each(submit);
+        recorders[0].wait(|r| r.tokens().len() >= 3);
+        (3..6).for_each(submit);
+        recorders[4].wait(|r| !r.tokens().is_empty());
+        (6..8).for_each(submit);
+        for (i, r) in recorders.iter().enumerate() {
+            r.wait(Recorder::finished);
+            assert_eq!(r.tokens(), solo[i], "{} request {i}", dir.display());
+        }
+        assert_eq!(worker.stats().active.load(std::sync::atomic::Ordering::Relaxed), 0);
+    }
+}
+
+#[test]
+fn greedy_rows_joining_at_different_steps_match_solo_runs() {
+    batch_matches_solo(|_| SamplingParams::greedy());
+}
+
+#[test]
+fn seeded_rows_joining_at_different_steps_match_solo_runs() {
+    batch_matches_solo(|i| SamplingParams {
+        temperature: 1.0,
+        top_k: 40,
+        top_p: 0.95,
+        seed: Some(100 + i as u64),
+        ..SamplingParams::greedy()
+    });
+}
+
+#[test]
+fn a_long_prompt_joins_one_chunk_per_step() {
+    let dir = &fixtures()[0];
+    let (model, tokens) = load(dir);
+    let long: Vec<u32> = tokens.iter().cycle().take(640).copied().collect();
+    let chunk = 32;
+    let chunks = long.len() / chunk;
+    // Time the whole prefill alone, for scale.
+    let start = Instant::now();
+    generate(&model, &long, &GenerationOptions { prefill_chunk: chunk, ..opts(1, SamplingParams::greedy()) }, |_| true).unwrap();
+    let full_prefill = start.elapsed();
+
+    let worker = Worker::spawn(model, EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 });
+    let running = Recorder::default();
+    worker
+        .submit(Job { prompt: tokens[..5].to_vec(), opts: opts(400, SamplingParams::greedy()), sink: Box::new(running.clone()) })
+        .unwrap();
+    running.wait(|r| r.tokens().len() >= 5);
+    let joiner = Recorder::default();
+    let joined_at = Instant::now();
+    worker.submit(Job { prompt: long, opts: opts(2, SamplingParams::greedy()), sink: Box::new(joiner.clone()) }).unwrap();
+    joiner.wait(|r| !r.tokens().is_empty());
+    let first = joiner.token_times()[0];
+    let during: Vec<Instant> = running.token_times().into_iter().filter(|t| *t >= joined_at && *t <= first).collect();
+    // One decode step per prefill chunk: the running stream got a token for (almost) every chunk.
+    assert!(during.len() + 1 >= chunks, "only {} tokens during {chunks} prefill chunks", during.len());
+    let longest_gap = during.windows(2).map(|w| w[1] - w[0]).max().unwrap();
+    println!("longest gap {longest_gap:?} while a {chunks}-chunk prompt joined (its whole prefill alone: {full_prefill:?})");
+    assert!(longest_gap < full_prefill / 4, "gap {longest_gap:?} vs whole prefill {full_prefill:?}");
+}
+
+#[test]
+fn admission_respects_the_state_budget_and_arrival_order() {
+    let dir = &fixtures()[0];
+    let (model, tokens) = load(dir);
+    let cost = model.state_cost();
+    // Room for exactly one request of 30 tokens at a time.
+    let budget = cost.bytes(30) + cost.bytes(30) / 2;
+    let worker = Worker::spawn(model, EngineConfig { max_batch: 8, prefill_chunk: 8, state_budget_bytes: budget });
+    assert!(worker.admissible(10_000).unwrap_err().contains("state budget"));
+    let recorders: Vec<Recorder> = (0..3).map(|_| Recorder::default()).collect();
+    for r in &recorders {
+        worker
+            .submit(Job { prompt: tokens[..10].to_vec(), opts: opts(20, SamplingParams::greedy()), sink: Box::new(r.clone()) })
+            .unwrap();
+    }
+    for r in &recorders {
+        r.wait(Recorder::finished);
+    }
+    // Each ran only after the previous one finished: first tokens come in arrival order, and
+    // no two requests overlapped.
+    let spans: Vec<(Instant, Instant)> = recorders
+        .iter()
+        .map(|r| {
+            let t = r.token_times();
+            (t[0], *t.last().unwrap())
+        })
+        .collect();
+    assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "requests overlapped despite the budget");
+}
