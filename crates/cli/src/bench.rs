@@ -104,8 +104,18 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     let mut itl: Vec<f64> = times.iter().flat_map(|t| t.windows(2).map(|w| (w[1] - w[0]).as_secs_f64() * 1e3)).collect();
     ttft.sort_by(f64::total_cmp);
     itl.sort_by(f64::total_cmp);
-    let decode_tokens: usize = times.iter().map(|t| t.len() - 1).sum();
-    let window = (last - first).max(Duration::from_nanos(1)).as_secs_f64();
+    // Decode throughput over the steady window when every request is decoding (after the last
+    // joiner's first token, before the first request ends); prefill chunks interleaved before
+    // it would otherwise count against decode. Falls back to the whole span when that window is
+    // empty (very short generations).
+    let first_done = times.iter().filter_map(|t| t.last()).min().copied().expect("tokens");
+    let (decode_tokens, window) = if first_done > all_first {
+        let n = times.iter().flatten().filter(|t| **t > all_first && **t <= first_done).count();
+        (n, first_done - all_first)
+    } else {
+        (times.iter().map(|t| t.len() - 1).sum(), last - first)
+    };
+    let window = window.max(Duration::from_nanos(1)).as_secs_f64();
     Ok(Measured {
         prefill_tok_s: (a.prompt_len * concurrency) as f64 / (all_first - start).as_secs_f64().max(1e-9),
         aggregate_decode_tok_s: decode_tokens as f64 / window,
