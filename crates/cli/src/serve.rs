@@ -53,7 +53,10 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> Result<()> {
-    let subscriber = tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false);
+    use std::io::IsTerminal;
+    // Colour only for a terminal: log files and collectors get plain text.
+    let subscriber =
+        tracing_subscriber::fmt().with_writer(std::io::stderr).with_target(false).with_ansi(std::io::stderr().is_terminal());
     match a.log_format {
         LogFormat::Text => subscriber.init(),
         LogFormat::Json => subscriber.json().init(),
