@@ -14,7 +14,8 @@ pub struct GenerationOptions {
     pub sampling: SamplingParams,
     /// Tokens that end the generation (not included in the output).
     pub stop_tokens: Vec<u32>,
-    /// Prompt tokens fed per forward during prefill (bounds activation memory).
+    /// Prompt tokens fed per forward during prefill, by [`generate`] (the batched engine uses its
+    /// own `EngineConfig::prefill_chunk` for every job).
     pub prefill_chunk: usize,
     /// Report each token's log-probability and this many alternatives (`None`: skip the work).
     pub logprobs: Option<usize>,
