@@ -59,12 +59,8 @@ fn streamed<W: Widen>(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let ws = &all[layout.start_offset()..layout.start_offset() + n * k];
     // Computed as [N, M] (one weight row per task), then laid out as [M, N].
     let mut out_t = vec![0f32; n * m];
-    let dot = dot_for_cpu::<W>();
-    out_t.par_chunks_mut(m).zip(ws.par_chunks(k)).for_each(|(o, row)| {
-        for (r, v) in o.iter_mut().enumerate() {
-            *v = dot(row, &xs[r * k..(r + 1) * k]);
-        }
-    });
+    let kernel = kernel_for_cpu::<W>();
+    out_t.par_chunks_mut(m).zip(ws.par_chunks(k)).for_each(|(o, row)| kernel(row, &xs, o));
     let out = if m == 1 {
         out_t
     } else {
@@ -79,39 +75,69 @@ fn streamed<W: Widen>(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(out, (m, n), x.device())?.to_dtype(x.dtype())
 }
 
-/// The dot product for this CPU: the same code compiled for AVX2 + FMA when the CPU has them
-/// (the crate is built for baseline x86-64, which has neither). Chosen once per call, so every
-/// row of a matmul uses the same one.
-fn dot_for_cpu<W: Widen>() -> fn(&[W], &[f32]) -> f32 {
+/// The per-weight-row kernel for this CPU: the same code compiled for AVX2 + FMA when the CPU
+/// has them (the crate is built for baseline x86-64, which has neither). Chosen once per call,
+/// so every row of a matmul uses the same code.
+fn kernel_for_cpu<W: Widen>() -> fn(&[W], &[f32], &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        return |w, x| {
+        return |w, xs, out| {
             // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-            unsafe { dot_avx2(w, x) }
+            unsafe { weight_row_avx2(w, xs, out) }
         };
     }
-    dot
+    weight_row
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dot_avx2<W: Widen>(w: &[W], x: &[f32]) -> f32 {
-    dot(w, x)
+unsafe fn weight_row_avx2<W: Widen>(w: &[W], xs: &[f32], out: &mut [f32]) {
+    weight_row(w, xs, out)
 }
 
+/// Accumulator lanes per input row: four 8-lane vectors, enough to hide the add latency.
+const LANES: usize = 32;
+
+/// `out[r] = w · xs[r]` for every input row `r`, two rows at a time so each widened weight
+/// chunk serves both from registers. A row's arithmetic is the same sequence whether it is
+/// paired or alone (lane accumulators over the chunks in order, lanes summed in order, then the
+/// tail), so its result does not depend on the batch around it.
 #[inline(always)]
-fn dot<W: Widen>(w: &[W], x: &[f32]) -> f32 {
-    // 32 independent accumulators: four 8-lane vectors, enough to hide the add latency.
-    const LANES: usize = 32;
-    let mut acc = [0f32; LANES];
-    let chunks = w.len() / LANES;
-    for (wc, xc) in w.chunks_exact(LANES).zip(x.chunks_exact(LANES)) {
-        for l in 0..LANES {
-            acc[l] += wc[l].widen() * xc[l];
+fn weight_row<W: Widen>(w: &[W], xs: &[f32], out: &mut [f32]) {
+    let k = w.len();
+    let mut pairs = out.chunks_exact_mut(2);
+    let mut r = 0;
+    for o in &mut pairs {
+        let (x0, x1) = (&xs[r * k..(r + 1) * k], &xs[(r + 1) * k..(r + 2) * k]);
+        let (mut a0, mut a1) = ([0f32; LANES], [0f32; LANES]);
+        for ((wc, c0), c1) in w.chunks_exact(LANES).zip(x0.chunks_exact(LANES)).zip(x1.chunks_exact(LANES)) {
+            for l in 0..LANES {
+                let wv = wc[l].widen();
+                a0[l] += wv * c0[l];
+                a1[l] += wv * c1[l];
+            }
         }
+        o[0] = reduce(&a0, w, x0);
+        o[1] = reduce(&a1, w, x1);
+        r += 2;
     }
+    for o in pairs.into_remainder() {
+        let x0 = &xs[r * k..(r + 1) * k];
+        let mut a0 = [0f32; LANES];
+        for (wc, c0) in w.chunks_exact(LANES).zip(x0.chunks_exact(LANES)) {
+            for l in 0..LANES {
+                a0[l] += wc[l].widen() * c0[l];
+            }
+        }
+        *o = reduce(&a0, w, x0);
+    }
+}
+
+/// Lanes summed in order, then the tail past the last whole chunk.
+#[inline(always)]
+fn reduce<W: Widen>(acc: &[f32; LANES], w: &[W], x: &[f32]) -> f32 {
     let mut s: f32 = acc.iter().sum();
-    for i in chunks * LANES..w.len() {
+    for i in (w.len() / LANES) * LANES..w.len() {
         s += w[i].widen() * x[i];
     }
     s
