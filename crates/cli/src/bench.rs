@@ -5,7 +5,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use strata_engine::{EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Worker};
+use strata_engine::cache::{Identity, SsdOptions};
+use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, SsdConfig, Worker};
 use strata_model::{synthetic, Qwen35};
 
 use crate::common::{machine, open_model, parse_device, DTypeArg};
@@ -35,6 +36,14 @@ pub struct Args {
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
+    /// Instead of throughput: time to first token of one prompt cold, then served from the RAM
+    /// tier, then from the SSD tier after a restart of the engine (the prompt cache is off in
+    /// throughput runs, so repeated prompts measure compute).
+    #[arg(long)]
+    cache_ttft: bool,
+    /// The SSD tier's folder for --cache-ttft (default: a temporary folder).
+    #[arg(long)]
+    ssd_cache: Option<PathBuf>,
 }
 
 /// Timestamps of one request's tokens.
@@ -43,7 +52,7 @@ struct Timing(mpsc::Sender<(usize, Instant, bool)>, usize);
 impl EventSink for Timing {
     fn send(&mut self, event: Event) -> bool {
         let done = match event {
-            Event::Token(_) => false,
+            Event::Started { .. } | Event::Token(_) => false,
             Event::Finished(_) | Event::Failed(_) => true,
         };
         let _ = self.0.send((self.1, Instant::now(), done));
@@ -142,6 +151,19 @@ pub fn run(a: Args) -> Result<()> {
         _ => bail!("give --model DIR or --synthetic NAME"),
     };
     let machine = machine();
+    let load = |dtype: DTypeArg| -> Result<Qwen35> {
+        Ok(match &folder {
+            Some(f) => f.load(dtype.dtype(), &device)?,
+            None => synthetic::build(a.synthetic.as_deref().expect("checked above"), dtype.dtype(), &device)?,
+        })
+    };
+    if a.cache_ttft {
+        let identity = |dtype: DTypeArg| match (&a.model, &a.synthetic) {
+            (Some(dir), _) => crate::cache::folder_identity(dir, dtype.name()),
+            (_, name) => Ok(crate::cache::synthetic_identity(name.as_deref().unwrap_or_default(), dtype.name())),
+        };
+        return cache_ttft(&a, &name, &machine, load, identity);
+    }
     if !a.json {
         println!("strata bench: {name} on {} ({machine})", a.device);
         println!(
@@ -151,15 +173,13 @@ pub fn run(a: Args) -> Result<()> {
     }
     let max_concurrency = *a.concurrency.iter().max().expect("clap gives at least one value");
     for dtype in &a.dtype {
-        let model: Qwen35 = match &folder {
-            Some(f) => f.load(dtype.dtype(), &device)?,
-            None => synthetic::build(a.synthetic.as_deref().expect("checked above"), dtype.dtype(), &device)?,
-        };
+        let model = load(*dtype)?;
         let vocab = model.config().vocab_size as u64;
         let worker = Worker::spawn(
             model,
             EngineConfig { max_batch: max_concurrency, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX },
-        );
+            CacheConfig::off(),
+        )?;
         // Warm-up: first touch of weights and allocator pools.
         measure(&worker, vocab, &Args { prompt_len: 8, gen_len: 2, ..a.clone() }, 1)?;
         for &c in &a.concurrency {
@@ -188,6 +208,115 @@ pub fn run(a: Args) -> Result<()> {
                     m.itl_ms_p99
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// Time to the first token of `prompt`, and how many prompt tokens came from the cache.
+fn first_token(worker: &Worker, prompt: &[u32]) -> Result<(Duration, usize)> {
+    struct First(mpsc::Sender<Event>);
+    impl EventSink for First {
+        fn send(&mut self, event: Event) -> bool {
+            self.0.send(event).is_ok()
+        }
+        fn is_closed(&self) -> bool {
+            false
+        }
+    }
+    let (tx, rx) = mpsc::channel();
+    let opts = GenerationOptions {
+        max_tokens: 1,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: vec![],
+        prefill_chunk: usize::MAX,
+        logprobs: None,
+    };
+    let start = Instant::now();
+    worker.submit(Job { prompt: prompt.to_vec(), opts, sink: Box::new(First(tx)) }).map_err(anyhow::Error::msg)?;
+    let mut cached = 0;
+    loop {
+        match rx.recv()? {
+            Event::Started { cached_tokens } => cached = cached_tokens,
+            Event::Token(_) => return Ok((start.elapsed(), cached)),
+            Event::Finished(_) => bail!("the benchmark request ended without a token"),
+            Event::Failed(e) => bail!("the benchmark request failed: {e}"),
+        }
+    }
+}
+
+/// TTFT cold, from the RAM tier, and from the SSD tier after restarting the engine.
+fn cache_ttft(
+    a: &Args,
+    name: &str,
+    machine: &str,
+    load: impl Fn(DTypeArg) -> Result<Qwen35>,
+    identity: impl Fn(DTypeArg) -> Result<Identity>,
+) -> Result<()> {
+    let temp;
+    let dir = match &a.ssd_cache {
+        Some(dir) => dir.clone(),
+        None => {
+            temp = tempfile::tempdir()?;
+            temp.path().to_path_buf()
+        }
+    };
+    if !a.json {
+        println!("strata bench --cache-ttft: {name} on {} ({machine}), SSD tier in {}", a.device, dir.display());
+        println!(
+            "{:<6} {:>7} {:>12} {:>12} {:>12} {:>9} {:>9}",
+            "dtype", "prompt", "cold TTFT", "RAM hit", "SSD hit", "RAM ×", "SSD ×"
+        );
+    }
+    for &dtype in &a.dtype {
+        let config = || -> Result<CacheConfig> {
+            let options = SsdOptions { dir: dir.clone(), max_bytes: u64::MAX, verify: false };
+            Ok(CacheConfig {
+                ram_bytes: usize::MAX,
+                stride: 512,
+                ssd: Some(SsdConfig { options, identity: identity(dtype)?, queue: 1024 }),
+                checkpoint_every: 0,
+            })
+        };
+        let engine = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX };
+        let model = load(dtype)?;
+        let vocab = model.config().vocab_size as u64;
+        let prompt: Vec<u32> = (0..a.prompt_len as u64).map(|t| ((t * 2_654_435_761 + 12_345) % vocab) as u32).collect();
+        let worker = Worker::spawn(model, engine, config()?)?;
+        worker.flush_cache(true);
+        let (cold, _) = first_token(&worker, &prompt)?;
+        let (ram, ram_cached) = first_token(&worker, &prompt)?;
+        let unwritten = worker.shutdown(Duration::from_secs(600));
+        if unwritten > 0 {
+            bail!("{unwritten} SSD writes did not finish");
+        }
+        drop(worker);
+        let restarted = Worker::spawn(load(dtype)?, engine, config()?)?;
+        let (ssd, ssd_cached) = first_token(&restarted, &prompt)?;
+        if ram_cached == 0 || ssd_cached == 0 {
+            bail!("expected cache hits, got {ram_cached} (RAM) and {ssd_cached} (SSD) cached tokens");
+        }
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        if a.json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "model": name, "device": a.device, "machine": machine, "dtype": dtype.name(), "prompt_len": a.prompt_len,
+                    "cold_ttft_ms": ms(cold), "ram_hit_ttft_ms": ms(ram), "ssd_hit_ttft_ms": ms(ssd),
+                    "ram_cached_tokens": ram_cached, "ssd_cached_tokens": ssd_cached,
+                })
+            );
+        } else {
+            println!(
+                "{:<6} {:>7} {:>10.0}ms {:>10.0}ms {:>10.0}ms {:>8.1}× {:>8.1}×",
+                dtype.name(),
+                a.prompt_len,
+                ms(cold),
+                ms(ram),
+                ms(ssd),
+                ms(cold) / ms(ram),
+                ms(cold) / ms(ssd)
+            );
         }
     }
     Ok(())

@@ -1,6 +1,7 @@
 //! The `strata` binary. Only this crate reads arguments and the environment.
 
 mod bench;
+mod cache;
 mod common;
 mod generate;
 mod hub;

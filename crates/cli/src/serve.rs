@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use strata_engine::{EngineConfig, Worker};
 use strata_server::{ServerConfig, Shared};
 
+use crate::cache::{folder_identity, CacheArgs};
 use crate::common::{parse_device, DTypeArg};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -50,6 +51,8 @@ pub struct Args {
     state_budget_bytes: Option<usize>,
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    #[command(flatten)]
+    cache: CacheArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -75,7 +78,19 @@ pub fn run(a: Args) -> Result<()> {
         prefill_chunk: a.prefill_chunk.max(1),
         state_budget_bytes: a.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
     };
+    let cache = a.cache.config(&device, || folder_identity(&dir, a.dtype.name()))?;
     let model = folder.load(a.dtype.dtype(), &device)?;
+    let worker = Worker::spawn(model, engine, cache).context("cannot start the engine")?;
+    if let Some(r) = worker.recovery() {
+        tracing::info!(
+            entries = r.entries,
+            bytes = r.bytes,
+            reaped_tmp = r.reaped_tmp,
+            removed_corrupt = r.removed_corrupt,
+            skipped_foreign = r.skipped_foreign,
+            "SSD cache opened"
+        );
+    }
     let model_name =
         a.model.clone().unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
     let vocab_size = folder.config.vocab_size;
@@ -88,7 +103,7 @@ pub fn run(a: Args) -> Result<()> {
             max_context,
             api_key: a.api_key.clone(),
         },
-        worker: Worker::spawn(model, engine),
+        worker: worker.clone(),
         tokenizer: folder.tokenizer,
         template: folder.chat_template,
         generation: folder.generation,
@@ -104,8 +119,16 @@ pub fn run(a: Args) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(address = %listener.local_addr()?, model = %dir.display(), "strata serving");
         strata_server::serve(listener, state, shutdown_signal()).await.context("server failed")
-    })
+    })?;
+    let unwritten = worker.shutdown(SHUTDOWN_FLUSH);
+    if unwritten > 0 {
+        tracing::warn!(unwritten, "SSD cache writes still queued at shutdown were dropped");
+    }
+    Ok(())
 }
+
+/// How long a graceful shutdown waits for queued SSD cache writes.
+const SHUTDOWN_FLUSH: std::time::Duration = std::time::Duration::from_secs(15);
 
 /// Ctrl-C or SIGTERM.
 async fn shutdown_signal() {

@@ -2,10 +2,12 @@
 //! serves queued requests. Knows models only through their forward and state; knows nothing
 //! of HTTP or files.
 
+pub mod cache;
 pub mod generate;
 pub mod sampler;
+mod scheduler;
 pub mod worker;
 
 pub use generate::{generate, FinishReason, Generation, GenerationOptions, Sampled};
 pub use sampler::{Sampler, SamplingParams};
-pub use worker::{EngineConfig, Event, EventSink, Job, Worker, WorkerStats};
+pub use worker::{CacheConfig, EngineConfig, Event, EventSink, Job, SpawnError, SsdConfig, Worker, WorkerStats};

@@ -71,6 +71,8 @@ impl SamplingParams {
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// Random draws made so far: a seeded sampler that replays this many is where it was.
+    draws: u64,
 }
 
 impl Sampler {
@@ -79,7 +81,26 @@ impl Sampler {
             Some(seed) => StdRng::seed_from_u64(seed),
             None => StdRng::from_rng(&mut rand::rng()),
         };
-        Self { params, rng }
+        Self { params, rng, draws: 0 }
+    }
+
+    /// A sampler in the state `Sampler::new(params)` reaches after `draws` random draws, for
+    /// resuming a seeded generation exactly.
+    pub fn resumed(params: SamplingParams, draws: u64) -> Self {
+        let mut sampler = Self::new(params);
+        for _ in 0..draws {
+            sampler.draw();
+        }
+        sampler
+    }
+
+    pub fn draws(&self) -> u64 {
+        self.draws
+    }
+
+    fn draw(&mut self) -> f64 {
+        self.draws += 1;
+        self.rng.random::<f64>()
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -152,7 +173,7 @@ impl Sampler {
             idx.truncate(keep);
         }
         let total: f64 = probs.iter().sum();
-        let mut draw = self.rng.random::<f64>() * total;
+        let mut draw = self.draw() * total;
         for (k, &x) in probs.iter().enumerate() {
             draw -= x;
             if draw < 0.0 {
@@ -229,5 +250,19 @@ mod tests {
         };
         assert_eq!(run(1), run(1));
         assert_ne!(run(1), run(2));
+    }
+
+    #[test]
+    fn resumed_sampler_continues_the_same_sequence() {
+        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.7).sin()).collect();
+        let mut whole = sampler(|p| p.seed = Some(5));
+        let all: Vec<u32> = (0..20).map(|_| whole.sample(&logits, &[], &[])).collect();
+        let mut first = sampler(|p| p.seed = Some(5));
+        for _ in 0..8 {
+            first.sample(&logits, &[], &[]);
+        }
+        let mut rest = Sampler::resumed(first.params().clone(), first.draws());
+        let tail: Vec<u32> = (8..20).map(|_| rest.sample(&logits, &[], &[])).collect();
+        assert_eq!(tail, all[8..]);
     }
 }

@@ -1,30 +1,31 @@
-//! The engine thread: continuous batching over one model.
+//! The handle requesters hold: submit jobs, read counters, flush the cache, shut down.
 //!
-//! Each step it admits waiting jobs (first come, first admitted, while the batch has room and
-//! the state budget covers the job's whole prompt + output), feeds one prefill chunk of the
-//! oldest joiner, then runs one batched decode forward for every running row — each row at its
-//! own position — and samples each row with its own parameters. A long prompt therefore holds
-//! the running streams up for at most one chunk per step. A finished row (end token, length, or
-//! a requester that went away) leaves the batch without disturbing the others.
-//!
-//! Requesters never touch model state: a job goes in, events come out, and a closed sink
-//! cancels the job within one step.
+//! A job goes in, events come out; requesters never touch model state. With an SSD tier, a
+//! job first passes a prefetch thread that reads any stored state it can use from disk, so the
+//! engine thread (the token loop) never waits on a disk read.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use candle_core::Tensor;
-use strata_model::{Logits, Qwen35, StateCost};
+use strata_model::{Qwen35, StateCost};
 use strata_state::BatchState;
 
-use crate::generate::{with_logprobs, FinishReason, Generation, GenerationOptions, Sampled};
-use crate::sampler::Sampler;
+use crate::cache::ssd::SsdError;
+use crate::cache::{
+    usable_prefix, CacheStats, Identity, RamCache, Recovery, Snapshot, SsdOptions, SsdStore, SsdWriter, PROMPT_NAMESPACE,
+};
+use crate::generate::{Generation, GenerationOptions, Sampled};
+use crate::scheduler::Engine;
 
-/// What a job reports, in order: tokens, then exactly one `Finished` or `Failed`.
+/// What a job reports, in order: `Started` once its prompt state is in place, tokens, then
+/// exactly one `Finished` or `Failed` (which may also come first).
 #[derive(Debug)]
 pub enum Event {
+    /// `cached_tokens` prompt tokens came from the prompt cache instead of a forward.
+    Started {
+        cached_tokens: usize,
+    },
     Token(Sampled),
     Finished(Generation),
     Failed(String),
@@ -40,6 +41,13 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub opts: GenerationOptions,
     pub sink: Box<dyn EventSink>,
+}
+
+/// A job on its way to the engine thread, with any stored state found for it.
+pub(crate) struct Queued {
+    pub job: Job,
+    /// A prompt-cache entry read from SSD, or a generation checkpoint to resume from.
+    pub restored: Option<Snapshot>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -60,6 +68,39 @@ impl EngineConfig {
     }
 }
 
+/// The prompt cache's settings.
+#[derive(Clone, Debug)]
+pub struct CacheConfig {
+    /// Bytes of snapshots the RAM tier (memory of the model's device) may hold; 0 turns it off.
+    pub ram_bytes: usize,
+    /// During a long prefill, snapshot every `stride` prompt tokens (0: only at the prompt end).
+    pub stride: usize,
+    pub ssd: Option<SsdConfig>,
+    /// Persist each deterministic generation's state every this many output tokens (0: off);
+    /// needs the SSD tier.
+    pub checkpoint_every: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct SsdConfig {
+    pub options: SsdOptions,
+    pub identity: Identity,
+    /// Snapshots waiting to be written; when full, new ones are dropped (and counted).
+    pub queue: usize,
+}
+
+impl CacheConfig {
+    /// RAM tier only, sized for a device: host memory on CPU, device memory on GPU.
+    pub fn for_device(device: &candle_core::Device) -> Self {
+        let gib = if device.is_cpu() { 4 } else { 8 };
+        Self { ram_bytes: gib << 30, stride: 512, ssd: None, checkpoint_every: 0 }
+    }
+
+    pub fn off() -> Self {
+        Self { ram_bytes: 0, stride: 0, ssd: None, checkpoint_every: 0 }
+    }
+}
+
 /// Counters read by `/stats` and `/metrics`.
 #[derive(Debug, Default)]
 pub struct WorkerStats {
@@ -74,38 +115,86 @@ pub struct WorkerStats {
     pub prefill_chunks: AtomicU64,
 }
 
+/// The cache parts shared by the handle, the prefetch thread and the engine thread.
+pub(crate) struct SharedCache {
+    pub config: CacheConfig,
+    pub stats: Arc<CacheStats>,
+    pub ram: Mutex<RamCache>,
+    pub writer: Option<SsdWriter>,
+}
+
+impl SharedCache {
+    /// The namespace of `opts`' generation checkpoints, or None when the generation is not
+    /// reproducible (unseeded sampling, or logprobs that a resume could not replay).
+    /// Every checkpoint of one namespace belongs to the same prompt and settings, so the
+    /// longest one is the one to resume from.
+    pub fn checkpoint_namespace(&self, prompt: &[u32], opts: &GenerationOptions) -> Option<u64> {
+        let deterministic = opts.sampling.is_greedy() || opts.sampling.seed.is_some();
+        if self.config.checkpoint_every == 0 || self.writer.is_none() || !deterministic || opts.logprobs.is_some() {
+            return None;
+        }
+        let key = format!("checkpoint {prompt:?} {:?} {:?} {}", opts.sampling, opts.stop_tokens, opts.max_tokens);
+        // Never 0, the prompt cache's namespace.
+        Some(xxhash_rust::xxh3::xxh3_64(key.as_bytes()) | 1)
+    }
+
+    pub fn ram(&self) -> std::sync::MutexGuard<'_, RamCache> {
+        self.ram.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    #[error(transparent)]
+    Ssd(#[from] SsdError),
+    #[error(transparent)]
+    Model(#[from] strata_model::ModelError),
+}
+
 #[derive(Clone)]
 pub struct Worker {
-    jobs: mpsc::Sender<Job>,
+    jobs: mpsc::Sender<Queued>,
     stats: Arc<WorkerStats>,
+    cache: Arc<SharedCache>,
+    recovery: Option<Recovery>,
     cost: StateCost,
     config: EngineConfig,
 }
 
 impl Worker {
-    /// Starts the engine thread with `model`.
-    pub fn spawn(model: Qwen35, config: EngineConfig) -> Self {
-        let (jobs, queue) = mpsc::channel::<Job>();
+    /// Starts the engine thread with `model`. Fails only when the SSD tier's folder cannot be
+    /// opened.
+    pub fn spawn(model: Qwen35, config: EngineConfig, cache: CacheConfig) -> Result<Self, SpawnError> {
         let stats = Arc::new(WorkerStats::default());
+        let cache_stats = Arc::new(CacheStats::default());
         let cost = model.state_cost();
-        let thread_stats = stats.clone();
+        let (writer, recovery) = match &cache.ssd {
+            Some(ssd) => {
+                let (store, recovery) = SsdStore::open(ssd.options.clone(), ssd.identity.clone(), cache_stats.clone())?;
+                (Some(SsdWriter::spawn(Arc::new(store), ssd.queue.max(1), cache_stats.clone())), Some(recovery))
+            }
+            None => (None, None),
+        };
+        let shared = Arc::new(SharedCache {
+            ram: Mutex::new(RamCache::new(cache.ram_bytes, cache_stats.clone())),
+            config: cache,
+            stats: cache_stats,
+            writer,
+        });
+        let (to_engine, queue) = mpsc::channel::<Queued>();
+        let jobs = match &shared.writer {
+            Some(_) => {
+                let template = model.new_state(1)?;
+                spawn_prefetch(shared.clone(), template, to_engine)
+            }
+            None => to_engine,
+        };
+        let (thread_stats, thread_cache) = (stats.clone(), shared.clone());
         std::thread::Builder::new()
             .name("strata-engine".into())
-            .spawn(move || {
-                Engine {
-                    model,
-                    config,
-                    cost,
-                    stats: &thread_stats,
-                    waiting: VecDeque::new(),
-                    joiner: None,
-                    batch: None,
-                    rows: Vec::new(),
-                }
-                .run(queue)
-            })
+            .spawn(move || Engine::new(model, config, cost, &thread_stats, &thread_cache).run(queue))
             .expect("the OS can start a thread");
-        Self { jobs, stats, cost, config }
+        Ok(Self { jobs, stats, cache: shared, recovery, cost, config })
     }
 
     /// Whether a job of `tokens` total tokens (prompt + output budget) can ever be admitted;
@@ -124,7 +213,7 @@ impl Worker {
     pub fn submit(&self, job: Job) -> Result<(), String> {
         self.admissible(job.prompt.len() + job.opts.max_tokens)?;
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
-        self.jobs.send(job).map_err(|_| {
+        self.jobs.send(Queued { job, restored: None }).map_err(|_| {
             self.stats.queued.fetch_sub(1, Ordering::Relaxed);
             "the engine thread has stopped".to_string()
         })
@@ -134,234 +223,89 @@ impl Worker {
         &self.stats
     }
 
+    pub fn cache_stats(&self) -> &CacheStats {
+        &self.cache.stats
+    }
+
+    pub fn cache_config(&self) -> &CacheConfig {
+        &self.cache.config
+    }
+
+    /// What the SSD tier found and cleaned up when it opened.
+    pub fn recovery(&self) -> Option<&Recovery> {
+        self.recovery.as_ref()
+    }
+
     pub fn config(&self) -> &EngineConfig {
         &self.config
     }
+
+    /// Drops every RAM entry and, with `ssd`, every SSD entry of this model; returns how many
+    /// of each went.
+    pub fn flush_cache(&self, ssd: bool) -> (usize, usize) {
+        let ram = self.cache.ram().clear();
+        let ssd = match (&self.cache.writer, ssd) {
+            (Some(w), true) => w.store().clear().unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "could not clear the SSD cache");
+                0
+            }),
+            _ => 0,
+        };
+        (ram, ssd)
+    }
+
+    /// Waits up to `deadline` for queued SSD writes; returns how many were left unwritten.
+    pub fn shutdown(&self, deadline: Duration) -> usize {
+        self.cache.writer.as_ref().map_or(0, |w| w.shutdown(deadline))
+    }
 }
 
-/// A running row: one sequence of the batch.
-struct Row {
-    job: Job,
-    sampler: Sampler,
-    context: Vec<u32>,
-    generated: Vec<u32>,
-    reserved: usize,
-    prefill_time: Duration,
-    decode_start: Instant,
-}
-
-/// The job being prefilled, in its own single-row state until it joins the batch.
-struct Joiner {
-    job: Job,
-    state: BatchState,
-    fed: usize,
-    reserved: usize,
-    started: Instant,
-}
-
-struct Engine<'a> {
-    model: Qwen35,
-    config: EngineConfig,
-    cost: StateCost,
-    stats: &'a WorkerStats,
-    waiting: VecDeque<Job>,
-    joiner: Option<Joiner>,
-    /// State of the running rows, in `rows` order.
-    batch: Option<BatchState>,
-    rows: Vec<Row>,
-}
-
-/// How a row's step ended.
-enum Step {
-    Continue,
-    Done(FinishReason),
-}
-
-impl Engine<'_> {
-    fn run(mut self, queue: mpsc::Receiver<Job>) {
-        loop {
-            let idle = self.rows.is_empty() && self.joiner.is_none() && self.waiting.is_empty();
-            if idle {
-                match queue.recv() {
-                    Ok(job) => self.waiting.push_back(job),
-                    Err(_) => return,
+/// Starts the thread that reads usable SSD state for each job before passing it on. It reads
+/// only when the SSD holds more of the prompt than the RAM tier does.
+fn spawn_prefetch(cache: Arc<SharedCache>, template: BatchState, engine: mpsc::Sender<Queued>) -> mpsc::Sender<Queued> {
+    let (jobs, incoming) = mpsc::channel::<Queued>();
+    std::thread::Builder::new()
+        .name("strata-prefetch".into())
+        .spawn(move || {
+            for mut queued in incoming {
+                if !queued.job.sink.is_closed() {
+                    queued.restored = prefetch(&cache, &template, &queued.job);
+                }
+                if engine.send(queued).is_err() {
+                    return;
                 }
             }
-            while let Ok(job) = queue.try_recv() {
-                self.waiting.push_back(job);
+        })
+        .expect("the OS can start a thread");
+    jobs
+}
+
+fn prefetch(cache: &SharedCache, template: &BatchState, job: &Job) -> Option<Snapshot> {
+    let store = cache.writer.as_ref()?.store();
+    let prompt = &job.prompt;
+    let hit = match cache.checkpoint_namespace(prompt, &job.opts).and_then(|ns| {
+        store.lookup(ns, |tokens, _| if tokens.len() >= prompt.len() && tokens.starts_with(prompt) { tokens.len() } else { 0 })
+    }) {
+        Some(checkpoint) => checkpoint,
+        None => {
+            let limit = prompt.len().saturating_sub(1);
+            let score = |tokens: &[u32], trim: bool| usable_prefix(tokens, trim, prompt, limit);
+            let hit = store.lookup(PROMPT_NAMESPACE, score)?;
+            if hit.usable <= cache.ram().best(PROMPT_NAMESPACE, score) {
+                return None;
             }
-            if let Err(e) = self.step() {
-                self.fail_all(&e.to_string());
-            }
+            hit
         }
-    }
-
-    fn reserved(&self) -> usize {
-        self.rows.iter().map(|r| r.reserved).sum::<usize>() + self.joiner.as_ref().map_or(0, |j| j.reserved)
-    }
-
-    /// Admission, one prefill chunk, one decode step.
-    fn step(&mut self) -> strata_model::Result<()> {
-        self.admit()?;
-        self.prefill_chunk()?;
-        self.decode()?;
-        self.stats.active.store(self.rows.len() + self.joiner.is_some() as usize, Ordering::Relaxed);
-        self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
-        Ok(())
-    }
-
-    /// Starts prefilling the oldest waiting job when the batch has room and the budget covers
-    /// it. Strictly in arrival order: a job never overtakes an older one, so none starves.
-    fn admit(&mut self) -> strata_model::Result<()> {
-        while self.joiner.is_none() && self.rows.len() < self.config.max_batch {
-            let Some(job) = self.waiting.front() else { return Ok(()) };
-            if job.sink.is_closed() {
-                self.waiting.pop_front();
-                self.stats.queued.fetch_sub(1, Ordering::Relaxed);
-                self.stats.requests.fetch_add(1, Ordering::Relaxed);
-                self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-                continue;
-            }
-            let need = self.cost.bytes(job.prompt.len() + job.opts.max_tokens);
-            if self.reserved() + need > self.config.state_budget_bytes {
-                return Ok(());
-            }
-            let job = self.waiting.pop_front().expect("front exists");
-            self.stats.queued.fetch_sub(1, Ordering::Relaxed);
-            self.stats.requests.fetch_add(1, Ordering::Relaxed);
-            self.stats.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
-            let state = self.model.new_state(1)?;
-            self.joiner = Some(Joiner { job, state, fed: 0, reserved: need, started: Instant::now() });
+    };
+    let started = Instant::now();
+    match store.load(&hit, template) {
+        Ok(snap) => {
+            tracing::debug!(tokens = hit.usable, micros = started.elapsed().as_micros() as u64, "restored from SSD");
+            Some(snap)
         }
-        Ok(())
-    }
-
-    /// Feeds the joiner one chunk; when its prompt is done, samples its first token and moves
-    /// its state into the batch.
-    fn prefill_chunk(&mut self) -> strata_model::Result<()> {
-        let Some(joiner) = self.joiner.as_mut() else { return Ok(()) };
-        if joiner.job.sink.is_closed() {
-            self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-            self.joiner = None;
-            return Ok(());
+        Err(e) => {
+            tracing::warn!(error = %e, "dropped an unreadable SSD cache entry; the prompt is prefilled instead");
+            None
         }
-        let prompt = &joiner.job.prompt;
-        if prompt.is_empty() {
-            let mut j = self.joiner.take().expect("checked above");
-            j.job.sink.send(Event::Failed("the prompt is empty".into()));
-            return Ok(());
-        }
-        let end = (joiner.fed + self.config.prefill_chunk.max(1)).min(prompt.len());
-        let input = Tensor::new(&prompt[joiner.fed..end], self.model.device())?.unsqueeze(0)?;
-        let logits = self.model.forward(&input, &mut joiner.state, Logits::Last)?;
-        joiner.fed = end;
-        self.stats.prefill_chunks.fetch_add(1, Ordering::Relaxed);
-        if end < prompt.len() {
-            return Ok(());
-        }
-        let j = self.joiner.take().expect("checked above");
-        let mut row = Row {
-            sampler: Sampler::new(j.job.opts.sampling.clone()),
-            context: j.job.prompt.clone(),
-            generated: Vec::new(),
-            reserved: j.reserved,
-            prefill_time: j.started.elapsed(),
-            decode_start: Instant::now(),
-            job: j.job,
-        };
-        let logits = logits.squeeze(0)?.to_vec1::<f32>()?;
-        match Self::sample_and_send(self.stats, &mut row, &logits) {
-            Step::Done(reason) => self.finish(row, reason),
-            Step::Continue => {
-                match &mut self.batch {
-                    Some(batch) => batch.merge(&j.state)?,
-                    None => self.batch = Some(j.state),
-                }
-                self.rows.push(row);
-            }
-        }
-        Ok(())
-    }
-
-    /// One forward for every running row, then per-row sampling; finished rows leave.
-    fn decode(&mut self) -> strata_model::Result<()> {
-        let Some(batch) = self.batch.as_mut() else { return Ok(()) };
-        let last: Vec<u32> = self.rows.iter().map(|r| *r.context.last().expect("a running row has a token")).collect();
-        let input = Tensor::new(last.as_slice(), self.model.device())?.unsqueeze(1)?;
-        let logits = self.model.forward(&input, batch, Logits::Last)?.to_vec2::<f32>()?;
-        self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
-        let mut keep = Vec::with_capacity(self.rows.len());
-        let mut done = Vec::new();
-        for (i, (row, logits)) in self.rows.iter_mut().zip(&logits).enumerate() {
-            match Self::sample_and_send(self.stats, row, logits) {
-                Step::Continue => keep.push(i),
-                Step::Done(reason) => done.push((i, reason)),
-            }
-        }
-        if done.is_empty() {
-            return Ok(());
-        }
-        let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows).into_iter().map(Some).collect();
-        for (i, reason) in done {
-            let row = rows[i].take().expect("each row finishes once");
-            self.finish(row, reason);
-        }
-        self.rows = rows.into_iter().flatten().collect();
-        if keep.is_empty() {
-            self.batch = None;
-        } else {
-            self.batch.as_mut().expect("checked above").filter(&keep)?;
-        }
-        Ok(())
-    }
-
-    /// Samples the row's next token from `logits` and streams it; says whether the row goes on.
-    fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &[f32]) -> Step {
-        let opts = &row.job.opts;
-        if row.generated.len() >= opts.max_tokens {
-            return Step::Done(FinishReason::Length);
-        }
-        let next = row.sampler.sample(logits, &row.context, &row.generated);
-        if opts.stop_tokens.contains(&next) {
-            return Step::Done(FinishReason::Stop);
-        }
-        row.generated.push(next);
-        row.context.push(next);
-        stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let sampled = match opts.logprobs {
-            None => Sampled { id: next, logprob: None, top_logprobs: Vec::new() },
-            Some(top) => with_logprobs(logits, next, top),
-        };
-        if !row.job.sink.send(Event::Token(sampled)) {
-            return Step::Done(FinishReason::Cancelled);
-        }
-        if row.generated.len() >= opts.max_tokens {
-            return Step::Done(FinishReason::Length);
-        }
-        Step::Continue
-    }
-
-    fn finish(&self, mut row: Row, reason: FinishReason) {
-        if reason == FinishReason::Cancelled {
-            self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-        }
-        let generation = Generation {
-            tokens: std::mem::take(&mut row.generated),
-            finish: reason,
-            prefill_time: row.prefill_time,
-            decode_time: row.decode_start.elapsed(),
-        };
-        row.job.sink.send(Event::Finished(generation));
-    }
-
-    /// A forward failed: the batch state can no longer be trusted, so every job in flight fails.
-    fn fail_all(&mut self, message: &str) {
-        for mut row in self.rows.drain(..) {
-            row.job.sink.send(Event::Failed(message.to_string()));
-        }
-        if let Some(mut j) = self.joiner.take() {
-            j.job.sink.send(Event::Failed(message.to_string()));
-        }
-        self.batch = None;
     }
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
-use strata_engine::{generate, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Worker};
+use strata_engine::{generate, CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Worker};
 use strata_model::{ModelFolder, Qwen35};
 
 fn fixtures() -> Vec<PathBuf> {
@@ -78,7 +78,12 @@ fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {
             .iter()
             .map(|(p, o)| generate(&model, p, &GenerationOptions { prefill_chunk: chunk, ..o.clone() }, |_| true).unwrap().tokens)
             .collect();
-        let worker = Worker::spawn(model, EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 });
+        let worker = Worker::spawn(
+            model,
+            EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 },
+            CacheConfig::off(),
+        )
+        .unwrap();
         let recorders: Vec<Recorder> = (0..jobs.len()).map(|_| Recorder::default()).collect();
         let submit = |i: usize| {
             let (prompt, o) = jobs[i].clone();
@@ -126,7 +131,12 @@ fn a_long_prompt_joins_one_chunk_per_step() {
     generate(&model, &long, &GenerationOptions { prefill_chunk: chunk, ..opts(1, SamplingParams::greedy()) }, |_| true).unwrap();
     let full_prefill = start.elapsed();
 
-    let worker = Worker::spawn(model, EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 });
+    let worker = Worker::spawn(
+        model,
+        EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 },
+        CacheConfig::off(),
+    )
+    .unwrap();
     let running = Recorder::default();
     worker
         .submit(Job { prompt: tokens[..5].to_vec(), opts: opts(400, SamplingParams::greedy()), sink: Box::new(running.clone()) })
@@ -152,7 +162,9 @@ fn admission_respects_the_state_budget_and_arrival_order() {
     let cost = model.state_cost();
     // Room for exactly one request of 30 tokens at a time.
     let budget = cost.bytes(30) + cost.bytes(30) / 2;
-    let worker = Worker::spawn(model, EngineConfig { max_batch: 8, prefill_chunk: 8, state_budget_bytes: budget });
+    let worker =
+        Worker::spawn(model, EngineConfig { max_batch: 8, prefill_chunk: 8, state_budget_bytes: budget }, CacheConfig::off())
+            .unwrap();
     assert!(worker.admissible(10_000).unwrap_err().contains("state budget"));
     let recorders: Vec<Recorder> = (0..3).map(|_| Recorder::default()).collect();
     for r in &recorders {

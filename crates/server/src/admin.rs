@@ -1,4 +1,4 @@
-//! `/health`, `/stats` (JSON) and `/metrics` (Prometheus text).
+//! `/health`, `/stats` (JSON), `/metrics` (Prometheus text) and `POST /admin/cache/flush`.
 
 use std::sync::atomic::Ordering;
 
@@ -31,12 +31,76 @@ pub async fn stats(State(state): State<AppState>) -> Json<Value> {
         "prompt_tokens": w.prompt_tokens.load(Ordering::Relaxed),
         "generated_tokens": w.generated_tokens.load(Ordering::Relaxed),
         "max_context": c.max_context,
+        "prompt_cache": cache_stats(&state),
     }))
+}
+
+fn cache_stats(state: &AppState) -> Value {
+    let s = state.worker.cache_stats();
+    let config = state.worker.cache_config();
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    json!({
+        "ram": {
+            "max_bytes": config.ram_bytes,
+            "entries": s.ram_entries.load(Ordering::Relaxed),
+            "bytes": s.ram_bytes.load(Ordering::Relaxed),
+            "hits": n(&s.ram_hits),
+            "evictions": n(&s.ram_evictions),
+        },
+        "ssd": config.ssd.as_ref().map(|ssd| json!({
+            "dir": ssd.options.dir.display().to_string(),
+            "max_bytes": ssd.options.max_bytes,
+            "entries": s.ssd_entries.load(Ordering::Relaxed),
+            "bytes": n(&s.ssd_bytes),
+            "hits": n(&s.ssd_hits),
+            "restores": n(&s.ssd_restores),
+            "restore_seconds": n(&s.ssd_restore_micros) as f64 / 1e6,
+            "restore_failures": n(&s.ssd_restore_failures),
+            "writes": n(&s.ssd_writes),
+            "write_failures": n(&s.ssd_write_failures),
+            "writes_dropped": n(&s.ssd_writes_dropped),
+            "evictions": n(&s.ssd_evictions),
+            "checkpoints_written": n(&s.checkpoints_written),
+            "checkpoint_resumes": n(&s.checkpoint_resumes),
+            "recovered": state.worker.recovery().map(|r| json!({
+                "entries": r.entries, "bytes": r.bytes, "reaped_tmp": r.reaped_tmp,
+                "removed_corrupt": r.removed_corrupt, "skipped_foreign": r.skipped_foreign,
+            })),
+        })),
+        "misses": n(&s.misses),
+        "hit_tokens": n(&s.hit_tokens),
+        "stride": config.stride,
+    })
+}
+
+#[derive(serde::Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct FlushRequest {
+    #[serde(default)]
+    ssd: bool,
+}
+
+/// Drops the RAM tier, and with `{"ssd": true}` the SSD tier too. The body may be empty.
+pub async fn flush_cache(State(state): State<AppState>, body: axum::body::Bytes) -> Result<Json<Value>, crate::error::ApiError> {
+    let req: FlushRequest = if body.iter().all(u8::is_ascii_whitespace) {
+        FlushRequest::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| crate::error::ApiError::bad_request(format!("invalid flush request: {e}"), None))?
+    };
+    let worker = state.worker.clone();
+    let (ram, ssd) = tokio::task::spawn_blocking(move || worker.flush_cache(req.ssd))
+        .await
+        .map_err(|e| crate::error::ApiError::internal(e.to_string()))?;
+    tracing::info!(ram_entries = ram, ssd_entries = ssd, "prompt cache flushed");
+    Ok(Json(json!({"flushed": {"ram_entries": ram, "ssd_entries": ssd}})))
 }
 
 pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let w = state.worker.stats();
-    let rows: [(&str, &str, &str, f64); 9] = [
+    let s = state.worker.cache_stats();
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
+    let rows: [(&str, &str, &str, f64); 25] = [
         ("strata_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
         ("strata_http_requests_total", "counter", "HTTP requests received.", state.http_requests.load(Ordering::Relaxed) as f64),
         (
@@ -56,6 +120,22 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         ("strata_requests_queued", "gauge", "Generations waiting for the engine.", w.queued.load(Ordering::Relaxed) as f64),
         ("strata_prompt_tokens_total", "counter", "Prompt tokens processed.", w.prompt_tokens.load(Ordering::Relaxed) as f64),
         ("strata_generated_tokens_total", "counter", "Tokens generated.", w.generated_tokens.load(Ordering::Relaxed) as f64),
+        ("strata_cache_ram_entries", "gauge", "Prompt-cache entries in RAM.", s.ram_entries.load(Ordering::Relaxed) as f64),
+        ("strata_cache_ram_bytes", "gauge", "Prompt-cache bytes in RAM.", s.ram_bytes.load(Ordering::Relaxed) as f64),
+        ("strata_cache_ram_hits_total", "counter", "Prompts served from the RAM tier.", n(&s.ram_hits)),
+        ("strata_cache_ram_evictions_total", "counter", "RAM entries evicted to stay under the cap.", n(&s.ram_evictions)),
+        ("strata_cache_ssd_entries", "gauge", "Prompt-cache entries on SSD.", s.ssd_entries.load(Ordering::Relaxed) as f64),
+        ("strata_cache_ssd_bytes", "gauge", "Prompt-cache bytes on SSD.", n(&s.ssd_bytes)),
+        ("strata_cache_ssd_hits_total", "counter", "Prompts served from the SSD tier.", n(&s.ssd_hits)),
+        ("strata_cache_misses_total", "counter", "Prompts with no usable cached prefix.", n(&s.misses)),
+        ("strata_cache_hit_tokens_total", "counter", "Prompt tokens served from the cache.", n(&s.hit_tokens)),
+        ("strata_cache_ssd_restores_total", "counter", "SSD entries read back.", n(&s.ssd_restores)),
+        ("strata_cache_ssd_restore_seconds_total", "counter", "Time spent reading SSD entries.", n(&s.ssd_restore_micros) / 1e6),
+        ("strata_cache_ssd_restore_failures_total", "counter", "SSD entries dropped as unreadable.", n(&s.ssd_restore_failures)),
+        ("strata_cache_ssd_writes_total", "counter", "Entries written (spilled) to SSD.", n(&s.ssd_writes)),
+        ("strata_cache_ssd_write_failures_total", "counter", "SSD writes that failed.", n(&s.ssd_write_failures)),
+        ("strata_cache_ssd_writes_dropped_total", "counter", "SSD writes dropped on a full queue.", n(&s.ssd_writes_dropped)),
+        ("strata_cache_checkpoint_resumes_total", "counter", "Generations resumed from a checkpoint.", n(&s.checkpoint_resumes)),
     ];
     let mut text = String::new();
     for (name, kind, help, value) in rows {

@@ -168,7 +168,7 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model, "content": blocks,
             "stop_reason": stop_reason(&outcome), "stop_sequence": outcome.stop_string,
-            "usage": {"input_tokens": outcome.prompt_tokens, "output_tokens": outcome.completion_tokens},
+            "usage": {"input_tokens": outcome.prompt_tokens - outcome.cached_tokens, "cache_read_input_tokens": outcome.cached_tokens, "output_tokens": outcome.completion_tokens},
         }))
         .into_response());
     }

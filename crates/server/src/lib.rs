@@ -32,6 +32,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/admin/cache/flush", post(admin::flush_cache))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .merge(api)
@@ -95,7 +96,7 @@ fn log_request(id: &str, o: &output::Outcome) {
     tracing::info!(
         id,
         prompt_tokens = o.prompt_tokens,
-        cached_tokens = 0,
+        cached_tokens = o.cached_tokens,
         generated_tokens = o.completion_tokens,
         ttft_ms = o.ttft.map(|t| t.as_secs_f64() * 1e3).unwrap_or(0.0),
         tok_s = o.completion_tokens.saturating_sub(1) as f64 / decode_s.max(1e-9),

@@ -42,6 +42,8 @@ pub struct Outcome {
     /// The stop string that ended the answer, if one did.
     pub stop_string: Option<String>,
     pub prompt_tokens: usize,
+    /// Prompt tokens served from the prompt cache.
+    pub cached_tokens: usize,
     pub completion_tokens: usize,
     pub ttft: Option<Duration>,
     pub elapsed: Duration,
@@ -79,6 +81,7 @@ pub async fn drive(
 ) -> ApiResult<Option<Outcome>> {
     let started = Instant::now();
     let prompt_tokens = prompt.len();
+    let mut cached_tokens = 0;
     let wants_logprobs = opts.logprobs.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel();
     state.worker.submit(Job { prompt, opts, sink: Box::new(ChannelSink(tx)) }).map_err(ApiError::internal)?;
@@ -156,6 +159,7 @@ pub async fn drive(
                         finish: if saw_call { Finish::ToolCalls } else { Finish::Stop },
                         stop_string: stop.matched().map(str::to_string),
                         prompt_tokens,
+                        cached_tokens,
                         completion_tokens,
                         ttft,
                         elapsed: started.elapsed(),
@@ -176,11 +180,13 @@ pub async fn drive(
                     finish,
                     stop_string: None,
                     prompt_tokens,
+                    cached_tokens,
                     completion_tokens,
                     ttft,
                     elapsed: started.elapsed(),
                 }));
             }
+            Event::Started { cached_tokens: n } => cached_tokens = n,
             Event::Failed(message) => return Err(ApiError::internal(message)),
         }
     }

@@ -11,7 +11,7 @@ use axum::Router;
 use candle_core::{DType, Device};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use strata_engine::{EngineConfig, Worker};
+use strata_engine::{CacheConfig, EngineConfig, Worker};
 use strata_model::ModelFolder;
 use strata_server::{router, AppState, ServerConfig, Shared};
 use tower::ServiceExt;
@@ -32,7 +32,7 @@ fn state(name: &str, max_context: usize, api_key: Option<&str>) -> AppState {
             max_context,
             api_key: api_key.map(str::to_string),
         },
-        worker: Worker::spawn(model, EngineConfig::for_device(&Device::Cpu)),
+        worker: Worker::spawn(model, EngineConfig::for_device(&Device::Cpu), CacheConfig::for_device(&Device::Cpu)).unwrap(),
         vocab_size: folder.config.vocab_size,
         tokenizer: folder.tokenizer,
         template: folder.chat_template,

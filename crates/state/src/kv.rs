@@ -129,6 +129,30 @@ impl KvStore {
         Ok(KvStore { rows: vec![copy], ..self.clone_empty() })
     }
 
+    /// A single-row store holding `k`, `v` (`[Hkv, len, D]`), shaped like this store's rows;
+    /// the error names what does not match.
+    pub fn single_row(&self, k: Tensor, v: Tensor) -> Result<KvStore> {
+        for (name, t) in [("k", &k), ("v", &v)] {
+            let (h, _, d) = t.dims3()?;
+            if (h, d) != (self.kv_heads, self.head_dim) || t.dtype() != self.dtype {
+                return Err(StateError::BadPart(format!(
+                    "attention {name} is {:?} {:?}, expected [{}, len, {}] {:?}",
+                    t.dtype(),
+                    t.dims(),
+                    self.kv_heads,
+                    self.head_dim,
+                    self.dtype
+                )));
+            }
+        }
+        if k.dims() != v.dims() {
+            return Err(StateError::BadPart(format!("attention k {:?} and v {:?} differ in shape", k.dims(), v.dims())));
+        }
+        let len = k.dim(1)?;
+        let row = KvRow { k: k.to_device(&self.device)?, v: v.to_device(&self.device)?, len };
+        Ok(KvStore { rows: vec![row], ..self.clone_empty() })
+    }
+
     fn clone_empty(&self) -> KvStore {
         KvStore {
             rows: Vec::new(),

@@ -25,6 +25,8 @@ pub enum StateError {
     KindMismatch(&'static str, &'static str),
     #[error("cannot trim {kind} state from position {from} to {to}")]
     Untrimmable { kind: &'static str, from: usize, to: usize },
+    #[error("stored state does not fit this model: {0}")]
+    BadPart(String),
 }
 
 /// The state of one layer for every row of a batch.
@@ -92,6 +94,45 @@ impl LayerState {
             LayerState::Recurrent(s) => LayerState::Recurrent(s.extract(row)?),
         })
     }
+
+    /// Cuts `row` back to its first `len` positions; an error for kinds that cannot trim.
+    pub fn trim(&mut self, row: usize, len: usize) -> Result<()> {
+        match self {
+            LayerState::Attention(s) => s.trim(row, len),
+            LayerState::Recurrent(_) => Err(StateError::Untrimmable { kind: "recurrent", from: usize::MAX, to: len }),
+        }
+    }
+
+    /// The tensors of a single-row state, by part name, for persistence (contiguous copies).
+    pub fn parts(&self) -> Result<Vec<(&'static str, Tensor)>> {
+        if self.rows() != 1 {
+            return Err(StateError::BadPart(format!("only single-row state is stored, this has {} rows", self.rows())));
+        }
+        Ok(match self {
+            LayerState::Attention(s) => {
+                let (k, v) = s.history(0)?;
+                vec![("k", k.force_contiguous()?), ("v", v.force_contiguous()?)]
+            }
+            LayerState::Recurrent(s) => vec![("conv", s.conv.clone()), ("ssm", s.ssm.clone())],
+        })
+    }
+
+    /// Rebuilds a single-row layer of this layer's kind and shape from its parts; `part` hands
+    /// out each named tensor (and may read it from disk on demand).
+    pub fn from_parts(&self, mut part: impl FnMut(&str) -> Result<Tensor>) -> Result<LayerState> {
+        Ok(match self {
+            LayerState::Attention(s) => LayerState::Attention(s.single_row(part("k")?, part("v")?)?),
+            LayerState::Recurrent(s) => LayerState::Recurrent(s.single_row(part("conv")?, part("ssm")?)?),
+        })
+    }
+
+    /// The number of positions a single-row layer holds, where the kind records it.
+    fn stored_len(&self) -> Option<usize> {
+        match self {
+            LayerState::Attention(s) => Some(s.len(0)),
+            LayerState::Recurrent(_) => None,
+        }
+    }
 }
 
 /// Gathers `rows` of a batch-major tensor as a fresh contiguous tensor.
@@ -136,6 +177,55 @@ impl BatchState {
         }
         self.positions = keep.iter().map(|&r| self.positions[r]).collect();
         Ok(())
+    }
+
+    /// Whether every layer can be cut back to an earlier position.
+    pub fn can_trim(&self) -> bool {
+        self.layers.iter().all(LayerState::can_trim)
+    }
+
+    /// Cuts `row` back to its first `len` positions (only when every layer can trim).
+    pub fn trim(&mut self, row: usize, len: usize) -> Result<()> {
+        let from = self.positions[row];
+        if len > from {
+            return Err(StateError::Untrimmable { kind: "batch", from, to: len });
+        }
+        if let Some(layer) = self.layers.iter().find(|l| !l.can_trim()) {
+            return Err(StateError::Untrimmable { kind: layer.kind(), from, to: len });
+        }
+        for layer in &mut self.layers {
+            layer.trim(row, len)?;
+        }
+        self.positions[row] = len;
+        Ok(())
+    }
+
+    /// The tensors of a single-row state, named `layers.{i}.{part}`, for persistence.
+    pub fn parts(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::new();
+        for (i, layer) in self.layers.iter().enumerate() {
+            out.extend(layer.parts()?.into_iter().map(|(name, t)| (format!("layers.{i}.{name}"), t)));
+        }
+        Ok(out)
+    }
+
+    /// Rebuilds a single-row state at `position` shaped like `template` (a fresh state of the
+    /// same model) from parts named as [`BatchState::parts`] names them. Every shape, dtype and
+    /// length is checked, so a stored state can never be restored into the wrong model.
+    pub fn from_parts(
+        template: &BatchState,
+        position: usize,
+        mut part: impl FnMut(&str) -> Result<Tensor>,
+    ) -> Result<BatchState> {
+        let mut layers = Vec::with_capacity(template.layers.len());
+        for (i, like) in template.layers.iter().enumerate() {
+            let layer = like.from_parts(|name| part(&format!("layers.{i}.{name}")))?;
+            if let Some(len) = layer.stored_len().filter(|&len| len != position) {
+                return Err(StateError::BadPart(format!("layer {i} holds {len} positions, expected {position}")));
+            }
+            layers.push(layer);
+        }
+        Ok(BatchState { layers, positions: vec![position] })
     }
 
     /// An owned single-row copy of `row`.

@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::{select_rows, Result};
+use crate::{select_rows, Result, StateError};
 
 /// `conv`: `[B, K-1, conv_dim]`, the last `K - 1` conv inputs (compute dtype).
 /// `ssm`: `[B, Hv, Dv, Dk]`, the recurrent matrix, always f32.
@@ -56,6 +56,23 @@ impl RecurrentState {
         self.conv = select_rows(&self.conv, keep)?;
         self.ssm = select_rows(&self.ssm, keep)?;
         Ok(())
+    }
+
+    /// A single-row state from `conv` and `ssm`, shaped like one row of this state; the error
+    /// names what does not match.
+    pub fn single_row(&self, conv: Tensor, ssm: Tensor) -> Result<RecurrentState> {
+        for (name, t, like) in [("conv", &conv, &self.conv), ("ssm", &ssm, &self.ssm)] {
+            if t.dims()[1..] != like.dims()[1..] || t.dims().first() != Some(&1) || t.dtype() != like.dtype() {
+                return Err(StateError::BadPart(format!(
+                    "recurrent {name} is {:?} {:?}, expected [1, {:?}] {:?}",
+                    t.dtype(),
+                    t.dims(),
+                    &like.dims()[1..],
+                    like.dtype()
+                )));
+            }
+        }
+        Ok(Self { conv: conv.to_device(self.conv.device())?, ssm: ssm.to_device(self.ssm.device())? })
     }
 
     pub fn extract(&self, row: usize) -> Result<RecurrentState> {

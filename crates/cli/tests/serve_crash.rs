@@ -1,0 +1,118 @@
+//! `strata serve` with an SSD cache survives `kill -9`: killed while requests run and entries
+//! are being written, with debris planted in its cache folder, it starts again, serves the
+//! same output as a cold server, keeps another model's files, and reports what it dropped.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+fn fixture() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a")
+}
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    /// Starts the server on a free port and waits until it listens.
+    fn start(ssd: &Path) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["serve", "--port", "0", "--cache-stride", "8", "--prefill-chunk", "8", "--checkpoint-every", "2"])
+            .arg("--model")
+            .arg(fixture())
+            .arg("--ssd-cache")
+            .arg(ssd)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let url = loop {
+            let line = lines.next().expect("the server starts").unwrap();
+            if let Some(rest) = line.split("address=").nth(1) {
+                break format!("http://{}", rest.split_whitespace().next().unwrap());
+            }
+        };
+        // Keep draining the log so the server never blocks on a full pipe.
+        std::thread::spawn(move || lines.for_each(drop));
+        Server { child, url }
+    }
+
+    fn post(&self, path: &str, body: &Value) -> Value {
+        ureq::post(&format!("{}{path}", self.url)).send_json(body.clone()).unwrap().into_json().unwrap()
+    }
+
+    fn get(&self, path: &str) -> Value {
+        ureq::get(&format!("{}{path}", self.url)).call().unwrap().into_json().unwrap()
+    }
+
+    /// SIGKILL: no shutdown code runs.
+    fn kill(self) {}
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn completion(prompt: &[u32], max_tokens: usize) -> Value {
+    json!({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+}
+
+#[test]
+fn killed_server_restarts_and_serves_the_right_state() {
+    let ssd = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 500).collect();
+
+    let server = Server::start(ssd.path());
+    let cold = server.post("/v1/completions", &completion(&prompt, 12));
+    assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // Requests in flight (each writing snapshots and checkpoints) when the kill comes.
+    let url = server.url.clone();
+    let busy: Vec<_> = (0..4)
+        .map(|i| {
+            let url = url.clone();
+            let p: Vec<u32> = (0..60).map(|t| (t * 13 + i * 101) % 500).collect();
+            std::thread::spawn(move || {
+                let _ = ureq::post(&format!("{url}/v1/completions")).send_json(completion(&p, 64));
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    server.kill();
+    busy.into_iter().for_each(|t| drop(t.join()));
+
+    // Debris of other crashes, and another model's entries, in the folder.
+    let own = std::fs::read_dir(ssd.path()).unwrap().map(|e| e.unwrap().path()).find(|p| p.is_dir()).expect("the cache folder");
+    let namespace = std::fs::read_dir(&own).unwrap().map(|e| e.unwrap().path()).find(|p| p.is_dir()).unwrap();
+    std::fs::write(namespace.join("0123456789abcdef0123456789abcdef.entry.tmp"), b"half a write").unwrap();
+    std::fs::write(namespace.join("fedcba9876543210fedcba9876543210.entry"), b"STRATAKV truncated").unwrap();
+    let foreign = ssd.path().join("0000000000000000/0000000000000000/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa.entry");
+    std::fs::create_dir_all(foreign.parent().unwrap()).unwrap();
+    std::fs::write(&foreign, b"another model's entry").unwrap();
+
+    let server = Server::start(ssd.path());
+    let recovered = &server.get("/stats")["prompt_cache"]["ssd"]["recovered"];
+    assert!(recovered["reaped_tmp"].as_u64().unwrap() >= 1, "{recovered}");
+    assert!(recovered["removed_corrupt"].as_u64().unwrap() >= 1, "{recovered}");
+    let warm = server.post("/v1/completions", &completion(&prompt, 12));
+    assert_eq!(warm["choices"][0]["text"], cold["choices"][0]["text"], "the restarted server serves the cold run's output");
+    // Served from the SSD tier: the prompt entry (all but the last token) or, as this greedy
+    // request was checkpointed, its finished generation's last checkpoint (the whole prompt).
+    let cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    assert!(cached >= 39, "{cached} cached tokens");
+    let ssd = &server.get("/stats")["prompt_cache"]["ssd"];
+    assert_eq!(ssd["hits"].as_u64().unwrap() + ssd["checkpoint_resumes"].as_u64().unwrap(), 1, "{ssd}");
+    // Flushing the SSD tier removes this model's entries only.
+    let flushed = ureq::post(&format!("{}/admin/cache/flush", server.url)).send_string(r#"{"ssd": true}"#).unwrap();
+    let flushed: Value = flushed.into_json().unwrap();
+    assert!(flushed["flushed"]["ssd_entries"].as_u64().unwrap() > 0);
+    assert!(foreign.exists(), "another model's files are never deleted");
+    server.kill();
+}

@@ -1,0 +1,419 @@
+//! The engine thread: continuous batching over one model, with the prompt cache.
+//!
+//! Each step it admits waiting jobs (first come, first admitted, while the batch has room and
+//! the state budget covers the job's whole prompt + output), feeds one prefill chunk of the
+//! oldest joiner, then runs one batched decode forward for every running row — each row at its
+//! own position — and samples each row with its own parameters. A long prompt therefore holds
+//! the running streams up for at most one chunk per step. A finished row (end token, length, or
+//! a requester that went away) leaves the batch without disturbing the others.
+//!
+//! The cache: a joiner starts from the longest usable stored prefix (RAM, or SSD read ahead by
+//! the prefetch thread). Prefill chunks end at every `stride` tokens and one token before the
+//! prompt's end, where snapshots are taken — recurrent state exists only where it was computed,
+//! so these are the positions later prompts can resume from. A finished row publishes its
+//! state. Snapshots are copies; the SSD gets them through the write-behind queue, so this
+//! thread never touches the disk.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use candle_core::Tensor;
+use strata_model::{Logits, Qwen35, StateCost};
+use strata_state::BatchState;
+
+use crate::cache::{usable_prefix, Resume, Snapshot, PROMPT_NAMESPACE};
+use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
+use crate::sampler::Sampler;
+use crate::worker::{EngineConfig, Event, Job, Queued, SharedCache, WorkerStats};
+
+/// A running row: one sequence of the batch.
+struct Row {
+    job: Job,
+    sampler: Sampler,
+    context: Vec<u32>,
+    generated: Vec<u32>,
+    reserved: usize,
+    /// Where this row's generation checkpoints go, when it takes them.
+    checkpoints: Option<u64>,
+    prefill_time: Duration,
+    decode_start: Instant,
+}
+
+/// The job being prefilled, in its own single-row state until it joins the batch.
+struct Joiner {
+    job: Job,
+    state: BatchState,
+    fed: usize,
+    reserved: usize,
+    started: Instant,
+}
+
+pub(crate) struct Engine<'a> {
+    model: Qwen35,
+    config: EngineConfig,
+    cost: StateCost,
+    stats: &'a WorkerStats,
+    cache: &'a SharedCache,
+    waiting: VecDeque<Queued>,
+    joiner: Option<Joiner>,
+    /// State of the running rows, in `rows` order.
+    batch: Option<BatchState>,
+    rows: Vec<Row>,
+}
+
+/// How a row's step ended.
+enum Step {
+    Continue,
+    Done(FinishReason),
+}
+
+impl<'a> Engine<'a> {
+    pub fn new(model: Qwen35, config: EngineConfig, cost: StateCost, stats: &'a WorkerStats, cache: &'a SharedCache) -> Self {
+        Self { model, config, cost, stats, cache, waiting: VecDeque::new(), joiner: None, batch: None, rows: Vec::new() }
+    }
+
+    pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
+        loop {
+            let idle = self.rows.is_empty() && self.joiner.is_none() && self.waiting.is_empty();
+            if idle {
+                match queue.recv() {
+                    Ok(job) => self.waiting.push_back(job),
+                    Err(_) => return,
+                }
+            }
+            while let Ok(job) = queue.try_recv() {
+                self.waiting.push_back(job);
+            }
+            if let Err(e) = self.step() {
+                self.fail_all(&e.to_string());
+            }
+        }
+    }
+
+    fn reserved(&self) -> usize {
+        self.rows.iter().map(|r| r.reserved).sum::<usize>() + self.joiner.as_ref().map_or(0, |j| j.reserved)
+    }
+
+    /// Admission, one prefill chunk, one decode step.
+    fn step(&mut self) -> strata_model::Result<()> {
+        self.admit()?;
+        self.prefill_chunk()?;
+        self.decode()?;
+        self.stats.active.store(self.rows.len() + self.joiner.is_some() as usize, Ordering::Relaxed);
+        self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Starts the oldest waiting job when the batch has room and the budget covers it. Strictly
+    /// in arrival order: a job never overtakes an older one, so none starves.
+    fn admit(&mut self) -> strata_model::Result<()> {
+        while self.joiner.is_none() && self.rows.len() < self.config.max_batch {
+            let Some(queued) = self.waiting.front() else { return Ok(()) };
+            let job = &queued.job;
+            if job.sink.is_closed() {
+                self.waiting.pop_front();
+                self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+                self.stats.requests.fetch_add(1, Ordering::Relaxed);
+                self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                continue;
+            }
+            let need = self.cost.bytes(job.prompt.len() + job.opts.max_tokens);
+            if self.reserved() + need > self.config.state_budget_bytes {
+                return Ok(());
+            }
+            let Queued { job, restored } = self.waiting.pop_front().expect("front exists");
+            self.stats.queued.fetch_sub(1, Ordering::Relaxed);
+            self.stats.requests.fetch_add(1, Ordering::Relaxed);
+            self.stats.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
+            match restored {
+                Some(snap) if snap.resume.is_some_and(|r| r.prompt_len == job.prompt.len()) => self.resume(job, snap, need)?,
+                restored => {
+                    let (state, cached) = self.restore_prompt(&job.prompt, restored)?;
+                    let mut job = job;
+                    job.sink.send(Event::Started { cached_tokens: cached });
+                    self.joiner = Some(Joiner { job, state, fed: cached, reserved: need, started: Instant::now() });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The state to prefill `prompt` from: a copy of the longest usable cached prefix (the SSD
+    /// entry read ahead, or the RAM tier's best), else a fresh state. At least the last prompt
+    /// token is always computed, since its logits choose the first output token.
+    fn restore_prompt(&self, prompt: &[u32], from_ssd: Option<Snapshot>) -> strata_model::Result<(BatchState, usize)> {
+        let limit = prompt.len().saturating_sub(1);
+        let score = |tokens: &[u32], trim: bool| usable_prefix(tokens, trim, prompt, limit);
+        let stats = &self.cache.stats;
+        let mut ram = self.cache.ram();
+        let ssd = from_ssd.map(|snap| (score(&snap.tokens, snap.can_trim()), snap)).filter(|(usable, _)| *usable > 0);
+        let restored = match ssd {
+            Some((usable, snap)) if usable > ram.best(PROMPT_NAMESPACE, score) => {
+                stats.ssd_hits.fetch_add(1, Ordering::Relaxed);
+                let mut state = snap.state.extract(0)?;
+                if usable < snap.tokens.len() {
+                    state.trim(0, usable)?;
+                }
+                ram.insert(snap);
+                Some((state, usable))
+            }
+            _ => ram.restore(PROMPT_NAMESPACE, score)?.map(|r| {
+                stats.ram_hits.fetch_add(1, Ordering::Relaxed);
+                (r.state, r.tokens)
+            }),
+        };
+        Ok(match restored {
+            Some((state, tokens)) => {
+                stats.hit_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+                (state, tokens)
+            }
+            None => {
+                stats.misses.fetch_add(1, Ordering::Relaxed);
+                (self.model.new_state(1)?, 0)
+            }
+        })
+    }
+
+    /// Continues a generation from its checkpoint: the output so far is replayed to the
+    /// requester, the sampler is wound to where it was, and the row joins the batch.
+    fn resume(&mut self, job: Job, snap: Snapshot, reserved: usize) -> strata_model::Result<()> {
+        let resume = snap.resume.expect("checked by the caller");
+        self.cache.stats.checkpoint_resumes.fetch_add(1, Ordering::Relaxed);
+        let mut context = snap.tokens;
+        context.push(resume.next_token);
+        let mut row = Row {
+            sampler: Sampler::resumed(job.opts.sampling.clone(), resume.sampler_draws),
+            generated: context[resume.prompt_len..].to_vec(),
+            context,
+            reserved,
+            checkpoints: self.cache.checkpoint_namespace(&job.prompt, &job.opts),
+            prefill_time: Duration::ZERO,
+            decode_start: Instant::now(),
+            job,
+        };
+        row.job.sink.send(Event::Started { cached_tokens: resume.prompt_len });
+        for &id in &row.generated {
+            if !row.job.sink.send(Event::Token(Sampled { id, logprob: None, top_logprobs: Vec::new() })) {
+                self.finish(row, FinishReason::Cancelled);
+                return Ok(());
+            }
+        }
+        if row.generated.len() >= row.job.opts.max_tokens {
+            self.finish(row, FinishReason::Length);
+            return Ok(());
+        }
+        match &mut self.batch {
+            Some(batch) => batch.merge(&snap.state)?,
+            None => self.batch = Some(snap.state),
+        }
+        self.rows.push(row);
+        Ok(())
+    }
+
+    fn caching(&self) -> bool {
+        self.cache.config.ram_bytes > 0 || self.cache.writer.is_some()
+    }
+
+    /// Hands a snapshot to the RAM tier and the SSD write queue.
+    fn publish(&self, snap: Snapshot) {
+        if let Some(writer) = &self.cache.writer {
+            writer.enqueue(snap.clone());
+        }
+        if self.cache.config.ram_bytes > 0 {
+            self.cache.ram().insert(snap);
+        }
+    }
+
+    /// Feeds the joiner one chunk; when its prompt is done, samples its first token and moves
+    /// its state into the batch.
+    fn prefill_chunk(&mut self) -> strata_model::Result<()> {
+        let caching = self.caching();
+        let Some(joiner) = self.joiner.as_mut() else { return Ok(()) };
+        if joiner.job.sink.is_closed() {
+            self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+            self.joiner = None;
+            return Ok(());
+        }
+        let prompt = &joiner.job.prompt;
+        if prompt.is_empty() {
+            let mut j = self.joiner.take().expect("checked above");
+            j.job.sink.send(Event::Failed("the prompt is empty".into()));
+            return Ok(());
+        }
+        let len = prompt.len();
+        let mut end = (joiner.fed + self.config.prefill_chunk.max(1)).min(len);
+        // Chunks end where snapshots are due (without a cache, chunking is left alone).
+        let stride = if caching { self.cache.config.stride } else { 0 };
+        if caching && joiner.fed + 1 < len {
+            end = end.min(len - 1);
+        }
+        if stride > 0 {
+            end = end.min((joiner.fed / stride + 1) * stride);
+        }
+        let input = Tensor::new(&prompt[joiner.fed..end], self.model.device())?.unsqueeze(0)?;
+        let logits = self.model.forward(&input, &mut joiner.state, Logits::Last)?;
+        joiner.fed = end;
+        self.stats.prefill_chunks.fetch_add(1, Ordering::Relaxed);
+        if end < len {
+            if caching && (end + 1 == len || (stride > 0 && end % stride == 0)) {
+                let snap = Snapshot {
+                    namespace: PROMPT_NAMESPACE,
+                    tokens: prompt[..end].to_vec(),
+                    state: joiner.state.extract(0)?,
+                    resume: None,
+                };
+                self.publish(snap);
+            }
+            return Ok(());
+        }
+        let j = self.joiner.take().expect("checked above");
+        let mut row = Row {
+            sampler: Sampler::new(j.job.opts.sampling.clone()),
+            context: j.job.prompt.clone(),
+            generated: Vec::new(),
+            reserved: j.reserved,
+            checkpoints: self.cache.checkpoint_namespace(&j.job.prompt, &j.job.opts),
+            prefill_time: j.started.elapsed(),
+            decode_start: Instant::now(),
+            job: j.job,
+        };
+        let logits = logits.squeeze(0)?.to_vec1::<f32>()?;
+        match Self::sample_and_send(self.stats, &mut row, &logits) {
+            Step::Done(reason) => {
+                if caching {
+                    self.publish(Snapshot {
+                        namespace: PROMPT_NAMESPACE,
+                        tokens: row.job.prompt.clone(),
+                        state: j.state,
+                        resume: None,
+                    });
+                }
+                self.finish(row, reason)
+            }
+            Step::Continue => {
+                match &mut self.batch {
+                    Some(batch) => batch.merge(&j.state)?,
+                    None => self.batch = Some(j.state),
+                }
+                self.rows.push(row);
+            }
+        }
+        Ok(())
+    }
+
+    /// One forward for every running row, then per-row sampling; checkpoints are taken, and
+    /// finished rows publish their state and leave.
+    fn decode(&mut self) -> strata_model::Result<()> {
+        let Some(batch) = self.batch.as_mut() else { return Ok(()) };
+        let last: Vec<u32> = self.rows.iter().map(|r| *r.context.last().expect("a running row has a token")).collect();
+        let input = Tensor::new(last.as_slice(), self.model.device())?.unsqueeze(1)?;
+        let logits = self.model.forward(&input, batch, Logits::Last)?.to_vec2::<f32>()?;
+        self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+        let mut keep = Vec::with_capacity(self.rows.len());
+        let mut done = Vec::new();
+        for (i, (row, logits)) in self.rows.iter_mut().zip(&logits).enumerate() {
+            match Self::sample_and_send(self.stats, row, logits) {
+                Step::Continue => keep.push(i),
+                Step::Done(reason) => done.push((i, reason)),
+            }
+        }
+        let batch = self.batch.as_ref().expect("checked above");
+        let every = self.cache.config.checkpoint_every;
+        for &i in &keep {
+            let row = &self.rows[i];
+            if let Some(namespace) = row.checkpoints.filter(|_| row.generated.len() % every == 0) {
+                let covered = row.context.len() - 1;
+                let resume = Resume {
+                    prompt_len: row.job.prompt.len(),
+                    next_token: row.context[covered],
+                    sampler_draws: row.sampler.draws(),
+                };
+                let snap = Snapshot {
+                    namespace,
+                    tokens: row.context[..covered].to_vec(),
+                    state: batch.extract(i)?,
+                    resume: Some(resume),
+                };
+                if let Some(writer) = &self.cache.writer {
+                    writer.enqueue(snap);
+                }
+            }
+        }
+        if done.is_empty() {
+            return Ok(());
+        }
+        let mut published = Vec::new();
+        if self.caching() {
+            for &(i, _) in &done {
+                let covered = batch.positions[i];
+                let tokens = self.rows[i].context[..covered].to_vec();
+                published.push(Snapshot { namespace: PROMPT_NAMESPACE, tokens, state: batch.extract(i)?, resume: None });
+            }
+        }
+        published.into_iter().for_each(|snap| self.publish(snap));
+        let mut rows: Vec<Option<Row>> = std::mem::take(&mut self.rows).into_iter().map(Some).collect();
+        for (i, reason) in done {
+            let row = rows[i].take().expect("each row finishes once");
+            self.finish(row, reason);
+        }
+        self.rows = rows.into_iter().flatten().collect();
+        if keep.is_empty() {
+            self.batch = None;
+        } else {
+            self.batch.as_mut().expect("checked above").filter(&keep)?;
+        }
+        Ok(())
+    }
+
+    /// Samples the row's next token from `logits` and streams it; says whether the row goes on.
+    fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &[f32]) -> Step {
+        let opts = &row.job.opts;
+        if row.generated.len() >= opts.max_tokens {
+            return Step::Done(FinishReason::Length);
+        }
+        let next = row.sampler.sample(logits, &row.context, &row.generated);
+        if opts.stop_tokens.contains(&next) {
+            return Step::Done(FinishReason::Stop);
+        }
+        row.generated.push(next);
+        row.context.push(next);
+        stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
+        let sampled = match opts.logprobs {
+            None => Sampled { id: next, logprob: None, top_logprobs: Vec::new() },
+            Some(top) => with_logprobs(logits, next, top),
+        };
+        if !row.job.sink.send(Event::Token(sampled)) {
+            return Step::Done(FinishReason::Cancelled);
+        }
+        if row.generated.len() >= opts.max_tokens {
+            return Step::Done(FinishReason::Length);
+        }
+        Step::Continue
+    }
+
+    fn finish(&self, mut row: Row, reason: FinishReason) {
+        if reason == FinishReason::Cancelled {
+            self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
+        }
+        let generation = Generation {
+            tokens: std::mem::take(&mut row.generated),
+            finish: reason,
+            prefill_time: row.prefill_time,
+            decode_time: row.decode_start.elapsed(),
+        };
+        row.job.sink.send(Event::Finished(generation));
+    }
+
+    /// A forward failed: the batch state can no longer be trusted, so every job in flight fails.
+    fn fail_all(&mut self, message: &str) {
+        for mut row in self.rows.drain(..) {
+            row.job.sink.send(Event::Failed(message.to_string()));
+        }
+        if let Some(mut j) = self.joiner.take() {
+            j.job.sink.send(Event::Failed(message.to_string()));
+        }
+        self.batch = None;
+    }
+}

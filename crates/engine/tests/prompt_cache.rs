@@ -1,0 +1,202 @@
+//! The prompt cache against cold runs: a request served from a RAM hit, from a stride
+//! snapshot, or from the SSD tier after a restart gives the same log-probabilities (every
+//! vocabulary entry, within 1e-5) and the same greedy tokens as the same request run cold; a
+//! resent conversation reuses the previous turn; a generation interrupted by a crash resumes
+//! from its checkpoint with the output of an uninterrupted run.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+use strata_engine::cache::{Identity, SsdOptions};
+use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, SsdConfig, Worker};
+use strata_model::ModelFolder;
+
+fn fixtures() -> Vec<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
+    dirs.sort();
+    dirs
+}
+
+fn prompt_tokens(dir: &Path) -> Vec<u32> {
+    let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    t["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect()
+}
+
+fn cache(ssd: Option<&Path>, checkpoint_every: usize) -> CacheConfig {
+    let ssd = ssd.map(|dir| SsdConfig {
+        options: SsdOptions { dir: dir.to_path_buf(), max_bytes: 1 << 30, verify: false },
+        identity: Identity { model: "fixture".into(), config_hash: 1, tokenizer_hash: 2, dtype: "f32".into() },
+        queue: 256,
+    });
+    CacheConfig { ram_bytes: 1 << 30, stride: 8, ssd, checkpoint_every }
+}
+
+/// A fresh engine on the fixture in `dir` (each worker owns its model).
+fn engine(dir: &Path, cache: CacheConfig) -> Worker {
+    let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+    Worker::spawn(model, EngineConfig { max_batch: 4, prefill_chunk: 8, state_budget_bytes: 1 << 30 }, cache).unwrap()
+}
+
+struct Run {
+    cached: usize,
+    tokens: Vec<u32>,
+    /// Log-probabilities of the whole vocabulary at every step.
+    logprobs: Vec<Vec<(u32, f32)>>,
+}
+
+struct Channel(mpsc::Sender<Event>, Option<usize>);
+
+impl EventSink for Channel {
+    fn send(&mut self, event: Event) -> bool {
+        let token = matches!(event, Event::Token(_));
+        let alive = self.0.send(event).is_ok();
+        if let (true, Some(left)) = (token, self.1.as_mut()) {
+            *left -= 1;
+            return alive && *left > 0;
+        }
+        alive
+    }
+    fn is_closed(&self) -> bool {
+        self.1 == Some(0)
+    }
+}
+
+/// Runs `prompt`; with `hang_up_after`, the requester goes away after that many tokens.
+fn run_with(worker: &Worker, prompt: &[u32], opts: GenerationOptions, hang_up_after: Option<usize>) -> Run {
+    let (tx, rx) = mpsc::channel();
+    worker.submit(Job { prompt: prompt.to_vec(), opts, sink: Box::new(Channel(tx, hang_up_after)) }).unwrap();
+    let mut run = Run { cached: usize::MAX, tokens: Vec::new(), logprobs: Vec::new() };
+    loop {
+        match rx.recv_timeout(Duration::from_secs(120)).expect("the engine answers") {
+            Event::Started { cached_tokens } => run.cached = cached_tokens,
+            Event::Token(s) => {
+                run.tokens.push(s.id);
+                run.logprobs.push(s.top_logprobs);
+            }
+            Event::Finished(_) => return run,
+            Event::Failed(e) => panic!("generation failed: {e}"),
+        }
+    }
+}
+
+fn greedy(max_tokens: usize, stop_tokens: Vec<u32>) -> GenerationOptions {
+    GenerationOptions { max_tokens, sampling: SamplingParams::greedy(), stop_tokens, prefill_chunk: 8, logprobs: Some(512) }
+}
+
+fn run(worker: &Worker, prompt: &[u32], max_tokens: usize) -> Run {
+    run_with(worker, prompt, greedy(max_tokens, vec![]), None)
+}
+
+fn assert_same(cold: &Run, warm: &Run, what: &str) {
+    assert_eq!(cold.tokens, warm.tokens, "{what}: tokens differ from the cold run");
+    for (step, (a, b)) in cold.logprobs.iter().zip(&warm.logprobs).enumerate() {
+        let mut a = a.clone();
+        let mut b = b.clone();
+        a.sort_by_key(|x| x.0);
+        b.sort_by_key(|x| x.0);
+        assert_eq!(a.len(), 512);
+        let worst = a.iter().zip(&b).map(|(x, y)| (x.1 - y.1).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "{what}: step {step} log-probabilities differ by {worst}");
+    }
+}
+
+#[test]
+fn ram_hit_and_stride_snapshot_match_cold_runs() {
+    for dir in fixtures() {
+        let prompt = prompt_tokens(&dir);
+        let worker = engine(&dir, cache(None, 0));
+        let cold = run(&worker, &prompt, 12);
+        assert_eq!(cold.cached, 0, "{dir:?}: the first request is cold");
+        let warm = run(&worker, &prompt, 12);
+        assert_eq!(warm.cached, prompt.len() - 1, "{dir:?}: a repeated prompt reuses all but its last token");
+        assert_same(&cold, &warm, "RAM hit");
+
+        // Shares 21 tokens with the first prompt: the snapshot at 16 (stride 8) serves it.
+        let mut other = prompt[..21].to_vec();
+        other.extend(prompt[25..].iter().rev());
+        let from_stride = run(&worker, &other, 12);
+        assert_eq!(from_stride.cached, 16, "{dir:?}: served from the stride snapshot");
+        let cold_other = run(&engine(&dir, cache(None, 0)), &other, 12);
+        assert_eq!(cold_other.cached, 0);
+        assert_same(&cold_other, &from_stride, "stride snapshot");
+        let stats = worker.cache_stats();
+        assert_eq!(stats.ram_hits.load(Ordering::Relaxed), 2);
+        assert_eq!(stats.hit_tokens.load(Ordering::Relaxed), (prompt.len() - 1 + 16) as u64);
+    }
+}
+
+#[test]
+fn ssd_hit_after_restart_matches_cold_run() {
+    for dir in fixtures() {
+        let prompt = prompt_tokens(&dir);
+        let ssd = tempfile::tempdir().unwrap();
+        let first = engine(&dir, cache(Some(ssd.path()), 0));
+        let cold = run(&first, &prompt, 12);
+        assert_eq!(cold.cached, 0);
+        assert_eq!(first.shutdown(Duration::from_secs(60)), 0, "every queued write lands");
+        drop(first);
+
+        let restarted = engine(&dir, cache(Some(ssd.path()), 0));
+        assert!(restarted.recovery().unwrap().entries > 0, "the restarted engine finds the stored entries");
+        let warm = run(&restarted, &prompt, 12);
+        assert_eq!(warm.cached, prompt.len() - 1, "{dir:?}: served from the SSD tier");
+        assert_eq!(restarted.cache_stats().ssd_hits.load(Ordering::Relaxed), 1);
+        assert_same(&cold, &warm, "SSD hit after restart");
+    }
+}
+
+#[test]
+fn resent_conversation_reuses_the_previous_turn() {
+    for dir in fixtures() {
+        let prompt = prompt_tokens(&dir)[..20].to_vec();
+        let worker = engine(&dir, cache(None, 0));
+        // End the first answer on a token of its own, as an end-of-turn token would.
+        let probe = run(&worker, &prompt, 8).tokens;
+        let stop = probe[5];
+        let first = run_with(&worker, &prompt, greedy(8, vec![stop]), None);
+        let answer = &probe[..probe.iter().position(|&t| t == stop).unwrap()];
+        assert_eq!(first.tokens, answer);
+
+        let mut second = prompt.clone();
+        second.extend_from_slice(answer);
+        second.push(stop);
+        second.extend(prompt_tokens(&dir)[20..30].iter());
+        let warm = run(&worker, &second, 8);
+        assert!(
+            warm.cached >= prompt.len() + answer.len(),
+            "{dir:?}: turn two reused {} tokens, the first turn held {}",
+            warm.cached,
+            prompt.len() + answer.len()
+        );
+        let cold = run(&engine(&dir, cache(None, 0)), &second, 8);
+        assert_same(&cold, &warm, "second turn");
+    }
+}
+
+#[test]
+fn interrupted_generation_resumes_from_its_checkpoint() {
+    let dir = &fixtures()[0];
+    let prompt = prompt_tokens(dir);
+    let sampling = SamplingParams { temperature: 1.0, seed: Some(11), ..SamplingParams::greedy() };
+    let opts = GenerationOptions { max_tokens: 24, sampling, stop_tokens: vec![], prefill_chunk: 8, logprobs: None };
+    let whole = run_with(&engine(dir, CacheConfig::off()), &prompt, opts.clone(), None).tokens;
+    assert_eq!(whole.len(), 24);
+
+    let ssd = tempfile::tempdir().unwrap();
+    let crashed = engine(dir, cache(Some(ssd.path()), 4));
+    let partial = run_with(&crashed, &prompt, opts.clone(), Some(10)).tokens;
+    assert_eq!(partial, whole[..10]);
+    assert_eq!(crashed.shutdown(Duration::from_secs(60)), 0);
+    assert!(crashed.cache_stats().checkpoints_written.load(Ordering::Relaxed) >= 2);
+    drop(crashed);
+
+    let restarted = engine(dir, cache(Some(ssd.path()), 4));
+    let resumed = run_with(&restarted, &prompt, opts, None);
+    assert_eq!(restarted.cache_stats().checkpoint_resumes.load(Ordering::Relaxed), 1, "resumed, not started over");
+    assert_eq!(resumed.tokens, whole, "the resumed output equals an uninterrupted run");
+}

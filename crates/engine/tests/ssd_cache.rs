@@ -1,0 +1,463 @@
+//! The SSD tier of the prompt cache against real model state (the tiny fixture, run over a few
+//! tokens): bitwise round trips across restarts, lookups that never offer what an entry cannot
+//! serve, crash and corruption recovery, the byte cap, superseding, and the write-behind queue.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering::Relaxed;
+use std::sync::Arc;
+use std::time::Duration;
+
+use candle_core::{DType, Device, Tensor};
+use strata_engine::cache::ssd::SsdError;
+use strata_engine::cache::{usable_prefix, CacheStats, Identity, Recovery, Resume, Snapshot, SsdOptions, SsdStore, SsdWriter};
+use strata_model::{Logits, ModelFolder, Qwen35};
+use strata_state::{BatchState, KvStore, LayerState};
+
+const GIB: u64 = 1 << 30;
+
+fn model(dtype: DType) -> Qwen35 {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a");
+    ModelFolder::open(&dir).unwrap().load(dtype, &Device::Cpu).unwrap()
+}
+
+/// The model's state after `tokens`: real, non-trivial tensors (untrimmable: it has DeltaNet layers).
+fn run(model: &Qwen35, tokens: &[u32]) -> BatchState {
+    let mut state = model.new_state(1).unwrap();
+    let input = Tensor::new(tokens, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    model.forward(&input, &mut state, Logits::Last).unwrap();
+    state
+}
+
+/// A fresh attention-only state: trimmable, unlike the fixture's.
+fn kv_template() -> BatchState {
+    let kv = KvStore::new(1, 2, 8, DType::F32, &Device::Cpu).unwrap();
+    BatchState { layers: vec![LayerState::Attention(kv)], positions: vec![0] }
+}
+
+fn kv_state(len: usize) -> BatchState {
+    let mut state = kv_template();
+    let LayerState::Attention(kv) = &mut state.layers[0] else { unreachable!() };
+    let k = Tensor::rand(-1f32, 1f32, (2, len, 8), &Device::Cpu).unwrap();
+    let v = Tensor::rand(-1f32, 1f32, (2, len, 8), &Device::Cpu).unwrap();
+    kv.append(0, &k, &v).unwrap();
+    state.positions = vec![len];
+    state
+}
+
+fn snap(namespace: u64, tokens: &[u32], state: BatchState, resume: Option<Resume>) -> Snapshot {
+    Snapshot { namespace, tokens: tokens.to_vec(), state, resume }
+}
+
+fn identity(model: &str) -> Identity {
+    Identity { model: model.into(), config_hash: 0xC0FF_EE00_1234_5678, tokenizer_hash: 42, dtype: "f32".into() }
+}
+
+fn open_as(dir: &Path, identity: Identity, max_bytes: u64, verify: bool) -> (SsdStore, Recovery, Arc<CacheStats>) {
+    let stats = Arc::new(CacheStats::default());
+    let (store, recovery) = SsdStore::open(SsdOptions { dir: dir.into(), max_bytes, verify }, identity, stats.clone()).unwrap();
+    (store, recovery, stats)
+}
+
+fn open(dir: &Path, max_bytes: u64, verify: bool) -> (SsdStore, Recovery, Arc<CacheStats>) {
+    open_as(dir, identity("tiny-a"), max_bytes, verify)
+}
+
+/// Every file below `dir`, sorted.
+fn files(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for entry in fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            out.extend(files(&path));
+        } else {
+            out.push(path);
+        }
+    }
+    out.sort();
+    out
+}
+
+fn entry_files(dir: &Path) -> Vec<PathBuf> {
+    files(dir).into_iter().filter(|p| p.extension().is_some_and(|e| e == "entry")).collect()
+}
+
+fn no_tmp_left(dir: &Path) -> bool {
+    files(dir).iter().all(|p| p.extension().is_none_or(|e| e != "tmp"))
+}
+
+/// Stores `snap` and returns the path of the file it wrote.
+fn store_one(dir: &Path, store: &SsdStore, snap: &Snapshot) -> PathBuf {
+    let before = entry_files(dir);
+    assert!(store.store(snap).unwrap());
+    let new: Vec<PathBuf> = entry_files(dir).into_iter().filter(|p| !before.contains(p)).collect();
+    assert_eq!(new.len(), 1);
+    new[0].clone()
+}
+
+/// Scores only the entry holding exactly `tokens`.
+fn exact(tokens: &[u32]) -> impl Fn(&[u32], bool) -> usize + '_ {
+    move |entry, _| if entry == tokens { entry.len() } else { 0 }
+}
+
+/// Scores as the engine does for `prompt`: at least one token must be left to compute.
+fn for_prompt(prompt: &[u32]) -> impl Fn(&[u32], bool) -> usize + '_ {
+    move |entry, trimmable| usable_prefix(entry, trimmable, prompt, prompt.len() - 1)
+}
+
+fn flip_byte(path: &Path, at: usize) {
+    let mut bytes = fs::read(path).unwrap();
+    bytes[at] ^= 0x40;
+    fs::write(path, bytes).unwrap();
+}
+
+fn assert_bitwise_eq(a: &BatchState, b: &BatchState) {
+    let (a, b) = (a.parts().unwrap(), b.parts().unwrap());
+    assert_eq!(a.iter().map(|p| &p.0).collect::<Vec<_>>(), b.iter().map(|p| &p.0).collect::<Vec<_>>());
+    for ((name, x), (_, y)) in a.iter().zip(&b) {
+        assert_eq!((x.dtype(), x.dims()), (y.dtype(), y.dims()), "{name}");
+        // Widening to f32 is exact for every stored dtype, so equal bits here are equal bits there.
+        let bits = |t: &Tensor| -> Vec<u32> {
+            t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|v| v.to_bits()).collect()
+        };
+        assert_eq!(bits(x), bits(y), "{name}");
+    }
+}
+
+#[test]
+fn round_trip_is_bitwise_across_a_restart() {
+    for dtype in [DType::F32, DType::BF16] {
+        let dir = tempfile::tempdir().unwrap();
+        let model = model(dtype);
+        let tokens: Vec<u32> = (1..=12).collect();
+        let state = run(&model, &tokens);
+        let resume = Some(Resume { prompt_len: 9, next_token: 77, sampler_draws: 3 });
+        {
+            let (store, recovery, _) = open(dir.path(), GIB, false);
+            assert_eq!(recovery.entries, 0);
+            assert!(store.store(&snap(7, &tokens, state.clone(), resume)).unwrap());
+        }
+        let file = entry_files(dir.path()).pop().unwrap();
+        assert!(file.parent().unwrap().ends_with(format!("{}/{:016x}", identity("tiny-a").fingerprint(), 7)));
+
+        let (store, recovery, stats) = open(dir.path(), GIB, true);
+        assert_eq!((recovery.entries, recovery.bytes), (1, fs::metadata(&file).unwrap().len()));
+        assert_eq!((recovery.reaped_tmp, recovery.removed_corrupt, recovery.skipped_foreign), (0, 0, 0));
+        assert_eq!((store.entries(), store.bytes()), (1, recovery.bytes));
+        assert_eq!(stats.ssd_entries.load(Relaxed), 1);
+
+        let hit = store.lookup(7, exact(&tokens)).unwrap();
+        assert_eq!((hit.tokens, hit.usable), (12, 12));
+        let back = store.load(&hit, &model.new_state(1).unwrap()).unwrap();
+        assert_eq!((back.namespace, &back.tokens, back.resume), (7, &tokens, resume));
+        assert_eq!(back.state.positions, vec![12]);
+        assert_bitwise_eq(&back.state, &state);
+        assert_eq!((stats.ssd_restores.load(Relaxed), stats.ssd_restore_failures.load(Relaxed)), (1, 0));
+
+        // The restored state carries on exactly like the one that was stored.
+        let next = Tensor::new(&[[5u32]], &Device::Cpu).unwrap();
+        let (mut original, mut restored) = (state, back.state);
+        let want = model.forward(&next, &mut original, Logits::Last).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let got = model.forward(&next, &mut restored, Logits::Last).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(want, got);
+    }
+}
+
+#[test]
+fn lookup_never_offers_an_entry_it_cannot_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let (store, _, _) = open(dir.path(), GIB, false);
+    let prompt: Vec<u32> = (1..=10).collect();
+    store.store(&snap(1, &prompt[..6], run(&model, &prompt[..6]), None)).unwrap();
+    store.store(&snap(1, &prompt, run(&model, &prompt), None)).unwrap();
+    assert_eq!(store.entries(), 2);
+
+    // Untrimmable entries serve only their whole length: the 10-token entry would leave nothing
+    // to compute for the same prompt, so the 6-token one is chosen.
+    let hit = store.lookup(1, for_prompt(&prompt)).unwrap();
+    assert_eq!((hit.tokens, hit.usable), (6, 6));
+    assert_eq!(store.load(&hit, &model.new_state(1).unwrap()).unwrap().tokens, prompt[..6]);
+    assert!(store.lookup(1, for_prompt(&prompt[..6])).is_none());
+    assert!(store.lookup(1, for_prompt(&[1, 2, 3, 99, 5, 6, 7, 8])).is_none());
+    assert!(store.lookup(2, for_prompt(&prompt)).is_none());
+
+    // Trimmable entries serve any common prefix; the longest usable wins.
+    let kv_tokens: Vec<u32> = (1..=8).collect();
+    store.store(&snap(2, &kv_tokens, kv_state(8), None)).unwrap();
+    store.store(&snap(2, &[1, 2, 3, 9, 9], kv_state(5), None)).unwrap();
+    let hit = store.lookup(2, for_prompt(&prompt)).unwrap();
+    assert_eq!((hit.tokens, hit.usable), (8, 8));
+    let hit = store.lookup(2, for_prompt(&prompt[..5])).unwrap();
+    assert_eq!((hit.tokens, hit.usable), (8, 4));
+    let mut loaded = store.load(&hit, &kv_template()).unwrap();
+    assert_eq!(loaded.tokens, kv_tokens);
+    loaded.state.trim(0, 4).unwrap();
+
+    // Equal scores go to the most recently used entry.
+    store.store(&snap(3, &[1, 2, 3, 7], kv_state(4), None)).unwrap();
+    store.store(&snap(3, &[1, 2, 3, 8], kv_state(4), None)).unwrap();
+    let tied = [1, 2, 3, 4, 5];
+    let newest = |store: &SsdStore| store.load(&store.lookup(3, for_prompt(&tied)).unwrap(), &kv_template()).unwrap().tokens;
+    assert_eq!(newest(&store), [1, 2, 3, 8]);
+    store.load(&store.lookup(3, exact(&[1, 2, 3, 7])).unwrap(), &kv_template()).unwrap();
+    assert_eq!(newest(&store), [1, 2, 3, 7]);
+}
+
+#[test]
+fn startup_reaps_tmp_files_and_removes_damaged_entries() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let tokens = |first: u32| -> Vec<u32> { (first..first + 5).collect() };
+    let (store, _, _) = open(dir.path(), GIB, false);
+    let [intact, cut_in_header, cut_in_data, flipped_header] =
+        [10, 20, 30, 40].map(|first| store_one(dir.path(), &store, &snap(1, &tokens(first), run(&model, &tokens(first)), None)));
+    drop(store);
+
+    let tmp = intact.parent().unwrap().join("0123456789abcdef0123456789abcdef.entry.tmp");
+    fs::write(&tmp, b"half of an entry").unwrap();
+    let len = fs::metadata(&cut_in_data).unwrap().len();
+    fs::File::options().write(true).open(&cut_in_header).unwrap().set_len(40).unwrap();
+    fs::File::options().write(true).open(&cut_in_data).unwrap().set_len(len - 100).unwrap();
+    flip_byte(&flipped_header, 16 + 30);
+
+    let (store, recovery, stats) = open(dir.path(), GIB, false);
+    assert_eq!((recovery.reaped_tmp, recovery.removed_corrupt, recovery.skipped_foreign), (1, 3, 0));
+    assert_eq!((recovery.entries, store.entries()), (1, 1));
+    assert_eq!(entry_files(dir.path()), vec![intact]);
+    assert!(no_tmp_left(dir.path()));
+    assert_eq!(stats.ssd_entries.load(Relaxed), 1);
+    let hit = store.lookup(1, exact(&tokens(10))).unwrap();
+    assert_bitwise_eq(&store.load(&hit, &model.new_state(1).unwrap()).unwrap().state, &run(&model, &tokens(10)));
+}
+
+#[test]
+fn corrupt_tensor_data_is_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let tokens: Vec<u32> = (1..=6).collect();
+    let entry = snap(1, &tokens, run(&model, &tokens), None);
+    let damaged = |verify: bool| {
+        let (store, _, _) = open(dir.path(), GIB, false);
+        let path = store_one(dir.path(), &store, &entry);
+        drop(store);
+        // The last byte belongs to the last tensor; the header is intact.
+        flip_byte(&path, fs::metadata(&path).unwrap().len() as usize - 1);
+        let (store, recovery, stats) = open(dir.path(), GIB, verify);
+        (path, store, recovery, stats)
+    };
+
+    // Without verification the entry is indexed, but loading it checks every tensor's hash.
+    let (path, store, recovery, stats) = damaged(false);
+    assert_eq!((recovery.entries, recovery.removed_corrupt), (1, 0));
+    let hit = store.lookup(1, exact(&tokens)).unwrap();
+    let err = store.load(&hit, &model.new_state(1).unwrap()).unwrap_err();
+    assert!(matches!(err, SsdError::Corrupt { .. }) && err.to_string().contains("fails its hash"), "{err}");
+    assert!(!path.exists());
+    assert_eq!((store.entries(), store.bytes()), (0, 0));
+    assert_eq!((stats.ssd_restore_failures.load(Relaxed), stats.ssd_restores.load(Relaxed)), (1, 0));
+    assert!(store.lookup(1, exact(&tokens)).is_none());
+    drop(store);
+
+    // With verification the same damage is found at startup.
+    let (path, store, recovery, _) = damaged(true);
+    assert_eq!((recovery.entries, recovery.removed_corrupt), (0, 1));
+    assert!(!path.exists());
+    assert!(store.lookup(1, exact(&tokens)).is_none());
+}
+
+#[test]
+fn other_identities_files_are_never_touched() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let tokens: Vec<u32> = (1..=5).collect();
+    let (ours, theirs) = (identity("tiny-a"), identity("another-model"));
+    let (their_store, _, _) = open_as(dir.path(), theirs.clone(), GIB, false);
+    let their_file = store_one(dir.path(), &their_store, &snap(1, &tokens, run(&model, &tokens), None));
+    drop(their_store);
+    let their_bytes = fs::read(&their_file).unwrap();
+
+    // A copy of their entry placed in our folder, and a file we know nothing about.
+    let our_root = dir.path().join(ours.fingerprint());
+    fs::create_dir_all(our_root.join(format!("{:016x}", 1))).unwrap();
+    let planted = our_root.join(format!("{:016x}", 1)).join("feedfacefeedfacefeedfacefeedface.entry");
+    fs::copy(&their_file, &planted).unwrap();
+    let unknown = our_root.join("notes.txt");
+    fs::write(&unknown, b"keep me").unwrap();
+
+    let (store, recovery, _) = open_as(dir.path(), ours.clone(), GIB, true);
+    assert_eq!((recovery.entries, recovery.skipped_foreign, recovery.removed_corrupt), (0, 1, 0));
+    assert!(store.lookup(1, |_, _| 1).is_none());
+    store.store(&snap(1, &tokens, run(&model, &tokens), None)).unwrap();
+    assert_eq!(store.clear().unwrap(), 1);
+    assert_eq!(store.entries(), 0);
+    drop(store);
+
+    assert!(planted.exists() && unknown.exists());
+    assert_eq!(fs::read(&their_file).unwrap(), their_bytes);
+    assert_eq!(entry_files(&dir.path().join(theirs.fingerprint())), vec![their_file]);
+    let (_, recovery, _) = open_as(dir.path(), ours, GIB, false);
+    assert_eq!((recovery.entries, recovery.skipped_foreign), (0, 1));
+}
+
+#[test]
+fn a_failed_write_leaves_the_index_and_disk_clean() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let tokens: Vec<u32> = (1..=5).collect();
+    let (store, _, _) = open(dir.path(), GIB, false);
+    store.store(&snap(1, &tokens, run(&model, &tokens), None)).unwrap();
+    let before = (store.entries(), store.bytes(), entry_files(dir.path()));
+
+    // Namespace 5's folder is a regular file, so the entry cannot be created.
+    let blocked = dir.path().join(identity("tiny-a").fingerprint()).join(format!("{:016x}", 5));
+    fs::write(&blocked, b"not a folder").unwrap();
+    let err = store.store(&snap(5, &tokens, run(&model, &tokens), None)).unwrap_err();
+    assert!(matches!(err, SsdError::Io { .. }) && err.to_string().contains(&*blocked.to_string_lossy()), "{err}");
+    assert_eq!((store.entries(), store.bytes(), entry_files(dir.path())), before);
+    assert!(no_tmp_left(dir.path()));
+
+    assert!(store.lookup(5, exact(&tokens)).is_none());
+    let hit = store.lookup(1, exact(&tokens)).unwrap();
+    store.load(&hit, &model.new_state(1).unwrap()).unwrap();
+}
+
+#[test]
+fn byte_cap_evicts_least_recently_used() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let tokens = |first: u32| -> Vec<u32> { (first..first + 5).collect() };
+    let entry = |first: u32| snap(1, &tokens(first), run(&model, &tokens(first)), None);
+    let size = {
+        let scratch = tempfile::tempdir().unwrap();
+        let (store, _, _) = open(scratch.path(), GIB, false);
+        store.store(&entry(10)).unwrap();
+        store.bytes()
+    };
+    let cap = 3 * size + size / 2;
+
+    let (store, _, stats) = open(dir.path(), cap, false);
+    let [a, b, c] = [10, 20, 30].map(|first| store_one(dir.path(), &store, &entry(first)));
+    // Reading `a` makes it the most recently used, so `b` is the oldest now.
+    store.load(&store.lookup(1, exact(&tokens(10))).unwrap(), &model.new_state(1).unwrap()).unwrap();
+    let d = store_one(dir.path(), &store, &entry(40));
+    assert!(!b.exists() && a.exists() && c.exists() && d.exists());
+    assert_eq!((store.entries(), store.bytes()), (3, 3 * size));
+    assert_eq!((stats.ssd_evictions.load(Relaxed), stats.ssd_bytes.load(Relaxed)), (1, 3 * size));
+    assert!(store.lookup(1, exact(&tokens(20))).is_none());
+    drop(store);
+
+    // The order lives in the files' mtimes, so it survives a restart: `c` goes next.
+    let (store, _, _) = open(dir.path(), cap, false);
+    store_one(dir.path(), &store, &entry(50));
+    assert!(!c.exists() && a.exists() && d.exists());
+
+    // An entry larger than the whole cap is not stored, and evicts nothing.
+    let small = tempfile::tempdir().unwrap();
+    let (store, _, stats) = open(small.path(), size - 1, false);
+    assert!(!store.store(&entry(10)).unwrap());
+    assert_eq!((store.entries(), stats.ssd_writes.load(Relaxed)), (0, 0));
+    assert!(files(small.path()).is_empty());
+}
+
+#[test]
+fn superseding_keeps_only_what_a_newer_entry_cannot_serve() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let (store, _, _) = open(dir.path(), GIB, false);
+    let short: Vec<u32> = (1..=5).collect();
+    let long: Vec<u32> = (1..=8).collect();
+
+    // An exact duplicate replaces the older file.
+    let first = store_one(dir.path(), &store, &snap(1, &short, run(&model, &short), None));
+    let second = store_one(dir.path(), &store, &snap(1, &short, run(&model, &short), None));
+    assert!(!first.exists() && second.exists());
+    assert_eq!(store.entries(), 1);
+
+    // A longer untrimmable entry cannot serve its ancestor's prompts: both stay.
+    store_one(dir.path(), &store, &snap(1, &long, run(&model, &long), None));
+    assert!(second.exists());
+    assert_eq!(store.entries(), 2);
+
+    // A longer trimmable entry serves every prefix the shorter one did: it replaces it.
+    let kv_short = store_one(dir.path(), &store, &snap(2, &short, kv_state(5), None));
+    store_one(dir.path(), &store, &snap(2, &long, kv_state(8), None));
+    assert!(!kv_short.exists());
+    assert_eq!(store.entries(), 3);
+}
+
+#[test]
+fn a_checkpoint_replaces_older_checkpoints_of_its_generation_once_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let (store, _, stats) = open(dir.path(), GIB, false);
+    let generation: Vec<u32> = (1..=20).collect();
+    let checkpoint = |n: usize| {
+        let resume = Resume { prompt_len: 6, next_token: generation[n], sampler_draws: n as u64 };
+        snap(9, &generation[..n], run(&model, &generation[..n]), Some(resume))
+    };
+    let prompt_entry = store_one(dir.path(), &store, &snap(9, &generation[..6], run(&model, &generation[..6]), None));
+    let older = store_one(dir.path(), &store, &checkpoint(8));
+    let branch: Vec<u32> = [&generation[..6], &[100, 101]].concat();
+    let resume = Resume { prompt_len: 6, next_token: 102, sampler_draws: 2 };
+    let other_branch = store_one(dir.path(), &store, &snap(9, &branch, run(&model, &branch), Some(resume)));
+
+    // While the newer checkpoint cannot be written, the older one stays served.
+    let ns_dir = older.parent().unwrap().to_path_buf();
+    let aside = ns_dir.with_extension("aside");
+    fs::rename(&ns_dir, &aside).unwrap();
+    fs::write(&ns_dir, b"").unwrap();
+    assert!(store.store(&checkpoint(12)).is_err());
+    assert_eq!(store.entries(), 3);
+    fs::remove_file(&ns_dir).unwrap();
+    fs::rename(&aside, &ns_dir).unwrap();
+    let hit = store.lookup(9, exact(&generation[..8])).unwrap();
+    assert_eq!(store.load(&hit, &model.new_state(1).unwrap()).unwrap().resume.unwrap().sampler_draws, 8);
+
+    // Once written, it replaces the older checkpoint, not the prompt entry nor another branch.
+    let newer = store_one(dir.path(), &store, &checkpoint(12));
+    assert!(!older.exists());
+    assert!(newer.exists() && prompt_entry.exists() && other_branch.exists());
+    assert_eq!(store.entries(), 3);
+    assert_eq!(stats.checkpoints_written.load(Relaxed), 3);
+}
+
+#[test]
+fn writer_flushes_on_shutdown_and_counts_failures() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _, stats) = open(dir.path(), GIB, false);
+    let writer = SsdWriter::spawn(Arc::new(store), 64, stats.clone());
+    // Namespace 6 cannot be written: its folder is a regular file.
+    fs::write(dir.path().join(identity("tiny-a").fingerprint()).join(format!("{:016x}", 6)), b"").unwrap();
+    assert!(writer.enqueue(snap(6, &[1, 2, 3], kv_state(3), None)));
+    for i in 0..20 {
+        assert!(writer.enqueue(snap(4, &[100 + i, 1, 2], kv_state(3), None)));
+    }
+    assert!(writer.enqueue(snap(6, &[4, 5, 6], kv_state(3), None)));
+
+    assert_eq!(writer.shutdown(Duration::from_secs(60)), 0);
+    assert_eq!(entry_files(dir.path()).len(), 20);
+    assert_eq!(writer.store().entries(), 20);
+    assert_eq!((stats.ssd_writes.load(Relaxed), stats.ssd_write_failures.load(Relaxed)), (20, 2));
+    assert!(no_tmp_left(dir.path()));
+
+    // Shut down once is shut down: new work is refused, not counted as dropped.
+    assert_eq!(writer.shutdown(Duration::from_secs(1)), 0);
+    assert!(!writer.enqueue(snap(4, &[1], kv_state(1), None)));
+    assert_eq!(stats.ssd_writes_dropped.load(Relaxed), 0);
+}
+
+#[test]
+fn writer_drops_and_counts_what_a_full_queue_cannot_take() {
+    let dir = tempfile::tempdir().unwrap();
+    let (store, _, stats) = open(dir.path(), GIB, false);
+    let writer = SsdWriter::spawn(Arc::new(store), 2, stats.clone());
+    // Enqueueing takes microseconds, each write at least an fsync: the queue of two overflows.
+    let accepted = (0..200u32).filter(|&i| writer.enqueue(snap(4, &[1000 + i], kv_state(1), None))).count();
+    let dropped = 200 - accepted;
+    assert!(dropped > 0 && accepted >= 2, "accepted {accepted}");
+    assert_eq!(stats.ssd_writes_dropped.load(Relaxed), dropped as u64);
+    assert_eq!(writer.shutdown(Duration::from_secs(60)), 0);
+    assert_eq!(writer.store().entries(), accepted);
+    assert_eq!(entry_files(dir.path()).len(), accepted);
+}
