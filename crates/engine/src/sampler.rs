@@ -110,6 +110,36 @@ impl Sampler {
     /// Picks the next token from `logits` (one row, f32). `context` is every token so far
     /// (prompt and output), `generated` the output alone.
     pub fn sample(&mut self, logits: &[f32], context: &[u32], generated: &[u32]) -> u32 {
+        match self.distribution(logits, context, generated) {
+            Choice::Greedy(id) => id,
+            Choice::Weighted { ids, probs } => self.pick(&ids, &probs),
+        }
+    }
+
+    /// Speculative verification of a drafted token at this position. Greedy: the draft stands
+    /// when it is the target's choice. Sampling (drafts are proposed deterministically, a point
+    /// mass): the draft stands with the target's probability of it, else a token is drawn from
+    /// the target's distribution without it — so each emitted token is distributed exactly as
+    /// [`Sampler::sample`] would draw it. Returns the token to emit and whether it is the draft.
+    pub fn verify(&mut self, logits: &[f32], context: &[u32], generated: &[u32], draft: u32) -> (u32, bool) {
+        match self.distribution(logits, context, generated) {
+            Choice::Greedy(id) => (id, id == draft),
+            Choice::Weighted { ids, mut probs } => {
+                let at = ids.iter().position(|&id| id == draft as usize);
+                let p_draft = at.map_or(0.0, |i| probs[i]) / probs.iter().sum::<f64>();
+                if at.is_some() && self.draw() < p_draft {
+                    return (draft, true);
+                }
+                if let Some(i) = at.filter(|_| probs.len() > 1) {
+                    probs[i] = 0.0;
+                }
+                (self.pick(&ids, &probs), false)
+            }
+        }
+    }
+
+    /// The distribution the next token is drawn from, after bias, penalties and filters.
+    fn distribution(&self, logits: &[f32], context: &[u32], generated: &[u32]) -> Choice {
         let p = &self.params;
         let mut logits = logits.to_vec();
         for &(t, bias) in &p.logit_bias {
@@ -140,13 +170,13 @@ impl Sampler {
             }
         }
         if p.is_greedy() {
-            return argmax(&logits);
+            return Choice::Greedy(argmax(&logits));
         }
         let t = p.temperature as f32;
         // Candidates sorted by logit, best first.
         let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
         if idx.is_empty() {
-            return argmax(&logits);
+            return Choice::Greedy(argmax(&logits));
         }
         idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         if p.top_k > 0 {
@@ -172,16 +202,29 @@ impl Sampler {
             probs.truncate(keep);
             idx.truncate(keep);
         }
+        Choice::Weighted { ids: idx, probs }
+    }
+
+    /// One draw from unnormalised weights `probs` over `ids`.
+    fn pick(&mut self, ids: &[usize], probs: &[f64]) -> u32 {
         let total: f64 = probs.iter().sum();
         let mut draw = self.draw() * total;
         for (k, &x) in probs.iter().enumerate() {
             draw -= x;
-            if draw < 0.0 {
-                return idx[k] as u32;
+            if draw < 0.0 && x > 0.0 {
+                return ids[k] as u32;
             }
         }
-        idx[probs.len() - 1] as u32
+        let last = probs.iter().rposition(|&x| x > 0.0).unwrap_or(probs.len() - 1);
+        ids[last] as u32
     }
+}
+
+/// What the sampler draws the next token from.
+enum Choice {
+    Greedy(u32),
+    /// Candidate ids and their (unnormalised) probabilities, best first.
+    Weighted { ids: Vec<usize>, probs: Vec<f64> },
 }
 
 fn argmax(logits: &[f32]) -> u32 {

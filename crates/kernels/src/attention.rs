@@ -1,7 +1,9 @@
 //! Causal softmax attention for one row, with grouped-query heads, over that row's KV history.
 
-use candle_core::{DType, Tensor, D};
+use candle_core::{DType, Storage, Tensor, D};
+use rayon::prelude::*;
 
+use crate::matmul::Widen;
 use crate::Result;
 
 /// `q` `[Hq, T, D]` for the row's newest `T` positions; `k`, `v` `[Hkv, L, D]` hold its whole
@@ -9,6 +11,16 @@ use crate::Result;
 /// keys `0..=L-T+i`). Query head `h` reads KV head `h / (Hq / Hkv)`. Scores and softmax are f32;
 /// the result `[Hq, T, D]` is in `q`'s dtype.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    let few = q.dim(1)? <= crate::matmul::MAX_STREAMED_ROWS && q.device().is_cpu() && k.dtype() == v.dtype();
+    match k.dtype() {
+        DType::F32 if few => few_queries::<f32>(q, k, v, scale as f32),
+        DType::BF16 if few => few_queries::<half::bf16>(q, k, v, scale as f32),
+        _ => reference(q, k, v, scale),
+    }
+}
+
+/// The same attention from tensor ops (batched matmuls), for long query blocks and any device.
+pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
     let (hq, t_len, d) = q.dims3()?;
     let (hkv, l_len, _) = k.dims3()?;
     let group = hq / hkv;
@@ -31,6 +43,71 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
     };
     let probs = softmax_last_dim(&scores)?.to_dtype(dtype)?;
     probs.matmul(&v.contiguous()?)?.reshape((hq, t_len, d))
+}
+
+/// CPU path for a few queries (decode steps, speculative verify forwards). Every score is one
+/// fixed-order dot product and every output one fixed-order weighted sum over the query's own
+/// keys, in f32, so a query's result does not depend on how many queries share the call: a
+/// verify forward computes each position exactly as decoding it alone would, which exact
+/// rollback and acceptance rely on. Keys and values are read in place from the KV store.
+fn few_queries<W: Widen>(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+    let (hq, t_len, d) = q.dims3()?;
+    let (hkv, l_len, _) = k.dims3()?;
+    let group = hq / hkv;
+    let qs = crate::cpu_f32(&q.contiguous()?)?;
+    let (k_storage, k_layout) = k.storage_and_layout();
+    let (v_storage, v_layout) = v.storage_and_layout();
+    let (Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) = (&*k_storage, &*v_storage) else {
+        unreachable!("checked CPU above")
+    };
+    let (ks, vs) = (k_cpu.as_slice::<W>()?, v_cpu.as_slice::<W>()?);
+    if k_layout.stride()[2] != 1 || v_layout.stride()[2] != 1 {
+        return reference(q, k, v, scale as f64);
+    }
+    let mut out = vec![0f32; hq * t_len * d];
+    out.par_chunks_mut(d).enumerate().for_each(|(index, o)| {
+        let (h, i) = (index / t_len, index % t_len);
+        let kv_head = h / group;
+        let query = &qs[index * d..(index + 1) * d];
+        let visible = l_len - t_len + i + 1;
+        let mut weights: Vec<f32> = (0..visible).map(|j| dot(query, row(ks, k_layout, kv_head, j, d)) * scale).collect();
+        let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut total = 0f32;
+        for w in &mut weights {
+            *w = (*w - max).exp();
+            total += *w;
+        }
+        for (j, w) in weights.iter().enumerate() {
+            let p = w / total;
+            for (o, x) in o.iter_mut().zip(row(vs, v_layout, kv_head, j, d)) {
+                *o += p * x.widen();
+            }
+        }
+    });
+    Tensor::from_vec(out, (hq, t_len, d), q.device())?.to_dtype(q.dtype())
+}
+
+/// Row `pos` of head `head` of a `[H, L, D]` view whose last dimension is contiguous.
+fn row<'a, W>(data: &'a [W], layout: &candle_core::Layout, head: usize, pos: usize, d: usize) -> &'a [W] {
+    let stride = layout.stride();
+    let at = layout.start_offset() + head * stride[0] + pos * stride[1];
+    &data[at..at + d]
+}
+
+/// `a · b` with eight running sums over the chunks in order, then the tail: a fixed order.
+fn dot<W: Widen>(a: &[f32], b: &[W]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (chunks, tail) = (a.len() / 8, a.len() % 8);
+    for c in 0..chunks {
+        for l in 0..8 {
+            acc[l] += a[c * 8 + l] * b[c * 8 + l].widen();
+        }
+    }
+    let mut s: f32 = acc.iter().sum();
+    for x in a.len() - tail..a.len() {
+        s += a[x] * b[x].widen();
+    }
+    s
 }
 
 fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
@@ -73,6 +150,28 @@ mod tests {
                     assert!((want - got).abs() < 1e-5, "h{h} i{i} x{x}: {want} vs {got}");
                 }
             }
+        }
+    }
+
+    /// The fast path against the tensor-op twin on a strided KV view (as the KV store hands
+    /// out), and each query's result independent of how many queries share the call.
+    #[test]
+    fn few_queries_match_reference_and_do_not_depend_on_t() {
+        let dev = Device::Cpu;
+        let (hq, hkv, l, cap, d) = (4, 2, 9, 16, 40);
+        let gen = |n: usize, s: f32| (0..n).map(|i| (i as f32 * 0.37 + s).sin()).collect::<Vec<_>>();
+        for dtype in [DType::F32, DType::BF16] {
+            let buf = |s| Tensor::from_vec(gen(hkv * cap * d, s), (hkv, cap, d), &dev).unwrap().to_dtype(dtype).unwrap();
+            let (k, v) = (buf(0.5).narrow(1, 0, l).unwrap(), buf(1.5).narrow(1, 0, l).unwrap());
+            let q = Tensor::from_vec(gen(hq * 5 * d, 2.5), (hq, 5, d), &dev).unwrap().to_dtype(dtype).unwrap();
+            let fast = causal_attention(&q, &k, &v, 0.2).unwrap().to_dtype(DType::F32).unwrap();
+            let slow = reference(&q, &k, &v, 0.2).unwrap().to_dtype(DType::F32).unwrap();
+            let diff = (&fast - &slow).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+            assert!(diff < if dtype == DType::F32 { 1e-5 } else { 2e-2 }, "{dtype:?}: {diff}");
+            // The last query alone, over the same keys: the same bits.
+            let last = causal_attention(&q.narrow(1, 4, 1).unwrap(), &k, &v, 0.2).unwrap();
+            let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(bits(&last), bits(&fast.narrow(1, 4, 1).unwrap().to_dtype(dtype).unwrap()));
         }
     }
 }

@@ -13,8 +13,11 @@ use rayon::prelude::*;
 
 use crate::Result;
 
-/// Rows up to which [`matmul_t`] takes the weight-streaming path (a batch's decode step).
-pub const MAX_STREAMED_ROWS: usize = 16;
+/// Rows up to which [`matmul_t`] takes the weight-streaming path: a batch's decode step, and a
+/// speculative verify forward (rows × (drafts + 1)), whose positions must compute exactly as
+/// they would one at a time for rollback and acceptance to be exact. The input rows stay in
+/// L2 cache up to here.
+pub const MAX_STREAMED_ROWS: usize = 64;
 
 /// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. Uses the streaming path for f32 and
 /// bf16 weights on CPU when `M <= MAX_STREAMED_ROWS`, and candle's matmul otherwise.
@@ -30,8 +33,8 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.matmul(&w.t()?)
 }
 
-/// A weight element widened to f32 for accumulation.
-trait Widen: candle_core::WithDType {
+/// A stored element widened to f32 for accumulation.
+pub(crate) trait Widen: candle_core::WithDType {
     fn widen(self) -> f32;
 }
 

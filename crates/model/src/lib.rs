@@ -18,5 +18,5 @@ pub use config::Qwen35Config;
 pub use error::{ModelError, Result};
 pub use folder::ModelFolder;
 pub use generation_config::GenerationConfig;
-pub use qwen3_5::{Logits, Qwen35, StateCost};
+pub use qwen3_5::{Logits, Qwen35, Round, StateCost};
 pub use tokenizer::Tokenizer;

@@ -9,7 +9,7 @@ mod recurrent;
 pub use recurrent::RecurrentShape;
 
 pub use kv::KvStore;
-pub use recurrent::RecurrentState;
+pub use recurrent::{RecurrentRound, RecurrentState};
 
 use candle_core::Tensor;
 
@@ -25,6 +25,8 @@ pub enum StateError {
     KindMismatch(&'static str, &'static str),
     #[error("cannot trim {kind} state from position {from} to {to}")]
     Untrimmable { kind: &'static str, from: usize, to: usize },
+    #[error("rows cannot join or leave a batch while a speculative round is open")]
+    RoundOpen,
     #[error("stored state does not fit this model: {0}")]
     BadPart(String),
 }

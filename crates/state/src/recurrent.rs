@@ -10,6 +10,21 @@ use crate::{select_rows, Result, StateError};
 pub struct RecurrentState {
     pub conv: Tensor,
     pub ssm: Tensor,
+    /// Set while a speculative round is open.
+    pub round: Option<RecurrentRound>,
+}
+
+/// An open speculative round: the state before it, and what the layer's recurrence was fed
+/// during it, so that rolling back can fold in exactly the kept positions with the same
+/// recurrence instead of re-running the layer. A recurrent state cannot be trimmed; this is
+/// how it rolls back.
+#[derive(Clone, Debug)]
+pub struct RecurrentRound {
+    pub conv: Tensor,
+    pub ssm: Tensor,
+    /// One entry per forward in the round: the layer's per-position recurrence inputs, each
+    /// `[B, T, ·]` (what they mean is the layer's business).
+    pub inputs: Vec<Vec<Tensor>>,
 }
 
 /// Shape of one layer's recurrent state, from the model config.
@@ -35,6 +50,7 @@ impl RecurrentState {
         Ok(Self {
             conv: Tensor::zeros((rows, shape.conv_kernel - 1, shape.conv_dim), dtype, device)?,
             ssm: Tensor::zeros((rows, shape.value_heads, shape.value_dim, shape.key_dim), DType::F32, device)?,
+            round: None,
         })
     }
 
@@ -47,12 +63,21 @@ impl RecurrentState {
     }
 
     pub fn merge(&mut self, other: &RecurrentState) -> Result<()> {
+        self.no_open_round()?;
         self.conv = Tensor::cat(&[&self.conv, &other.conv], 0)?;
         self.ssm = Tensor::cat(&[&self.ssm, &other.ssm], 0)?;
         Ok(())
     }
 
+    fn no_open_round(&self) -> Result<()> {
+        match self.round {
+            Some(_) => Err(StateError::RoundOpen),
+            None => Ok(()),
+        }
+    }
+
     pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
+        self.no_open_round()?;
         self.conv = select_rows(&self.conv, keep)?;
         self.ssm = select_rows(&self.ssm, keep)?;
         Ok(())
@@ -72,10 +97,10 @@ impl RecurrentState {
                 )));
             }
         }
-        Ok(Self { conv: conv.to_device(self.conv.device())?, ssm: ssm.to_device(self.ssm.device())? })
+        Ok(Self { conv: conv.to_device(self.conv.device())?, ssm: ssm.to_device(self.ssm.device())?, round: None })
     }
 
     pub fn extract(&self, row: usize) -> Result<RecurrentState> {
-        Ok(Self { conv: select_rows(&self.conv, &[row])?, ssm: select_rows(&self.ssm, &[row])? })
+        Ok(Self { conv: select_rows(&self.conv, &[row])?, ssm: select_rows(&self.ssm, &[row])?, round: None })
     }
 }

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Tensor};
 use strata_kernels::{conv1d::causal_conv1d_silu, gated_delta};
-use strata_state::{RecurrentShape, RecurrentState};
+use strata_state::{RecurrentRound, RecurrentShape, RecurrentState};
 
 use super::layers::{GatedRmsNorm, Linear};
 use crate::config::Qwen35Config;
@@ -58,25 +58,73 @@ impl GatedDeltaNet {
         })
     }
 
-    /// `x` `[B, T, hidden]`.
+    /// `x` `[B, T, hidden]`. In an open speculative round, the recurrence inputs are kept
+    /// for [`GatedDeltaNet::close_round`].
     pub fn forward(&self, x: &Tensor, state: &mut RecurrentState) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let (hk, dk) = (self.key_heads, self.shape.key_dim);
         let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
         let qkv = self.in_proj_qkv.forward(x)?;
         let z = self.in_proj_z.forward(x)?.reshape((b, t, hv, dv))?;
         let beta_logits = self.in_proj_b.forward(x)?;
         let a = self.in_proj_a.forward(x)?;
-        let (mixed, conv) = causal_conv1d_silu(&qkv, &state.conv, &self.conv_weight)?;
-        let q = mixed.narrow(2, 0, hk * dk)?.reshape((b, t, hk, dk))?;
-        let k = mixed.narrow(2, hk * dk, hk * dk)?.reshape((b, t, hk, dk))?;
-        let v = mixed.narrow(2, 2 * hk * dk, hv * dv)?.reshape((b, t, hv, dv))?;
-        let gating = gated_delta::Gating { a_log: &self.a_log, dt_bias: &self.dt_bias };
-        let (o, ssm) = gated_delta::gated_delta_rule(&q, &k, &v, &a, &beta_logits, &gating, &state.ssm)?;
+        let (o, conv, ssm) = self.recurrence(&qkv, &a, &beta_logits, &state.conv, &state.ssm)?;
+        if let Some(round) = &mut state.round {
+            round.inputs.push(vec![qkv, a, beta_logits]);
+        }
         state.conv = conv;
         state.ssm = ssm;
         // transformers hands the recurrence output back in the model dtype before the norm.
         let o = self.norm.forward(&o.to_dtype(x.dtype())?, &z)?;
         self.out_proj.forward(&o.reshape((b, t, hv * dv))?)
+    }
+
+    /// Conv + SiLU, then the gated delta rule, from the projections of `[B, T]` positions and
+    /// the state before them; returns the outputs and the state after them.
+    fn recurrence(&self, qkv: &Tensor, a: &Tensor, beta_logits: &Tensor, conv: &Tensor, ssm: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+        let (b, t, _) = qkv.dims3()?;
+        let (hk, dk) = (self.key_heads, self.shape.key_dim);
+        let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
+        let (mixed, conv) = causal_conv1d_silu(qkv, conv, &self.conv_weight)?;
+        let q = mixed.narrow(2, 0, hk * dk)?.reshape((b, t, hk, dk))?;
+        let k = mixed.narrow(2, hk * dk, hk * dk)?.reshape((b, t, hk, dk))?;
+        let v = mixed.narrow(2, 2 * hk * dk, hv * dv)?.reshape((b, t, hv, dv))?;
+        let gating = gated_delta::Gating { a_log: &self.a_log, dt_bias: &self.dt_bias };
+        let (o, ssm) = gated_delta::gated_delta_rule(&q, &k, &v, a, beta_logits, &gating, ssm)?;
+        Ok((o, conv, ssm))
+    }
+
+    /// Opens a speculative round: remembers the state and starts recording.
+    pub fn open_round(state: &mut RecurrentState) {
+        state.round = Some(RecurrentRound { conv: state.conv.clone(), ssm: state.ssm.clone(), inputs: Vec::new() });
+    }
+
+    /// Closes the round keeping the first `keep[r]` of the `fed[r]` positions row `r` was fed:
+    /// from the state before the round, the same recurrence folds in the kept positions' recorded
+    /// inputs, so the state is what a forward over only those positions leaves.
+    pub fn close_round(&self, state: &mut RecurrentState, fed: &[usize], keep: &[usize]) -> Result<()> {
+        let round = state.round.take().ok_or_else(|| crate::ModelError::Invalid("no speculative round is open".into()))?;
+        if keep.iter().zip(fed).all(|(k, f)| k == f) {
+            return Ok(());
+        }
+        let recorded = |i: usize| Tensor::cat(&round.inputs.iter().map(|step| &step[i]).collect::<Vec<_>>(), 1);
+        let (qkv, a, beta_logits) = (recorded(0)?, recorded(1)?, recorded(2)?);
+        let (mut convs, mut ssms) = (Vec::with_capacity(fed.len()), Vec::with_capacity(fed.len()));
+        for (r, (&kept, &fed)) in keep.iter().zip(fed).enumerate() {
+            let (conv, ssm) = if kept == fed {
+                (state.conv.narrow(0, r, 1)?, state.ssm.narrow(0, r, 1)?)
+            } else if kept == 0 {
+                (round.conv.narrow(0, r, 1)?, round.ssm.narrow(0, r, 1)?)
+            } else {
+                let row = |t: &Tensor| t.narrow(0, r, 1)?.narrow(1, 0, kept);
+                let (_, conv, ssm) =
+                    self.recurrence(&row(&qkv)?, &row(&a)?, &row(&beta_logits)?, &round.conv.narrow(0, r, 1)?, &round.ssm.narrow(0, r, 1)?)?;
+                (conv, ssm)
+            };
+            convs.push(conv);
+            ssms.push(ssm);
+        }
+        state.conv = Tensor::cat(&convs, 0)?;
+        state.ssm = Tensor::cat(&ssms, 0)?;
+        Ok(())
     }
 }

@@ -27,6 +27,12 @@ struct DecoderLayer {
     mlp: Mlp,
 }
 
+/// An open speculative round: each row's position when it opened.
+#[derive(Debug)]
+pub struct Round {
+    start: Vec<usize>,
+}
+
 /// Memory cost of one sequence's state; see [`Qwen35::state_cost`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StateCost {
@@ -154,6 +160,43 @@ impl Qwen35 {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(BatchState { layers, positions: vec![0; rows] })
+    }
+
+    /// Opens a speculative round on `state`: forwards until [`Qwen35::close_round`] can be
+    /// taken back, per row. Opening is cheap: tensors are immutable, the round keeps references.
+    pub fn open_round(&self, state: &mut BatchState) -> Round {
+        for layer in &mut state.layers {
+            if let LayerState::Recurrent(s) = layer {
+                GatedDeltaNet::open_round(s);
+            }
+        }
+        Round { start: state.positions.clone() }
+    }
+
+    /// Closes `round`, keeping the first `keep[r]` positions row `r` was fed since it opened
+    /// and dropping the rest: attention KV is trimmed; DeltaNet layers fold the kept positions
+    /// into the state from before the round with the recurrence the forward used, so every
+    /// row's state equals, bit for bit, the state of a forward over only its kept tokens.
+    pub fn close_round(&self, state: &mut BatchState, round: Round, keep: &[usize]) -> Result<()> {
+        let fed: Vec<usize> = state.positions.iter().zip(&round.start).map(|(now, start)| now - start).collect();
+        if keep.len() != fed.len() || keep.iter().zip(&fed).any(|(k, f)| k > f) {
+            return Err(ModelError::Invalid(format!("cannot keep {keep:?} positions of rows fed {fed:?}")));
+        }
+        for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
+            match (&layer.mixer, layer_state) {
+                (Mixer::Linear(m), LayerState::Recurrent(s)) => m.close_round(s, &fed, keep)?,
+                (Mixer::Full(_), LayerState::Attention(kv)) => {
+                    for (r, (&start, &kept)) in round.start.iter().zip(keep).enumerate() {
+                        kv.trim(r, start + kept)?;
+                    }
+                }
+                (_, s) => return Err(ModelError::Invalid(format!("layer state of kind {} does not match its layer", s.kind()))),
+            }
+        }
+        for (p, (&start, &kept)) in state.positions.iter_mut().zip(round.start.iter().zip(keep)) {
+            *p = start + kept;
+        }
+        Ok(())
     }
 
     /// Runs `tokens` (`[B, T]`, u32) through the model, each row continuing from its own
