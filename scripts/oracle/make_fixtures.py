@@ -147,6 +147,13 @@ def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, temp
     if nested:
         add_mtp_tensors(path, text_cfg["hidden_size"], disk_dtype)
 
+    tok, fast = write_tokenizer_files(path, template_in_config)
+    write_reference(path, name, type(model), tok, fast, seed)
+
+
+def write_tokenizer_files(path, template_in_config):
+    """tokenizer.json, the chat template (in tokenizer_config.json or chat_template.jinja) and
+    generation_config.json; returns the tokenizer and its transformers wrapper."""
     tok = build_tokenizer()
     tok.save(os.path.join(path, "tokenizer.json"))
     template = open(os.path.join(HERE, "chat_template.jinja")).read()
@@ -168,10 +175,13 @@ def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, temp
     for stale in ("chat_template.json",):
         if os.path.exists(os.path.join(path, stale)):
             os.remove(os.path.join(path, stale))
+    return tok, fast
 
-    # Reference outputs, all in f32, from transformers reading the folder just written: the
-    # oracle sees exactly the (possibly half-precision) weights strata will read.
-    model = type(model).from_pretrained(path, dtype=torch.float32).eval()
+
+def write_reference(path, name, model_class, tok, fast, seed):
+    """Reference outputs, all in f32, from transformers reading the folder just written: the
+    oracle sees exactly the (possibly half-precision) weights strata will read."""
+    model = model_class.from_pretrained(path, dtype=torch.float32).eval()
     ids = tok.encode("The quick brown fox jumps over the lazy dog. Call get_weather for Paris.").ids
     g = torch.Generator().manual_seed(seed + 1)
     ids += torch.randint(len(SPECIALS), VOCAB - len(MARKERS) - 1, (40 - len(ids),), generator=g).tolist()

@@ -1,15 +1,17 @@
 //! `strata bench`: a fixed workload through the batched engine at one or more concurrencies.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use strata_engine::cache::{Identity, SsdOptions};
 use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, SsdConfig, Worker};
-use strata_model::{synthetic, Qwen35};
+use strata_model::{synthetic, Model};
 
 use crate::common::{machine, open_model, parse_device, DTypeArg};
+use crate::draft::DraftArgs;
 
 #[derive(Clone, clap::Args)]
 pub struct Args {
@@ -44,6 +46,12 @@ pub struct Args {
     /// The SSD tier's folder for --cache-ttft (default: a temporary folder).
     #[arg(long)]
     ssd_cache: Option<PathBuf>,
+    /// Build each prompt by repeating a cycle of this many tokens (a repetitive text, where
+    /// prompt-lookup drafting shines) instead of pseudo-random tokens.
+    #[arg(long)]
+    prompt_cycle: Option<usize>,
+    #[command(flatten)]
+    draft: DraftArgs,
 }
 
 /// Timestamps of one request's tokens.
@@ -69,6 +77,8 @@ struct Measured {
     ttft_ms_p50: f64,
     itl_ms_p50: f64,
     itl_ms_p99: f64,
+    /// Share of drafted tokens accepted (speculative runs).
+    acceptance: Option<f64>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -81,11 +91,16 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// Submits `concurrency` requests at once and times every token.
 fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<Measured> {
     let (tx, rx) = mpsc::channel();
+    let stats = worker.stats();
+    let drafted_before = stats.drafted_tokens.load(Ordering::Relaxed);
+    let accepted_before = stats.accepted_tokens.load(Ordering::Relaxed);
     let start = Instant::now();
     for i in 0..concurrency {
         // Distinct fixed pseudo-random prompts: the same workload on every run.
-        let prompt: Vec<u32> =
-            (0..a.prompt_len as u64).map(|t| ((t * 2_654_435_761 + 12_345 + i as u64 * 7_919) % vocab) as u32).collect();
+        let cycle = a.prompt_cycle.unwrap_or(a.prompt_len).max(1) as u64;
+        let prompt: Vec<u32> = (0..a.prompt_len as u64)
+            .map(|t| (((t % cycle) * 2_654_435_761 + 12_345 + i as u64 * 7_919) % vocab) as u32)
+            .collect();
         let opts = GenerationOptions {
             max_tokens: a.gen_len,
             sampling: SamplingParams::greedy(),
@@ -131,6 +146,10 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
         ttft_ms_p50: percentile(&ttft, 0.5),
         itl_ms_p50: percentile(&itl, 0.5),
         itl_ms_p99: percentile(&itl, 0.99),
+        acceptance: match stats.drafted_tokens.load(Ordering::Relaxed) - drafted_before {
+            0 => None,
+            drafted => Some((stats.accepted_tokens.load(Ordering::Relaxed) - accepted_before) as f64 / drafted as f64),
+        },
     })
 }
 
@@ -151,7 +170,7 @@ pub fn run(a: Args) -> Result<()> {
         _ => bail!("give --model DIR or --synthetic NAME"),
     };
     let machine = machine();
-    let load = |dtype: DTypeArg| -> Result<Qwen35> {
+    let load = |dtype: DTypeArg| -> Result<Model> {
         Ok(match &folder {
             Some(f) => f.load(dtype.dtype(), &device)?,
             None => synthetic::build(a.synthetic.as_deref().expect("checked above"), dtype.dtype(), &device)?,
@@ -165,20 +184,24 @@ pub fn run(a: Args) -> Result<()> {
         return cache_ttft(&a, &name, &machine, load, identity);
     }
     if !a.json {
-        println!("strata bench: {name} on {} ({machine})", a.device);
+        let draft = a.draft.describe();
+        println!("strata bench: {name} on {} ({machine}){draft}", a.device);
         println!(
-            "{:<6} {:>5} {:>7} {:>5} {:>14} {:>14} {:>10} {:>10} {:>10}",
-            "dtype", "conc", "prompt", "gen", "prefill tok/s", "decode tok/s", "TTFT p50", "ITL p50", "ITL p99"
+            "{:<6} {:>5} {:>7} {:>5} {:>14} {:>14} {:>10} {:>10} {:>10} {:>8}",
+            "dtype", "conc", "prompt", "gen", "prefill tok/s", "decode tok/s", "TTFT p50", "ITL p50", "ITL p99", "accepted"
         );
     }
     let max_concurrency = *a.concurrency.iter().max().expect("clap gives at least one value");
     for dtype in &a.dtype {
         let model = load(*dtype)?;
-        let vocab = model.config().vocab_size as u64;
+        let vocab = model.vocab_size() as u64;
+        let speculation =
+            a.draft.speculation(vocab as usize, || load(*dtype), |path| Ok(open_model(path)?.load(dtype.dtype(), &device)?))?;
         let worker = Worker::spawn(
             model,
             EngineConfig { max_batch: max_concurrency, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX },
             CacheConfig::off(),
+            speculation,
         )?;
         // Warm-up: first touch of weights and allocator pools.
         measure(&worker, vocab, &Args { prompt_len: 8, gen_len: 2, ..a.clone() }, 1)?;
@@ -192,11 +215,12 @@ pub fn run(a: Args) -> Result<()> {
                         "dtype": dtype.name(), "concurrency": c, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
                         "prefill_tok_s": m.prefill_tok_s, "aggregate_decode_tok_s": m.aggregate_decode_tok_s,
                         "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,
+                        "draft": a.draft.describe().trim_start_matches(", "), "acceptance": m.acceptance,
                     })
                 );
             } else {
                 println!(
-                    "{:<6} {:>5} {:>7} {:>5} {:>14.1} {:>14.2} {:>8.0}ms {:>8.1}ms {:>8.1}ms",
+                    "{:<6} {:>5} {:>7} {:>5} {:>14.1} {:>14.2} {:>8.0}ms {:>8.1}ms {:>8.1}ms {:>8}",
                     dtype.name(),
                     c,
                     a.prompt_len,
@@ -205,7 +229,8 @@ pub fn run(a: Args) -> Result<()> {
                     m.aggregate_decode_tok_s,
                     m.ttft_ms_p50,
                     m.itl_ms_p50,
-                    m.itl_ms_p99
+                    m.itl_ms_p99,
+                    m.acceptance.map_or("-".into(), |x| format!("{:.0}%", 100.0 * x)),
                 );
             }
         }
@@ -250,7 +275,7 @@ fn cache_ttft(
     a: &Args,
     name: &str,
     machine: &str,
-    load: impl Fn(DTypeArg) -> Result<Qwen35>,
+    load: impl Fn(DTypeArg) -> Result<Model>,
     identity: impl Fn(DTypeArg) -> Result<Identity>,
 ) -> Result<()> {
     let temp;
@@ -280,9 +305,9 @@ fn cache_ttft(
         };
         let engine = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX };
         let model = load(dtype)?;
-        let vocab = model.config().vocab_size as u64;
+        let vocab = model.vocab_size() as u64;
         let prompt: Vec<u32> = (0..a.prompt_len as u64).map(|t| ((t * 2_654_435_761 + 12_345) % vocab) as u32).collect();
-        let worker = Worker::spawn(model, engine, config()?)?;
+        let worker = Worker::spawn(model, engine, config()?, None)?;
         worker.flush_cache(true);
         let (cold, _) = first_token(&worker, &prompt)?;
         let (ram, ram_cached) = first_token(&worker, &prompt)?;
@@ -291,7 +316,7 @@ fn cache_ttft(
             bail!("{unwritten} SSD writes did not finish");
         }
         drop(worker);
-        let restarted = Worker::spawn(load(dtype)?, engine, config()?)?;
+        let restarted = Worker::spawn(load(dtype)?, engine, config()?, None)?;
         let (ssd, ssd_cached) = first_token(&restarted, &prompt)?;
         if ram_cached == 0 || ssd_cached == 0 {
             bail!("expected cache hits, got {ram_cached} (RAM) and {ssd_cached} (SSD) cached tokens");

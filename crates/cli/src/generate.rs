@@ -2,11 +2,14 @@
 
 use std::io::Write;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 
 use anyhow::{bail, Result};
-use strata_engine::{generate, FinishReason, GenerationOptions, SamplingParams};
+use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, FinishReason, GenerationOptions, Job, SamplingParams, Worker};
 
 use crate::common::{open_model, parse_device, parse_tokens, DTypeArg};
+use crate::draft::DraftArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -58,6 +61,20 @@ pub struct Args {
     /// Print, as the last line, a JSON object with the generated tokens and text.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    draft: DraftArgs,
+}
+
+/// Events to this thread; `stop` (set when stdout closes) cancels the generation.
+struct Channel(mpsc::Sender<Event>, Arc<AtomicBool>);
+
+impl EventSink for Channel {
+    fn send(&mut self, event: Event) -> bool {
+        self.0.send(event).is_ok() && !self.1.load(Ordering::Relaxed)
+    }
+    fn is_closed(&self) -> bool {
+        self.1.load(Ordering::Relaxed)
+    }
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -99,6 +116,14 @@ pub fn run(a: Args) -> Result<()> {
         bail!("{msg}");
     }
     let model = folder.load(a.dtype.dtype(), &device)?;
+    let speculation = a.draft.speculation(
+        folder.config.vocab_size,
+        || Ok(folder.load(a.dtype.dtype(), &device)?),
+        |path| Ok(open_model(path)?.load(a.dtype.dtype(), &device)?),
+    )?;
+    // The same engine that serves requests, for one request.
+    let engine = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX };
+    let worker = Worker::spawn(model, engine, CacheConfig::off(), speculation)?;
     let opts = GenerationOptions {
         max_tokens: a.max_tokens,
         sampling,
@@ -109,30 +134,37 @@ pub fn run(a: Args) -> Result<()> {
 
     let mut stream = folder.tokenizer.stream(true);
     let mut stdout = std::io::stdout().lock();
-    let mut text = String::new();
-    let mut failure = None;
-    let out = generate(&model, &prompt, &opts, |s| match stream.push(s.id) {
-        Ok(piece) => {
-            text.push_str(&piece);
-            // A closed stdout (e.g. piped into `head`) ends the generation quietly.
-            write!(stdout, "{piece}").and_then(|_| stdout.flush()).is_ok()
+    let (tx, rx) = mpsc::channel();
+    let stop = Arc::new(AtomicBool::new(false));
+    worker.submit(Job { prompt: prompt.clone(), opts, sink: Box::new(Channel(tx, stop.clone())) }).map_err(anyhow::Error::msg)?;
+    let out = loop {
+        match rx.recv()? {
+            Event::Started { .. } => {}
+            Event::Token(s) => {
+                let piece = stream.push(s.id)?;
+                // A closed stdout (e.g. piped into `head`) ends the generation quietly.
+                if write!(stdout, "{piece}").and_then(|_| stdout.flush()).is_err() {
+                    stop.store(true, Ordering::Relaxed);
+                }
+            }
+            Event::Finished(g) => break g,
+            Event::Failed(e) => bail!("generation failed: {e}"),
         }
-        Err(e) => {
-            failure = Some(e);
-            false
-        }
-    })?;
-    if let Some(e) = failure {
-        return Err(e.into());
-    }
+    };
     let _ = writeln!(stdout);
     let finish = match out.finish {
         FinishReason::Stop => "stop",
         FinishReason::Length => "length",
         FinishReason::Cancelled => "cancelled",
     };
+    let drafts = match out.drafted_tokens {
+        0 => String::new(),
+        n => {
+            format!(" | drafts: {} of {n} accepted ({:.0}%)", out.accepted_tokens, 100.0 * out.accepted_tokens as f64 / n as f64)
+        }
+    };
     eprintln!(
-        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | finish: {finish}",
+        "prompt: {} tokens, {:.1} tok/s | decode: {} tokens, {:.1} tok/s | finish: {finish}{drafts}",
         prompt.len(),
         out.prefill_tok_s(prompt.len()),
         out.tokens.len(),
@@ -147,6 +179,8 @@ pub fn run(a: Args) -> Result<()> {
             "finish_reason": finish,
             "prefill_tok_s": out.prefill_tok_s(prompt.len()),
             "decode_tok_s": out.decode_tok_s(),
+            "drafted_tokens": out.drafted_tokens,
+            "accepted_tokens": out.accepted_tokens,
         });
         let _ = writeln!(stdout, "{json}");
     }

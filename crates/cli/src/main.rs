@@ -3,6 +3,7 @@
 mod bench;
 mod cache;
 mod common;
+mod draft;
 mod generate;
 mod hub;
 mod logits;

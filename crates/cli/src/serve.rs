@@ -10,6 +10,7 @@ use strata_server::{ServerConfig, Shared};
 
 use crate::cache::{folder_identity, CacheArgs};
 use crate::common::{parse_device, DTypeArg};
+use crate::draft::DraftArgs;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
@@ -53,6 +54,8 @@ pub struct Args {
     log_format: LogFormat,
     #[command(flatten)]
     cache: CacheArgs,
+    #[command(flatten)]
+    draft: DraftArgs,
 }
 
 pub fn run(a: Args) -> Result<()> {
@@ -80,7 +83,12 @@ pub fn run(a: Args) -> Result<()> {
     };
     let cache = a.cache.config(&device, || folder_identity(&dir, a.dtype.name()))?;
     let model = folder.load(a.dtype.dtype(), &device)?;
-    let worker = Worker::spawn(model, engine, cache).context("cannot start the engine")?;
+    let speculation = a.draft.speculation(
+        folder.config.vocab_size,
+        || Ok(folder.load(a.dtype.dtype(), &device)?),
+        |path| Ok(crate::common::open_model(path)?.load(a.dtype.dtype(), &device)?),
+    )?;
+    let worker = Worker::spawn(model, engine, cache, speculation).context("cannot start the engine")?;
     if let Some(r) = worker.recovery() {
         tracing::info!(
             entries = r.entries,

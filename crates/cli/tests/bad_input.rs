@@ -69,7 +69,9 @@ fn missing_folder() {
 fn missing_or_broken_config() {
     check(|d| std::fs::remove_file(d.join("config.json")).unwrap(), &["config.json", "missing"]);
     check(|d| write(d, "config.json", "{ not json"), &["config.json", "invalid JSON"]);
-    check(|d| write(d, "config.json", r#"{"model_type": "llama"}"#), &["config.json", "`model_type`", "llama", "not supported"]);
+    check(|d| write(d, "config.json", r#"{"model_type": "gpt2"}"#), &["config.json", "`model_type`", "gpt2", "not supported"]);
+    // A config of another supported family, with its defaults, does not fit these weights.
+    check(|d| write(d, "config.json", r#"{"model_type": "llama"}"#), &["model.safetensors", "embed_tokens", "shape"]);
     check(
         |d| {
             let text = std::fs::read_to_string(d.join("config.json"))

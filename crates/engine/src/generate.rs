@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use strata_model::{Logits, Qwen35};
+use strata_model::{Logits, Model};
 
 use crate::sampler::{Sampler, SamplingParams};
 
@@ -44,6 +44,11 @@ pub enum FinishReason {
 pub struct Generation {
     pub tokens: Vec<u32>,
     pub finish: FinishReason,
+    /// Speculative decoding: verify steps that carried drafts, tokens drafted, and how many of
+    /// them the target accepted.
+    pub draft_rounds: usize,
+    pub drafted_tokens: usize,
+    pub accepted_tokens: usize,
     pub prefill_time: Duration,
     pub decode_time: Duration,
 }
@@ -62,7 +67,7 @@ impl Generation {
 /// Generates from `prompt`. `on_token` sees each new token as it is chosen and returns false to
 /// stop early.
 pub fn generate(
-    model: &Qwen35,
+    model: &Model,
     prompt: &[u32],
     opts: &GenerationOptions,
     mut on_token: impl FnMut(&Sampled) -> bool,
@@ -107,7 +112,15 @@ pub fn generate(
         let input = Tensor::new(&[next], device)?.unsqueeze(0)?;
         logits = model.forward(&input, &mut state, Logits::Last)?.squeeze(0)?.to_vec1::<f32>()?;
     };
-    Ok(Generation { tokens, finish, prefill_time, decode_time: decode_start.elapsed() })
+    Ok(Generation {
+        tokens,
+        finish,
+        draft_rounds: 0,
+        drafted_tokens: 0,
+        accepted_tokens: 0,
+        prefill_time,
+        decode_time: decode_start.elapsed(),
+    })
 }
 
 /// Log-softmax of `logits` at `id`, and the `top` most likely tokens.

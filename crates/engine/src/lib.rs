@@ -6,8 +6,10 @@ pub mod cache;
 pub mod generate;
 pub mod sampler;
 mod scheduler;
+pub mod speculative;
 pub mod worker;
 
 pub use generate::{generate, FinishReason, Generation, GenerationOptions, Sampled};
 pub use sampler::{Sampler, SamplingParams};
+pub use speculative::{DraftSource, Speculation};
 pub use worker::{CacheConfig, EngineConfig, Event, EventSink, Job, SpawnError, SsdConfig, Worker, WorkerStats};

@@ -224,7 +224,10 @@ impl Sampler {
 enum Choice {
     Greedy(u32),
     /// Candidate ids and their (unnormalised) probabilities, best first.
-    Weighted { ids: Vec<usize>, probs: Vec<f64> },
+    Weighted {
+        ids: Vec<usize>,
+        probs: Vec<f64>,
+    },
 }
 
 fn argmax(logits: &[f32]) -> u32 {

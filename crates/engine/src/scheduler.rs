@@ -20,12 +20,13 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use strata_model::{Logits, Qwen35, StateCost};
+use strata_model::{Logits, Model, StateCost};
 use strata_state::BatchState;
 
 use crate::cache::{usable_prefix, Resume, Snapshot, PROMPT_NAMESPACE};
 use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
 use crate::sampler::Sampler;
+use crate::speculative::Drafter;
 use crate::worker::{EngineConfig, Event, Job, Queued, SharedCache, WorkerStats};
 
 /// A running row: one sequence of the batch.
@@ -37,6 +38,12 @@ struct Row {
     reserved: usize,
     /// Where this row's generation checkpoints go, when it takes them.
     checkpoints: Option<u64>,
+    /// Output length at the last checkpoint.
+    checkpointed: usize,
+    /// Speculation: tokens drafted for this row, and how many of them were accepted.
+    rounds: usize,
+    drafted: usize,
+    accepted: usize,
     prefill_time: Duration,
     decode_start: Instant,
 }
@@ -51,7 +58,7 @@ struct Joiner {
 }
 
 pub(crate) struct Engine<'a> {
-    model: Qwen35,
+    model: Model,
     config: EngineConfig,
     cost: StateCost,
     stats: &'a WorkerStats,
@@ -61,6 +68,7 @@ pub(crate) struct Engine<'a> {
     /// State of the running rows, in `rows` order.
     batch: Option<BatchState>,
     rows: Vec<Row>,
+    drafter: Option<Drafter>,
 }
 
 /// How a row's step ended.
@@ -70,8 +78,15 @@ enum Step {
 }
 
 impl<'a> Engine<'a> {
-    pub fn new(model: Qwen35, config: EngineConfig, cost: StateCost, stats: &'a WorkerStats, cache: &'a SharedCache) -> Self {
-        Self { model, config, cost, stats, cache, waiting: VecDeque::new(), joiner: None, batch: None, rows: Vec::new() }
+    pub fn new(
+        model: Model,
+        config: EngineConfig,
+        cost: StateCost,
+        stats: &'a WorkerStats,
+        cache: &'a SharedCache,
+        drafter: Option<Drafter>,
+    ) -> Self {
+        Self { model, config, cost, stats, cache, waiting: VecDeque::new(), joiner: None, batch: None, rows: Vec::new(), drafter }
     }
 
     pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
@@ -189,6 +204,10 @@ impl<'a> Engine<'a> {
             context,
             reserved,
             checkpoints: self.cache.checkpoint_namespace(&job.prompt, &job.opts),
+            checkpointed: 0,
+            rounds: 0,
+            drafted: 0,
+            accepted: 0,
             prefill_time: Duration::ZERO,
             decode_start: Instant::now(),
             job,
@@ -204,9 +223,18 @@ impl<'a> Engine<'a> {
             self.finish(row, FinishReason::Length);
             return Ok(());
         }
+        row.checkpointed = row.generated.len();
+        self.join_batch(row, snap.state)
+    }
+
+    /// Moves a row whose state is in place into the running batch (and the draft model's).
+    fn join_batch(&mut self, row: Row, state: BatchState) -> strata_model::Result<()> {
+        if let Some(drafter) = &mut self.drafter {
+            drafter.join(&row.context[..row.context.len() - 1], self.config.prefill_chunk)?;
+        }
         match &mut self.batch {
-            Some(batch) => batch.merge(&snap.state)?,
-            None => self.batch = Some(snap.state),
+            Some(batch) => batch.merge(&state)?,
+            None => self.batch = Some(state),
         }
         self.rows.push(row);
         Ok(())
@@ -275,6 +303,10 @@ impl<'a> Engine<'a> {
             generated: Vec::new(),
             reserved: j.reserved,
             checkpoints: self.cache.checkpoint_namespace(&j.job.prompt, &j.job.opts),
+            checkpointed: 0,
+            rounds: 0,
+            drafted: 0,
+            accepted: 0,
             prefill_time: j.started.elapsed(),
             decode_start: Instant::now(),
             job: j.job,
@@ -292,58 +324,68 @@ impl<'a> Engine<'a> {
                 }
                 self.finish(row, reason)
             }
-            Step::Continue => {
-                match &mut self.batch {
-                    Some(batch) => batch.merge(&j.state)?,
-                    None => self.batch = Some(j.state),
-                }
-                self.rows.push(row);
-            }
+            Step::Continue => self.join_batch(row, j.state)?,
         }
         Ok(())
     }
 
     /// One forward for every running row, then per-row sampling; checkpoints are taken, and
-    /// finished rows publish their state and leave.
+    /// finished rows publish their state and leave. With speculation, each row's drafts ride in
+    /// the same forward (`[last, d1..dk]`), each position is verified in order, and the state
+    /// keeps exactly the positions whose tokens stand.
     fn decode(&mut self) -> strata_model::Result<()> {
         let Some(batch) = self.batch.as_mut() else { return Ok(()) };
-        let last: Vec<u32> = self.rows.iter().map(|r| *r.context.last().expect("a running row has a token")).collect();
-        let input = Tensor::new(last.as_slice(), self.model.device())?.unsqueeze(1)?;
-        let logits = self.model.forward(&input, batch, Logits::Last)?.to_vec2::<f32>()?;
+        let drafts = match &mut self.drafter {
+            Some(drafter) => {
+                let contexts: Vec<&[u32]> = self.rows.iter().map(|r| r.context.as_slice()).collect();
+                // No point drafting past a row's budget: the last token it may emit is verified.
+                let limits: Vec<usize> =
+                    self.rows.iter().map(|r| r.job.opts.max_tokens.saturating_sub(r.generated.len() + 1)).collect();
+                drafter.propose(&contexts, &limits)?
+            }
+            None => vec![Vec::new(); self.rows.len()],
+        };
+        let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+        let input: Vec<Vec<u32>> = self
+            .rows
+            .iter()
+            .zip(&drafts)
+            .map(|(r, d)| {
+                let last = *r.context.last().expect("a running row has a token");
+                let mut fed = vec![last];
+                fed.extend(d);
+                fed.resize(width, last); // padding past a short draft is never kept
+                fed
+            })
+            .collect();
+        let round = (width > 1).then(|| self.model.open_round(batch));
+        let which = if width > 1 { Logits::All } else { Logits::Last };
+        let logits = self.model.forward(&Tensor::new(input, self.model.device())?, batch, which)?;
+        let logits =
+            if width > 1 { logits.to_vec3::<f32>()? } else { logits.to_vec2::<f32>()?.into_iter().map(|l| vec![l]).collect() };
         self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
+        let mut kept = Vec::with_capacity(self.rows.len());
         let mut keep = Vec::with_capacity(self.rows.len());
         let mut done = Vec::new();
-        for (i, (row, logits)) in self.rows.iter_mut().zip(&logits).enumerate() {
-            match Self::sample_and_send(self.stats, row, logits) {
+        for (i, ((row, logits), drafts)) in self.rows.iter_mut().zip(&logits).zip(&drafts).enumerate() {
+            let (positions, step) = Self::verify_row(self.stats, row, logits, drafts);
+            kept.push(positions);
+            match step {
                 Step::Continue => keep.push(i),
                 Step::Done(reason) => done.push((i, reason)),
             }
         }
-        let batch = self.batch.as_ref().expect("checked above");
-        let every = self.cache.config.checkpoint_every;
-        for &i in &keep {
-            let row = &self.rows[i];
-            if let Some(namespace) = row.checkpoints.filter(|_| row.generated.len() % every == 0) {
-                let covered = row.context.len() - 1;
-                let resume = Resume {
-                    prompt_len: row.job.prompt.len(),
-                    next_token: row.context[covered],
-                    sampler_draws: row.sampler.draws(),
-                };
-                let snap = Snapshot {
-                    namespace,
-                    tokens: row.context[..covered].to_vec(),
-                    state: batch.extract(i)?,
-                    resume: Some(resume),
-                };
-                if let Some(writer) = &self.cache.writer {
-                    writer.enqueue(snap);
-                }
-            }
+        if let Some(round) = round {
+            self.model.close_round(self.batch.as_mut().expect("checked above"), round, &kept)?;
         }
+        if let Some(drafter) = &mut self.drafter {
+            drafter.settle(&kept)?;
+        }
+        self.checkpoint(&keep)?;
         if done.is_empty() {
             return Ok(());
         }
+        let batch = self.batch.as_ref().expect("checked above");
         let mut published = Vec::new();
         if self.caching() {
             for &(i, _) in &done {
@@ -359,6 +401,9 @@ impl<'a> Engine<'a> {
             self.finish(row, reason);
         }
         self.rows = rows.into_iter().flatten().collect();
+        if let Some(drafter) = &mut self.drafter {
+            drafter.filter(&keep)?;
+        }
         if keep.is_empty() {
             self.batch = None;
         } else {
@@ -367,13 +412,57 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
+    /// Walks a row's verified positions: position `j`'s logits follow `[last, d1..dj]`, so while
+    /// drafts stand, the next position is valid too. Emits every token that stands (accepted
+    /// drafts, then the target's own token where a draft failed or ran out) and returns how
+    /// many fed positions the state keeps.
+    fn verify_row(stats: &WorkerStats, row: &mut Row, logits: &[Vec<f32>], drafts: &[u32]) -> (usize, Step) {
+        row.rounds += !drafts.is_empty() as usize;
+        row.drafted += drafts.len();
+        for (j, logits) in logits.iter().enumerate() {
+            // Drafts never exceed the row's budget, so a draft position always has room.
+            let Some(&draft) = drafts.get(j) else { return (j + 1, Self::sample_and_send(stats, row, logits)) };
+            let (token, accepted) = row.sampler.verify(logits, &row.context, &row.generated, draft);
+            row.accepted += accepted as usize;
+            let step = Self::send(stats, row, token, logits);
+            if !accepted || matches!(step, Step::Done(_)) {
+                return (j + 1, step);
+            }
+        }
+        unreachable!("the walk ends at the position after the last draft")
+    }
+
+    /// Persists a checkpoint of every running row whose output grew `checkpoint_every` tokens
+    /// since its last one.
+    fn checkpoint(&mut self, running: &[usize]) -> strata_model::Result<()> {
+        let (Some(writer), Some(batch)) = (&self.cache.writer, &self.batch) else { return Ok(()) };
+        let every = self.cache.config.checkpoint_every;
+        for &i in running {
+            let row = &mut self.rows[i];
+            let Some(namespace) = row.checkpoints.filter(|_| row.generated.len() >= row.checkpointed + every) else { continue };
+            row.checkpointed = row.generated.len();
+            let covered = row.context.len() - 1;
+            let resume =
+                Resume { prompt_len: row.job.prompt.len(), next_token: row.context[covered], sampler_draws: row.sampler.draws() };
+            let snap =
+                Snapshot { namespace, tokens: row.context[..covered].to_vec(), state: batch.extract(i)?, resume: Some(resume) };
+            writer.enqueue(snap);
+        }
+        Ok(())
+    }
+
     /// Samples the row's next token from `logits` and streams it; says whether the row goes on.
     fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &[f32]) -> Step {
-        let opts = &row.job.opts;
-        if row.generated.len() >= opts.max_tokens {
+        if row.generated.len() >= row.job.opts.max_tokens {
             return Step::Done(FinishReason::Length);
         }
         let next = row.sampler.sample(logits, &row.context, &row.generated);
+        Self::send(stats, row, next, logits)
+    }
+
+    /// Streams a chosen token (an end token finishes the row instead).
+    fn send(stats: &WorkerStats, row: &mut Row, next: u32, logits: &[f32]) -> Step {
+        let opts = &row.job.opts;
         if opts.stop_tokens.contains(&next) {
             return Step::Done(FinishReason::Stop);
         }
@@ -397,9 +486,15 @@ impl<'a> Engine<'a> {
         if reason == FinishReason::Cancelled {
             self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
         }
+        self.stats.draft_rounds.fetch_add(row.rounds as u64, Ordering::Relaxed);
+        self.stats.drafted_tokens.fetch_add(row.drafted as u64, Ordering::Relaxed);
+        self.stats.accepted_tokens.fetch_add(row.accepted as u64, Ordering::Relaxed);
         let generation = Generation {
             tokens: std::mem::take(&mut row.generated),
             finish: reason,
+            draft_rounds: row.rounds,
+            drafted_tokens: row.drafted,
+            accepted_tokens: row.accepted,
             prefill_time: row.prefill_time,
             decode_time: row.decode_start.elapsed(),
         };
@@ -415,5 +510,8 @@ impl<'a> Engine<'a> {
             j.job.sink.send(Event::Failed(message.to_string()));
         }
         self.batch = None;
+        if let Some(drafter) = &mut self.drafter {
+            drafter.clear();
+        }
     }
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use strata_model::{Qwen35, StateCost};
+use strata_model::{Model, StateCost};
 use strata_state::BatchState;
 
 use crate::cache::ssd::SsdError;
@@ -17,6 +17,7 @@ use crate::cache::{
 };
 use crate::generate::{Generation, GenerationOptions, Sampled};
 use crate::scheduler::Engine;
+use crate::speculative::{Drafter, Speculation};
 
 /// What a job reports, in order: `Started` once its prompt state is in place, tokens, then
 /// exactly one `Finished` or `Failed` (which may also come first).
@@ -113,6 +114,10 @@ pub struct WorkerStats {
     pub state_bytes_reserved: AtomicUsize,
     pub decode_steps: AtomicU64,
     pub prefill_chunks: AtomicU64,
+    /// Speculative decoding: tokens drafted, and how many the target accepted.
+    pub draft_rounds: AtomicU64,
+    pub drafted_tokens: AtomicU64,
+    pub accepted_tokens: AtomicU64,
 }
 
 /// The cache parts shared by the handle, the prefetch thread and the engine thread.
@@ -164,7 +169,12 @@ pub struct Worker {
 impl Worker {
     /// Starts the engine thread with `model`. Fails only when the SSD tier's folder cannot be
     /// opened.
-    pub fn spawn(model: Qwen35, config: EngineConfig, cache: CacheConfig) -> Result<Self, SpawnError> {
+    pub fn spawn(
+        model: Model,
+        config: EngineConfig,
+        cache: CacheConfig,
+        speculation: Option<Speculation>,
+    ) -> Result<Self, SpawnError> {
         let stats = Arc::new(WorkerStats::default());
         let cache_stats = Arc::new(CacheStats::default());
         let cost = model.state_cost();
@@ -192,7 +202,9 @@ impl Worker {
         let (thread_stats, thread_cache) = (stats.clone(), shared.clone());
         std::thread::Builder::new()
             .name("strata-engine".into())
-            .spawn(move || Engine::new(model, config, cost, &thread_stats, &thread_cache).run(queue))
+            .spawn(move || {
+                Engine::new(model, config, cost, &thread_stats, &thread_cache, speculation.map(Drafter::new)).run(queue)
+            })
             .expect("the OS can start a thread");
         Ok(Self { jobs, stats, cache: shared, recovery, cost, config })
     }

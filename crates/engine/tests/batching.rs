@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use strata_engine::{generate, CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Worker};
-use strata_model::{ModelFolder, Qwen35};
+use strata_model::{Model, ModelFolder};
 
 fn fixtures() -> Vec<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
@@ -18,7 +18,7 @@ fn fixtures() -> Vec<PathBuf> {
     dirs
 }
 
-fn load(dir: &PathBuf) -> (Qwen35, Vec<u32>) {
+fn load(dir: &PathBuf) -> (Model, Vec<u32>) {
     let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
     let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
     (model, t["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect())
@@ -82,6 +82,7 @@ fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {
             model,
             EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 },
             CacheConfig::off(),
+            None,
         )
         .unwrap();
         let recorders: Vec<Recorder> = (0..jobs.len()).map(|_| Recorder::default()).collect();
@@ -135,6 +136,7 @@ fn a_long_prompt_joins_one_chunk_per_step() {
         model,
         EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 },
         CacheConfig::off(),
+        None,
     )
     .unwrap();
     let running = Recorder::default();
@@ -162,9 +164,13 @@ fn admission_respects_the_state_budget_and_arrival_order() {
     let cost = model.state_cost();
     // Room for exactly one request of 30 tokens at a time.
     let budget = cost.bytes(30) + cost.bytes(30) / 2;
-    let worker =
-        Worker::spawn(model, EngineConfig { max_batch: 8, prefill_chunk: 8, state_budget_bytes: budget }, CacheConfig::off())
-            .unwrap();
+    let worker = Worker::spawn(
+        model,
+        EngineConfig { max_batch: 8, prefill_chunk: 8, state_budget_bytes: budget },
+        CacheConfig::off(),
+        None,
+    )
+    .unwrap();
     assert!(worker.admissible(10_000).unwrap_err().contains("state budget"));
     let recorders: Vec<Recorder> = (0..3).map(|_| Recorder::default()).collect();
     for r in &recorders {

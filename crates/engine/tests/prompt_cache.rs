@@ -39,7 +39,7 @@ fn cache(ssd: Option<&Path>, checkpoint_every: usize) -> CacheConfig {
 /// A fresh engine on the fixture in `dir` (each worker owns its model).
 fn engine(dir: &Path, cache: CacheConfig) -> Worker {
     let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
-    Worker::spawn(model, EngineConfig { max_batch: 4, prefill_chunk: 8, state_budget_bytes: 1 << 30 }, cache).unwrap()
+    Worker::spawn(model, EngineConfig { max_batch: 4, prefill_chunk: 8, state_budget_bytes: 1 << 30 }, cache, None).unwrap()
 }
 
 struct Run {

@@ -11,18 +11,18 @@ use std::time::Duration;
 use candle_core::{DType, Device, Tensor};
 use strata_engine::cache::ssd::SsdError;
 use strata_engine::cache::{usable_prefix, CacheStats, Identity, Recovery, Resume, Snapshot, SsdOptions, SsdStore, SsdWriter};
-use strata_model::{Logits, ModelFolder, Qwen35};
+use strata_model::{Logits, Model, ModelFolder};
 use strata_state::{BatchState, KvStore, LayerState};
 
 const GIB: u64 = 1 << 30;
 
-fn model(dtype: DType) -> Qwen35 {
+fn model(dtype: DType) -> Model {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a");
     ModelFolder::open(&dir).unwrap().load(dtype, &Device::Cpu).unwrap()
 }
 
 /// The model's state after `tokens`: real, non-trivial tensors (untrimmable: it has DeltaNet layers).
-fn run(model: &Qwen35, tokens: &[u32]) -> BatchState {
+fn run(model: &Model, tokens: &[u32]) -> BatchState {
     let mut state = model.new_state(1).unwrap();
     let input = Tensor::new(tokens, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
     model.forward(&input, &mut state, Logits::Last).unwrap();

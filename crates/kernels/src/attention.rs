@@ -57,9 +57,7 @@ fn few_queries<W: Widen>(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Resu
     let qs = crate::cpu_f32(&q.contiguous()?)?;
     let (k_storage, k_layout) = k.storage_and_layout();
     let (v_storage, v_layout) = v.storage_and_layout();
-    let (Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) = (&*k_storage, &*v_storage) else {
-        unreachable!("checked CPU above")
-    };
+    let (Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) = (&*k_storage, &*v_storage) else { unreachable!("checked CPU above") };
     let (ks, vs) = (k_cpu.as_slice::<W>()?, v_cpu.as_slice::<W>()?);
     if k_layout.stride()[2] != 1 || v_layout.stride()[2] != 1 {
         return reference(q, k, v, scale as f64);

@@ -216,22 +216,23 @@ pub fn token_ids(v: &Value) -> Vec<u32> {
     }
 }
 
-struct Fields<'a> {
-    map: &'a Map<String, Value>,
-    prefix: &'a str,
-    path: PathBuf,
+/// One JSON object of a config, with the file and key prefix its errors name.
+pub(crate) struct Fields<'a> {
+    pub(crate) map: &'a Map<String, Value>,
+    pub(crate) prefix: &'a str,
+    pub(crate) path: PathBuf,
 }
 
 impl Fields<'_> {
-    fn err(&self, field: &str, what: impl std::fmt::Display) -> ModelError {
+    pub(crate) fn err(&self, field: &str, what: impl std::fmt::Display) -> ModelError {
         ModelError::field(&self.path, format!("{}{field}", self.prefix), what)
     }
 
-    fn get(&self, name: &str) -> Option<&Value> {
+    pub(crate) fn get(&self, name: &str) -> Option<&Value> {
         self.map.get(name).filter(|v| !v.is_null())
     }
 
-    fn usize_or(&self, name: &str, default: usize) -> Result<usize> {
+    pub(crate) fn usize_or(&self, name: &str, default: usize) -> Result<usize> {
         match self.get(name) {
             None => Ok(default),
             Some(v) => v
@@ -241,14 +242,14 @@ impl Fields<'_> {
         }
     }
 
-    fn f64_or(&self, name: &str, default: f64) -> Result<f64> {
+    pub(crate) fn f64_or(&self, name: &str, default: f64) -> Result<f64> {
         match self.get(name) {
             None => Ok(default),
             Some(v) => v.as_f64().ok_or_else(|| self.err(name, format!("expected a number, found {v}"))),
         }
     }
 
-    fn bool_or(&self, name: &str, default: bool) -> Result<bool> {
+    pub(crate) fn bool_or(&self, name: &str, default: bool) -> Result<bool> {
         match self.get(name) {
             None => Ok(default),
             Some(v) => v.as_bool().ok_or_else(|| self.err(name, format!("expected true or false, found {v}"))),

@@ -5,17 +5,16 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 
 use crate::chat_template::ChatTemplate;
-use crate::config::Qwen35Config;
 use crate::error::{ModelError, Result};
 use crate::generation_config::GenerationConfig;
-use crate::qwen3_5::Qwen35;
+use crate::model::{ArchConfig, Model, ModelConfig};
 use crate::source::FileSource;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
 
 pub struct ModelFolder {
     pub path: PathBuf,
-    pub config: Qwen35Config,
+    pub config: ModelConfig,
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub generation: GenerationConfig,
@@ -24,7 +23,7 @@ pub struct ModelFolder {
 
 impl ModelFolder {
     /// Reads config, tokenizer, template and generation config, and validates the weight
-    /// files' headers. Tensors are read by [`ModelFolder::load`].
+    /// files' headers. Tensors are read by [`ModelFolder::load_model`] (or `load`).
     pub fn open(path: &Path) -> Result<Self> {
         if !path.is_dir() {
             return Err(ModelError::MissingFolder(path.to_path_buf()));
@@ -33,7 +32,7 @@ impl ModelFolder {
         if !config_path.exists() {
             return Err(ModelError::file(&config_path, "missing: a model folder needs config.json"));
         }
-        let config = Qwen35Config::from_file(&config_path)?;
+        let config = ArchConfig::from_file(&config_path)?.into();
         let tokenizer = Tokenizer::from_file(&path.join("tokenizer.json"))?;
         let chat_template = ChatTemplate::from_folder(path)?;
         let generation = GenerationConfig::from_folder(path)?;
@@ -52,13 +51,17 @@ impl ModelFolder {
         ids
     }
 
-    /// Loads the text model's tensors. Real releases name them `model.language_model.*` (with
-    /// `model.visual.*` and `mtp.*` beside them, not used by the text model); flat text
-    /// checkpoints name them `model.*`.
-    pub fn load(&self, dtype: DType, device: &Device) -> Result<Qwen35> {
+    /// Loads the model of whatever supported family the folder holds.
+    pub fn load(&self, dtype: DType, device: &Device) -> Result<Model> {
+        Model::load(&self.config.arch, &self.source(device), dtype)
+    }
+
+    /// Where the text model's tensors are. Qwen3.5 releases name them `model.language_model.*`
+    /// (with `model.visual.*` and `mtp.*` beside them, not used by the text model); flat text
+    /// checkpoints and dense models name them `model.*`.
+    fn source(&self, device: &Device) -> FileSource<'_> {
         let prefix =
             if self.weights.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
-        let src = FileSource { weights: &self.weights, prefix: prefix.into(), device: device.clone() };
-        Qwen35::load(&self.config, &src, dtype)
+        FileSource { weights: &self.weights, prefix: prefix.into(), device: device.clone() }
     }
 }

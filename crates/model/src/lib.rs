@@ -1,12 +1,15 @@
 //! Model folders and architectures: `config.json`, safetensors weights (single or sharded,
-//! memory-mapped), `tokenizer.json`, the chat template, `generation_config.json`, and the
-//! Qwen3.5 hybrid text model. Knows nothing of HTTP, scheduling or sampling.
+//! memory-mapped), `tokenizer.json`, the chat template, `generation_config.json`, the Qwen3.5
+//! hybrid text model and the dense decoders (Qwen3, Qwen2, Llama). Knows nothing of HTTP,
+//! scheduling or sampling.
 
 pub mod chat_template;
 pub mod config;
+pub mod dense;
 pub mod error;
 pub mod folder;
 pub mod generation_config;
+pub mod model;
 pub mod qwen3_5;
 pub mod source;
 pub mod synthetic;
@@ -15,8 +18,10 @@ pub mod weights;
 
 pub use chat_template::ChatTemplate;
 pub use config::Qwen35Config;
+pub use dense::{Dense, DenseConfig};
 pub use error::{ModelError, Result};
 pub use folder::ModelFolder;
 pub use generation_config::GenerationConfig;
+pub use model::{ArchConfig, Model, ModelConfig};
 pub use qwen3_5::{Logits, Qwen35, Round, StateCost};
 pub use tokenizer::Tokenizer;

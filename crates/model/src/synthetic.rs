@@ -5,6 +5,7 @@ use candle_core::{DType, Device};
 
 use crate::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
+use crate::model::Model;
 use crate::qwen3_5::Qwen35;
 use crate::source::RandomSource;
 
@@ -45,7 +46,7 @@ pub fn config(name: &str) -> Result<Qwen35Config> {
 }
 
 /// A model of the named shape with random weights.
-pub fn build(name: &str, dtype: DType, device: &Device) -> Result<Qwen35> {
+pub fn build(name: &str, dtype: DType, device: &Device) -> Result<Model> {
     let cfg = config(name)?;
-    Qwen35::load(&cfg, &RandomSource::new(device.clone(), 0x5EED), dtype)
+    Ok(Model::Qwen35(Qwen35::load(&cfg, &RandomSource::new(device.clone(), 0x5EED), dtype)?))
 }

@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
-use strata_model::{Logits, ModelFolder, Qwen35};
+use strata_model::{Logits, Model, ModelFolder};
 use strata_state::{BatchState, LayerState};
 
 fn fixtures() -> Vec<PathBuf> {
@@ -22,7 +22,7 @@ fn tokens(rows: &[Vec<u32>]) -> Tensor {
 }
 
 /// Single-row states after prompts of different lengths, merged into one batch.
-fn batch(model: &Qwen35, prompts: &[Vec<u32>]) -> BatchState {
+fn batch(model: &Model, prompts: &[Vec<u32>]) -> BatchState {
     let mut batch: Option<BatchState> = None;
     for p in prompts {
         let mut s = model.new_state(1).unwrap();
@@ -62,7 +62,8 @@ fn assert_row_equal(got: &BatchState, r: usize, want: &BatchState, what: &str) {
 fn rollback_equals_a_forward_over_only_the_kept_tokens() {
     for dir in fixtures() {
         let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
-        let prompts: Vec<Vec<u32>> = (0..4).map(|r| (0..(5 + 7 * r as u32)).map(|t| (t * 31 + r as u32 * 5 + 3) % 500).collect()).collect();
+        let prompts: Vec<Vec<u32>> =
+            (0..4).map(|r| (0..(5 + 7 * r as u32)).map(|t| (t * 31 + r as u32 * 5 + 3) % 500).collect()).collect();
         // Each row verifies its last token and 5 drafts; they keep 1, 3, 6 (all) and 4 positions.
         let drafted: Vec<Vec<u32>> = (0..4).map(|r| (0..6).map(|t| (t * 17 + r * 101 + 9) % 500).collect()).collect();
         let keep = [1, 3, 6, 4];

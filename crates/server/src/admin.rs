@@ -32,7 +32,18 @@ pub async fn stats(State(state): State<AppState>) -> Json<Value> {
         "generated_tokens": w.generated_tokens.load(Ordering::Relaxed),
         "max_context": c.max_context,
         "prompt_cache": cache_stats(&state),
+        "speculation": {
+            "draft_rounds": w.draft_rounds.load(Ordering::Relaxed),
+            "drafted_tokens": w.drafted_tokens.load(Ordering::Relaxed),
+            "accepted_tokens": w.accepted_tokens.load(Ordering::Relaxed),
+            "acceptance_rate": ratio(w.accepted_tokens.load(Ordering::Relaxed), w.drafted_tokens.load(Ordering::Relaxed)),
+            "mean_accepted_per_round": ratio(w.accepted_tokens.load(Ordering::Relaxed), w.draft_rounds.load(Ordering::Relaxed)),
+        },
     }))
+}
+
+fn ratio(a: u64, b: u64) -> Option<f64> {
+    (b > 0).then(|| a as f64 / b as f64)
 }
 
 fn cache_stats(state: &AppState) -> Value {
@@ -100,7 +111,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let w = state.worker.stats();
     let s = state.worker.cache_stats();
     let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
-    let rows: [(&str, &str, &str, f64); 25] = [
+    let rows: [(&str, &str, &str, f64); 28] = [
         ("strata_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
         ("strata_http_requests_total", "counter", "HTTP requests received.", state.http_requests.load(Ordering::Relaxed) as f64),
         (
@@ -136,6 +147,9 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         ("strata_cache_ssd_write_failures_total", "counter", "SSD writes that failed.", n(&s.ssd_write_failures)),
         ("strata_cache_ssd_writes_dropped_total", "counter", "SSD writes dropped on a full queue.", n(&s.ssd_writes_dropped)),
         ("strata_cache_checkpoint_resumes_total", "counter", "Generations resumed from a checkpoint.", n(&s.checkpoint_resumes)),
+        ("strata_draft_rounds_total", "counter", "Decode steps that verified drafted tokens.", n(&w.draft_rounds)),
+        ("strata_drafted_tokens_total", "counter", "Tokens drafted for speculative decoding.", n(&w.drafted_tokens)),
+        ("strata_accepted_tokens_total", "counter", "Drafted tokens the model accepted.", n(&w.accepted_tokens)),
     ];
     let mut text = String::new();
     for (name, kind, help, value) in rows {

@@ -101,6 +101,8 @@ fn log_request(id: &str, o: &output::Outcome) {
         ttft_ms = o.ttft.map(|t| t.as_secs_f64() * 1e3).unwrap_or(0.0),
         tok_s = o.completion_tokens.saturating_sub(1) as f64 / decode_s.max(1e-9),
         finish = ?o.finish,
+        draft_acceptance = o.speculation.map(|(_, drafted, accepted)| accepted as f64 / drafted as f64),
+        mean_accepted = o.speculation.map(|(rounds, _, accepted)| accepted as f64 / rounds.max(1) as f64),
         "request done"
     );
 }

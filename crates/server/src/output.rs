@@ -47,6 +47,9 @@ pub struct Outcome {
     pub completion_tokens: usize,
     pub ttft: Option<Duration>,
     pub elapsed: Duration,
+    /// Speculative decoding, when the generation ran to its end in the engine: verify steps
+    /// with drafts, tokens drafted, tokens accepted.
+    pub speculation: Option<(usize, usize, usize)>,
 }
 
 /// How to read the generated text.
@@ -163,6 +166,7 @@ pub async fn drive(
                         completion_tokens,
                         ttft,
                         elapsed: started.elapsed(),
+                        speculation: None,
                     }));
                 }
             }
@@ -184,6 +188,7 @@ pub async fn drive(
                     completion_tokens,
                     ttft,
                     elapsed: started.elapsed(),
+                    speculation: (g.drafted_tokens > 0).then_some((g.draft_rounds, g.drafted_tokens, g.accepted_tokens)),
                 }));
             }
             Event::Started { cached_tokens: n } => cached_tokens = n,

@@ -32,7 +32,8 @@ fn state(name: &str, max_context: usize, api_key: Option<&str>) -> AppState {
             max_context,
             api_key: api_key.map(str::to_string),
         },
-        worker: Worker::spawn(model, EngineConfig::for_device(&Device::Cpu), CacheConfig::for_device(&Device::Cpu)).unwrap(),
+        worker: Worker::spawn(model, EngineConfig::for_device(&Device::Cpu), CacheConfig::for_device(&Device::Cpu), None)
+            .unwrap(),
         vocab_size: folder.config.vocab_size,
         tokenizer: folder.tokenizer,
         template: folder.chat_template,

@@ -80,7 +80,14 @@ impl GatedDeltaNet {
 
     /// Conv + SiLU, then the gated delta rule, from the projections of `[B, T]` positions and
     /// the state before them; returns the outputs and the state after them.
-    fn recurrence(&self, qkv: &Tensor, a: &Tensor, beta_logits: &Tensor, conv: &Tensor, ssm: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
+    fn recurrence(
+        &self,
+        qkv: &Tensor,
+        a: &Tensor,
+        beta_logits: &Tensor,
+        conv: &Tensor,
+        ssm: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = qkv.dims3()?;
         let (hk, dk) = (self.key_heads, self.shape.key_dim);
         let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
@@ -116,8 +123,13 @@ impl GatedDeltaNet {
                 (round.conv.narrow(0, r, 1)?, round.ssm.narrow(0, r, 1)?)
             } else {
                 let row = |t: &Tensor| t.narrow(0, r, 1)?.narrow(1, 0, kept);
-                let (_, conv, ssm) =
-                    self.recurrence(&row(&qkv)?, &row(&a)?, &row(&beta_logits)?, &round.conv.narrow(0, r, 1)?, &round.ssm.narrow(0, r, 1)?)?;
+                let (_, conv, ssm) = self.recurrence(
+                    &row(&qkv)?,
+                    &row(&a)?,
+                    &row(&beta_logits)?,
+                    &round.conv.narrow(0, r, 1)?,
+                    &round.ssm.narrow(0, r, 1)?,
+                )?;
                 (conv, ssm)
             };
             convs.push(conv);

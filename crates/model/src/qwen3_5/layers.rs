@@ -103,7 +103,7 @@ impl Mlp {
 
 /// Rotary embedding on the first `rotary_dim` dims of each head (NeoX half-split).
 pub struct Rotary {
-    inv_freq: Vec<f32>,
+    pub(crate) inv_freq: Vec<f32>,
 }
 
 impl Rotary {

@@ -30,7 +30,7 @@ struct DecoderLayer {
 /// An open speculative round: each row's position when it opened.
 #[derive(Debug)]
 pub struct Round {
-    start: Vec<usize>,
+    pub(crate) start: Vec<usize>,
 }
 
 /// Memory cost of one sequence's state; see [`Qwen35::state_cost`].

@@ -1,0 +1,65 @@
+//! Softmax attention of the dense decoders: q/k/v projections (optional bias), optional per-head
+//! q/k RMSNorm (Qwen3), full RoPE, GQA over each row's own KV history, `o_proj`.
+
+use candle_core::{DType, Tensor};
+use strata_kernels::attention::causal_attention;
+use strata_state::KvStore;
+
+use super::config::DenseConfig;
+use super::norm::RmsNorm;
+use crate::error::Result;
+use crate::qwen3_5::layers::{Linear, Rotary};
+use crate::source::WeightSource;
+
+pub struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    qk_norm: Option<(RmsNorm, RmsNorm)>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    pub fn load(src: &dyn WeightSource, name: &str, cfg: &DenseConfig, dtype: DType) -> Result<Self> {
+        let (h, kv, d, hidden) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size);
+        let linear =
+            |proj: &str, out_dim, in_dim, bias| Linear::load(src, &format!("{name}.{proj}"), out_dim, in_dim, bias, dtype);
+        let norm = |which: &str| RmsNorm::load(src, &format!("{name}.{which}"), d, cfg.rms_norm_eps, dtype);
+        Ok(Self {
+            q_proj: linear("q_proj", h * d, hidden, cfg.qkv_bias)?,
+            k_proj: linear("k_proj", kv * d, hidden, cfg.qkv_bias)?,
+            v_proj: linear("v_proj", kv * d, hidden, cfg.qkv_bias)?,
+            o_proj: linear("o_proj", hidden, h * d, cfg.o_bias)?,
+            qk_norm: if cfg.qk_norm() { Some((norm("q_norm")?, norm("k_norm")?)) } else { None },
+            heads: h,
+            kv_heads: kv,
+            head_dim: d,
+        })
+    }
+
+    /// `x` `[B, T, hidden]`; `rope` holds the per-row cos/sin tables for these positions.
+    pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rotary: &Rotary, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, d) = (self.heads, self.head_dim);
+        let mut q = self.q_proj.forward(x)?.reshape((b, t, h, d))?;
+        let mut k = self.k_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?;
+        let v = self.v_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
+        if let Some((q_norm, k_norm)) = &self.qk_norm {
+            q = q_norm.forward(&q)?;
+            k = k_norm.forward(&k)?;
+        }
+        let q = rotary.apply(&q.transpose(1, 2)?, &rope.0, &rope.1)?;
+        let k = rotary.apply(&k.transpose(1, 2)?, &rope.0, &rope.1)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let mut rows = Vec::with_capacity(b);
+        for row in 0..b {
+            let (keys, values) = kv.append(row, &k.get(row)?, &v.get(row)?)?;
+            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, scale)?);
+        }
+        let out = Tensor::stack(&rows, 0)?.transpose(1, 2)?.reshape((b, t, h * d))?;
+        self.o_proj.forward(&out)
+    }
+}

@@ -1,0 +1,138 @@
+//! Dense decoders (transformers `qwen3`, `qwen2`, `llama`): every layer is softmax attention then
+//! a SwiGLU MLP, each behind a plain RMSNorm. The state is attention KV only, so every row can be
+//! trimmed back to any earlier position (what a speculative draft model needs).
+
+mod attention;
+pub mod config;
+mod norm;
+
+use candle_core::{DType, Device, Tensor};
+use strata_state::{BatchState, KvStore, LayerState};
+
+use self::attention::Attention;
+use self::norm::RmsNorm;
+use crate::error::{ModelError, Result};
+use crate::qwen3_5::layers::{Linear, Mlp, Rotary};
+use crate::qwen3_5::{Logits, StateCost};
+use crate::source::WeightSource;
+
+pub use self::config::{DenseConfig, DenseFamily, Llama3Scaling};
+
+struct DecoderLayer {
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_norm: RmsNorm,
+    mlp: Mlp,
+}
+
+pub struct Dense {
+    cfg: DenseConfig,
+    embed: Tensor,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    rotary: Rotary,
+    dtype: DType,
+    device: Device,
+}
+
+impl Dense {
+    /// Builds the model from `src`, whose names are relative to the decoder
+    /// (`embed_tokens.weight`, `layers.N.…`, `norm.weight`), plus `lm_head.weight` when untied.
+    pub fn load(cfg: &DenseConfig, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
+        let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let embed = src.get("embed_tokens.weight", &[cfg.vocab_size, hidden], dtype)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let p = format!("layers.{i}");
+                Ok(DecoderLayer {
+                    input_norm: RmsNorm::load(src, &format!("{p}.input_layernorm"), hidden, eps, dtype)?,
+                    attn: Attention::load(src, &format!("{p}.self_attn"), cfg, dtype)?,
+                    post_norm: RmsNorm::load(src, &format!("{p}.post_attention_layernorm"), hidden, eps, dtype)?,
+                    mlp: Mlp::load(src, &format!("{p}.mlp"), hidden, cfg.intermediate_size, dtype)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::from_weight(embed.clone())
+        } else {
+            Linear::load(src, "lm_head", cfg.vocab_size, hidden, false, dtype)?
+        };
+        let mut rotary = Rotary::new(cfg.head_dim, cfg.rope_theta);
+        if let Some(scaling) = &cfg.rope_scaling {
+            scaling.apply(&mut rotary.inv_freq);
+        }
+        Ok(Self {
+            cfg: cfg.clone(),
+            embed,
+            layers,
+            norm: RmsNorm::load(src, "norm", hidden, eps, dtype)?,
+            lm_head,
+            rotary,
+            dtype,
+            device: src.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &DenseConfig {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// What a sequence's state costs: the KV of every layer per token, nothing fixed per row.
+    pub fn state_cost(&self) -> StateCost {
+        let per_layer = KvStore::bytes_per_token(self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype);
+        StateCost { bytes_per_token: self.layers.len() * per_layer, bytes_per_row: 0 }
+    }
+
+    /// Fresh state for `rows` empty sequences.
+    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
+        let (kv, d) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let layers = (0..self.layers.len())
+            .map(|_| Ok(LayerState::Attention(KvStore::new(rows, kv, d, self.dtype, &self.device)?)))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BatchState { layers, positions: vec![0; rows] })
+    }
+
+    /// Runs `tokens` (`[B, T]`, u32) through the model, each row continuing from its own
+    /// position in `state`, and advances the state. Returns f32 logits.
+    pub fn forward(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        if b != state.rows() || state.layers.len() != self.layers.len() {
+            return Err(ModelError::Invalid(format!(
+                "forward got {b} rows for {} layers, but the state has {} rows and {} layers",
+                self.layers.len(),
+                state.rows(),
+                state.layers.len()
+            )));
+        }
+        let ids = tokens.flatten_all()?;
+        if let Some(&bad) = ids.to_vec1::<u32>()?.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)));
+        }
+        let mut x = self.embed.index_select(&ids, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        let rope = self.rotary.tables(&state.positions, t, &self.device)?;
+        for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
+            let LayerState::Attention(kv) = layer_state else {
+                return Err(ModelError::Invalid(format!("a dense layer got {} state", layer_state.kind())));
+            };
+            x = (&x + layer.attn.forward(&layer.input_norm.forward(&x)?, kv, &self.rotary, &rope)?)?;
+            x = (&x + layer.mlp.forward(&layer.post_norm.forward(&x)?)?)?;
+        }
+        for p in &mut state.positions {
+            *p += t;
+        }
+        let x = match logits {
+            Logits::All => x,
+            Logits::Last => x.narrow(1, t - 1, 1)?.squeeze(1)?,
+        };
+        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?)
+    }
+}

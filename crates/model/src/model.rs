@@ -1,0 +1,165 @@
+//! The architecture families strata runs, behind one config and one model type, chosen by
+//! `config.json`'s `model_type`.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+use serde_json::Value;
+use strata_state::BatchState;
+
+use crate::config::Qwen35Config;
+use crate::dense::{Dense, DenseConfig};
+use crate::error::{ModelError, Result};
+use crate::qwen3_5::{Logits, Qwen35, Round, StateCost};
+use crate::source::WeightSource;
+
+/// A parsed `config.json`, by family.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ArchConfig {
+    /// `qwen3_5` (nested) and `qwen3_5_text`.
+    Qwen35(Qwen35Config),
+    /// `qwen3`, `qwen2`, `llama`.
+    Dense(DenseConfig),
+}
+
+impl ArchConfig {
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let root = crate::error::read_json(path)?;
+        match root.get("model_type").and_then(Value::as_str) {
+            Some("qwen3_5" | "qwen3_5_text") => Ok(ArchConfig::Qwen35(Qwen35Config::from_json(&root, path)?)),
+            Some("qwen3" | "qwen2" | "llama") => Ok(ArchConfig::Dense(DenseConfig::from_json(&root, path)?)),
+            Some(other) => Err(ModelError::field(
+                path,
+                "model_type",
+                format!("`{other}` is not supported (supported: qwen3_5, qwen3_5_text, qwen3, qwen2, llama)"),
+            )),
+            None => Err(ModelError::field(path, "model_type", "missing")),
+        }
+    }
+
+    /// The `model_type` this config was read as (nested and flat Qwen3.5 both say `qwen3_5`).
+    pub fn model_type(&self) -> &'static str {
+        match self {
+            ArchConfig::Qwen35(_) => "qwen3_5",
+            ArchConfig::Dense(c) => c.family.model_type(),
+        }
+    }
+}
+
+/// What every caller needs of a config whatever its family, beside the family's own fields.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub max_position_embeddings: usize,
+    pub eos_token_ids: Vec<u32>,
+    pub arch: ArchConfig,
+}
+
+impl From<ArchConfig> for ModelConfig {
+    fn from(arch: ArchConfig) -> Self {
+        let (vocab_size, max_position_embeddings, eos_token_ids) = match &arch {
+            ArchConfig::Qwen35(c) => (c.vocab_size, c.max_position_embeddings, c.eos_token_ids.clone()),
+            ArchConfig::Dense(c) => (c.vocab_size, c.max_position_embeddings, c.eos_token_ids.clone()),
+        };
+        Self { vocab_size, max_position_embeddings, eos_token_ids, arch }
+    }
+}
+
+/// A loaded model of any supported family.
+pub enum Model {
+    Qwen35(Qwen35),
+    Dense(Dense),
+}
+
+impl Model {
+    pub fn load(cfg: &ArchConfig, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
+        Ok(match cfg {
+            ArchConfig::Qwen35(c) => Model::Qwen35(Qwen35::load(c, src, dtype)?),
+            ArchConfig::Dense(c) => Model::Dense(Dense::load(c, src, dtype)?),
+        })
+    }
+
+    /// Runs `tokens` (`[B, T]`, u32), each row from its own position in `state`; f32 logits.
+    pub fn forward(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<Tensor> {
+        match self {
+            Model::Qwen35(m) => m.forward(tokens, state, logits),
+            Model::Dense(m) => m.forward(tokens, state, logits),
+        }
+    }
+
+    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
+        match self {
+            Model::Qwen35(m) => m.new_state(rows),
+            Model::Dense(m) => m.new_state(rows),
+        }
+    }
+
+    pub fn state_cost(&self) -> StateCost {
+        match self {
+            Model::Qwen35(m) => m.state_cost(),
+            Model::Dense(m) => m.state_cost(),
+        }
+    }
+
+    pub fn device(&self) -> &Device {
+        match self {
+            Model::Qwen35(m) => m.device(),
+            Model::Dense(m) => m.device(),
+        }
+    }
+
+    pub fn dtype(&self) -> DType {
+        match self {
+            Model::Qwen35(m) => m.dtype(),
+            Model::Dense(m) => m.dtype(),
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Model::Qwen35(m) => m.config().vocab_size,
+            Model::Dense(m) => m.config().vocab_size,
+        }
+    }
+
+    pub fn max_position_embeddings(&self) -> usize {
+        match self {
+            Model::Qwen35(m) => m.config().max_position_embeddings,
+            Model::Dense(m) => m.config().max_position_embeddings,
+        }
+    }
+
+    /// Opens a speculative round: forwards until [`Model::close_round`] can be taken back.
+    pub fn open_round(&self, state: &mut BatchState) -> Round {
+        match self {
+            Model::Qwen35(m) => m.open_round(state),
+            Model::Dense(_) => Round { start: state.positions.clone() },
+        }
+    }
+
+    /// Closes `round` keeping the first `keep[r]` positions each row was fed since it opened;
+    /// every row's state is then that of a forward over only its kept tokens (an all-KV state
+    /// just trims).
+    pub fn close_round(&self, state: &mut BatchState, round: Round, keep: &[usize]) -> Result<()> {
+        match self {
+            Model::Qwen35(m) => m.close_round(state, round, keep),
+            Model::Dense(_) => {
+                for (r, (&start, &kept)) in round.start.iter().zip(keep).enumerate() {
+                    if start + kept > state.positions[r] {
+                        return Err(ModelError::Invalid(format!("cannot keep {kept} positions of row {r}")));
+                    }
+                    state.trim(r, start + kept)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// End-of-sequence ids from `config.json` (a folder's generation config may add more).
+    pub fn eos_token_ids(&self) -> &[u32] {
+        match self {
+            Model::Qwen35(m) => &m.config().eos_token_ids,
+            Model::Dense(m) => &m.config().eos_token_ids,
+        }
+    }
+}
