@@ -60,7 +60,8 @@ struct Timing(mpsc::Sender<(usize, Instant, bool)>, usize);
 impl EventSink for Timing {
     fn send(&mut self, event: Event) -> bool {
         let done = match event {
-            Event::Started { .. } | Event::Token(_) => false,
+            Event::Started { .. } => return true,
+            Event::Token(_) => false,
             Event::Finished(_) | Event::Failed(_) => true,
         };
         let _ = self.0.send((self.1, Instant::now(), done));
@@ -195,8 +196,12 @@ pub fn run(a: Args) -> Result<()> {
     for dtype in &a.dtype {
         let model = load(*dtype)?;
         let vocab = model.vocab_size() as u64;
-        let speculation =
-            a.draft.speculation(vocab as usize, || load(*dtype), |path| Ok(open_model(path)?.load(dtype.dtype(), &device)?))?;
+        // A synthetic draft (`model:synthetic:NAME`) needs no folder either.
+        let load_draft = |path: &std::path::Path| match path.to_str().and_then(|p| p.strip_prefix("synthetic:")) {
+            Some(name) => Ok(synthetic::build(name, dtype.dtype(), &device)?),
+            None => Ok(open_model(path)?.load(dtype.dtype(), &device)?),
+        };
+        let speculation = a.draft.speculation(vocab as usize, || load(*dtype), load_draft)?;
         let worker = Worker::spawn(
             model,
             EngineConfig { max_batch: max_concurrency, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX },

@@ -28,6 +28,7 @@ use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
 use crate::sampler::Sampler;
 use crate::speculative::Drafter;
 use crate::worker::{EngineConfig, Event, Job, Queued, SharedCache, WorkerStats};
+use strata_kernels::matmul::MAX_EXACT_ROWS;
 
 /// A running row: one sequence of the batch.
 struct Row {
@@ -338,9 +339,15 @@ impl<'a> Engine<'a> {
         let drafts = match &mut self.drafter {
             Some(drafter) => {
                 let contexts: Vec<&[u32]> = self.rows.iter().map(|r| r.context.as_slice()).collect();
-                // No point drafting past a row's budget: the last token it may emit is verified.
-                let limits: Vec<usize> =
-                    self.rows.iter().map(|r| r.job.opts.max_tokens.saturating_sub(r.generated.len() + 1)).collect();
+                // No point drafting past a row's budget (the last token it may emit is
+                // verified), and the verify forward stays within the rows the kernels compute
+                // exactly (each position as if alone).
+                let width_cap = (MAX_EXACT_ROWS / self.rows.len()).saturating_sub(1);
+                let limits: Vec<usize> = self
+                    .rows
+                    .iter()
+                    .map(|r| r.job.opts.max_tokens.saturating_sub(r.generated.len() + 1).min(width_cap))
+                    .collect();
                 drafter.propose(&contexts, &limits)?
             }
             None => vec![Vec::new(); self.rows.len()],

@@ -97,13 +97,15 @@ impl Drafter {
                 let state = self.state.as_mut().ok_or_else(|| strata_model::ModelError::Invalid("draft state missing".into()))?;
                 self.round = Some(model.open_round(state));
                 let mut input: Vec<u32> = contexts.iter().map(|c| *c.last().expect("a running row has a token")).collect();
-                let mut drafts = vec![Vec::with_capacity(self.tokens); contexts.len()];
-                // k + 1 forwards: the last feeds the k-th draft so the draft model has seen
-                // every position the target verifies.
-                for step in 0..=self.tokens {
+                let steps = self.tokens.min(limits.iter().copied().max().unwrap_or(0));
+                let mut drafts = vec![Vec::with_capacity(steps); contexts.len()];
+                // steps + 1 forwards: the last feeds the final draft, so the draft model has
+                // seen every position the target verifies (even with nothing to draft, it
+                // reads `last`, staying in step).
+                for step in 0..=steps {
                     let x = Tensor::new(input.as_slice(), model.device())?.unsqueeze(1)?;
                     let logits = model.forward(&x, state, Logits::Last)?;
-                    if step == self.tokens {
+                    if step == steps {
                         break;
                     }
                     input = logits.argmax(1)?.to_vec1::<u32>()?;

@@ -11,7 +11,7 @@ use crate::Result;
 /// keys `0..=L-T+i`). Query head `h` reads KV head `h / (Hq / Hkv)`. Scores and softmax are f32;
 /// the result `[Hq, T, D]` is in `q`'s dtype.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-    let few = q.dim(1)? <= crate::matmul::MAX_STREAMED_ROWS && q.device().is_cpu() && k.dtype() == v.dtype();
+    let few = q.dim(1)? <= crate::matmul::MAX_EXACT_ROWS && q.device().is_cpu() && k.dtype() == v.dtype();
     match k.dtype() {
         DType::F32 if few => few_queries::<f32>(q, k, v, scale as f32),
         DType::BF16 if few => few_queries::<half::bf16>(q, k, v, scale as f32),

@@ -13,17 +13,17 @@ use rayon::prelude::*;
 
 use crate::Result;
 
-/// Rows up to which [`matmul_t`] takes the weight-streaming path: a batch's decode step, and a
-/// speculative verify forward (rows × (drafts + 1)), whose positions must compute exactly as
-/// they would one at a time for rollback and acceptance to be exact. The input rows stay in
-/// L2 cache up to here.
-pub const MAX_STREAMED_ROWS: usize = 64;
+/// Rows up to which [`matmul_t`] streams: a decode batch, and a speculative verify forward
+/// (rows × (drafts + 1)), whose positions must compute exactly as they would one at a time for
+/// rollback and acceptance to be exact. (candle's matmul is somewhat faster for 17–64-row
+/// prefill chunks; exactness wins.) The input rows stay in cache up to here.
+pub const MAX_EXACT_ROWS: usize = 64;
 
 /// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. Uses the streaming path for f32 and
-/// bf16 weights on CPU when `M <= MAX_STREAMED_ROWS`, and candle's matmul otherwise.
+/// bf16 weights on CPU when `M <= MAX_EXACT_ROWS`, and candle's matmul otherwise.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (m, _) = x.dims2()?;
-    if matches!(x.device(), Device::Cpu) && m <= MAX_STREAMED_ROWS && w.is_contiguous() {
+    if matches!(x.device(), Device::Cpu) && m <= MAX_EXACT_ROWS && w.is_contiguous() {
         match w.dtype() {
             DType::BF16 => return streamed::<bf16>(x, w),
             DType::F32 => return streamed::<f32>(x, w),
@@ -60,10 +60,10 @@ fn streamed<W: Widen>(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let candle_core::Storage::Cpu(cpu) = &*storage else { unreachable!("checked CPU above") };
     let all: &[W] = cpu.as_slice::<W>()?;
     let ws = &all[layout.start_offset()..layout.start_offset() + n * k];
-    // Computed as [N, M] (one weight row per task), then laid out as [M, N].
+    // Computed as [N, M] (a block of weight rows per task), then laid out as [M, N].
     let mut out_t = vec![0f32; n * m];
     let kernel = kernel_for_cpu::<W>();
-    out_t.par_chunks_mut(m).zip(ws.par_chunks(k)).for_each(|(o, row)| kernel(row, &xs, o));
+    out_t.par_chunks_mut(m * WEIGHT_BLOCK).zip(ws.par_chunks(k * WEIGHT_BLOCK)).for_each(|(o, rows)| kernel(rows, k, &xs, o));
     let out = if m == 1 {
         out_t
     } else {
@@ -78,62 +78,82 @@ fn streamed<W: Widen>(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     Tensor::from_vec(out, (m, n), x.device())?.to_dtype(x.dtype())
 }
 
-/// The per-weight-row kernel for this CPU: the same code compiled for AVX2 + FMA when the CPU
-/// has them (the crate is built for baseline x86-64, which has neither). Chosen once per call,
-/// so every row of a matmul uses the same code.
-fn kernel_for_cpu<W: Widen>() -> fn(&[W], &[f32], &mut [f32]) {
+/// The per-block kernel for this CPU: the same code compiled for AVX2 + FMA when the CPU has
+/// them (the crate is built for baseline x86-64, which has neither). Chosen once per call, so
+/// every row of a matmul uses the same code.
+fn kernel_for_cpu<W: Widen>() -> fn(&[W], usize, &[f32], &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-        return |w, xs, out| {
+        return |w, k, xs, out| {
             // SAFETY: the CPU supports AVX2 and FMA (checked just above).
-            unsafe { weight_row_avx2(w, xs, out) }
+            unsafe { weight_block_avx2(w, k, xs, out) }
         };
     }
-    weight_row
+    weight_block
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn weight_row_avx2<W: Widen>(w: &[W], xs: &[f32], out: &mut [f32]) {
-    weight_row(w, xs, out)
+unsafe fn weight_block_avx2<W: Widen>(w: &[W], k: usize, xs: &[f32], out: &mut [f32]) {
+    weight_block(w, k, xs, out)
 }
+
+/// Weight rows per task: each pair of input rows is read once for the whole block (from L1)
+/// instead of once per weight row, which keeps many-row calls (speculative verify forwards,
+/// short prefill chunks) from being bound by re-reading the inputs.
+const WEIGHT_BLOCK: usize = 8;
 
 /// Accumulator lanes per input row: four 8-lane vectors, enough to hide the add latency.
 const LANES: usize = 32;
 
-/// `out[r] = w · xs[r]` for every input row `r`, two rows at a time so each widened weight
-/// chunk serves both from registers. A row's arithmetic is the same sequence whether it is
-/// paired or alone (lane accumulators over the chunks in order, lanes summed in order, then the
-/// tail), so its result does not depend on the batch around it.
+/// `out[j * M + r] = w_j · xs[r]` for the block's weight rows `w_j` and every input row `r`,
+/// two input rows at a time so each widened weight chunk serves both from registers. A row's
+/// arithmetic is the same sequence whether it is paired or alone and whatever the block (lane
+/// accumulators over the chunks in order, lanes summed in order, then the tail), so its result
+/// does not depend on the batch around it.
 #[inline(always)]
-fn weight_row<W: Widen>(w: &[W], xs: &[f32], out: &mut [f32]) {
-    let k = w.len();
-    let mut pairs = out.chunks_exact_mut(2);
+fn weight_block<W: Widen>(ws: &[W], k: usize, xs: &[f32], out: &mut [f32]) {
+    let (m, rows) = (xs.len() / k, ws.len() / k);
+    let weight = |j: usize| &ws[j * k..(j + 1) * k];
     let mut r = 0;
-    for o in &mut pairs {
+    while r + 2 <= m {
         let (x0, x1) = (&xs[r * k..(r + 1) * k], &xs[(r + 1) * k..(r + 2) * k]);
-        let (mut a0, mut a1) = ([0f32; LANES], [0f32; LANES]);
-        for ((wc, c0), c1) in w.chunks_exact(LANES).zip(x0.chunks_exact(LANES)).zip(x1.chunks_exact(LANES)) {
-            for l in 0..LANES {
-                let wv = wc[l].widen();
-                a0[l] += wv * c0[l];
-                a1[l] += wv * c1[l];
-            }
+        for j in 0..rows {
+            (out[j * m + r], out[j * m + r + 1]) = dot2(weight(j), x0, x1);
         }
-        o[0] = reduce(&a0, w, x0);
-        o[1] = reduce(&a1, w, x1);
         r += 2;
     }
-    for o in pairs.into_remainder() {
+    if r < m {
         let x0 = &xs[r * k..(r + 1) * k];
-        let mut a0 = [0f32; LANES];
-        for (wc, c0) in w.chunks_exact(LANES).zip(x0.chunks_exact(LANES)) {
-            for l in 0..LANES {
-                a0[l] += wc[l].widen() * c0[l];
-            }
+        for j in 0..rows {
+            out[j * m + r] = dot1(weight(j), x0);
         }
-        *o = reduce(&a0, w, x0);
     }
+}
+
+/// `(w · x0, w · x1)`, each exactly as [`dot1`] computes it.
+#[inline(always)]
+fn dot2<W: Widen>(w: &[W], x0: &[f32], x1: &[f32]) -> (f32, f32) {
+    let (mut a0, mut a1) = ([0f32; LANES], [0f32; LANES]);
+    for ((wc, c0), c1) in w.chunks_exact(LANES).zip(x0.chunks_exact(LANES)).zip(x1.chunks_exact(LANES)) {
+        for l in 0..LANES {
+            let wv = wc[l].widen();
+            a0[l] += wv * c0[l];
+            a1[l] += wv * c1[l];
+        }
+    }
+    (reduce(&a0, w, x0), reduce(&a1, w, x1))
+}
+
+#[inline(always)]
+fn dot1<W: Widen>(w: &[W], x0: &[f32]) -> f32 {
+    let mut a0 = [0f32; LANES];
+    for (wc, c0) in w.chunks_exact(LANES).zip(x0.chunks_exact(LANES)) {
+        for l in 0..LANES {
+            a0[l] += wc[l].widen() * c0[l];
+        }
+    }
+    reduce(&a0, w, x0)
 }
 
 /// Lanes summed in order, then the tail past the last whole chunk.
@@ -154,7 +174,7 @@ mod tests {
     fn streamed_matches_candle_matmul() {
         let dev = Device::Cpu;
         for dtype in [DType::BF16, DType::F32] {
-            for (m, k, n) in [(1, 64, 10), (3, 37, 5), (8, 128, 33), (16, 100, 7)] {
+            for (m, k, n) in [(1, 64, 10), (3, 37, 5), (8, 128, 33), (16, 100, 7), (41, 96, 19), (64, 64, 8)] {
                 let x: Vec<f32> = (0..m * k).map(|i| (i as f32 * 0.13).sin()).collect();
                 let w: Vec<f32> = (0..n * k).map(|i| (i as f32 * 0.07).cos()).collect();
                 let x = Tensor::from_vec(x, (m, k), &dev).unwrap();

@@ -389,3 +389,44 @@ async fn no_request_body_breaks_the_server() {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn prompt_cache_reuses_previous_turns_and_flushes() {
+    let app = app();
+    let user = |text: &str| json!({"role": "user", "content": text});
+    let ask = |messages: Vec<Value>| {
+        json!({"model": "m", "messages": messages, "max_tokens": 10, "temperature": 0,
+               "chat_template_kwargs": {"enable_thinking": false}})
+    };
+    let cached = |r: &Value| r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
+    let first = vec![user("Tell me about the weather today.")];
+    let (_, r1) = post(&app, "/v1/chat/completions", ask(first.clone())).await;
+    let prompt1 = r1["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(cached(&r1), 0);
+    // The same request again (a retry, a regenerate): everything but the last prompt token.
+    let (_, again) = post(&app, "/v1/chat/completions", ask(first.clone())).await;
+    assert_eq!(cached(&again), prompt1 - 1);
+    assert_eq!(again["choices"][0]["message"], r1["choices"][0]["message"]);
+    // The next turn resends the conversation.
+    let answer = r1["choices"][0]["message"]["content"].as_str().unwrap();
+    let second =
+        vec![user("Tell me about the weather today."), json!({"role": "assistant", "content": answer}), user("And tomorrow?")];
+    let (_, r2) = post(&app, "/v1/chat/completions", ask(second)).await;
+    eprintln!(
+        "turn 2: prompt {} cached {} (turn 1: prompt {prompt1}, output {})",
+        r2["usage"]["prompt_tokens"],
+        cached(&r2),
+        r1["usage"]["completion_tokens"]
+    );
+    // Flushing drops the RAM tier: the first request is cold again.
+    let (s, flushed) = post(&app, "/admin/cache/flush", Value::Null).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(flushed["flushed"]["ram_entries"].as_u64().unwrap() > 0);
+    let (_, cold) = post(&app, "/v1/chat/completions", ask(first)).await;
+    assert_eq!(cached(&cold), 0);
+    let (_, stats) = call(&app, "GET", "/stats", Value::Null, &[]).await;
+    let stats: Value = serde_json::from_slice(&stats).unwrap();
+    assert!(stats["prompt_cache"]["ram"]["hits"].as_u64().unwrap() >= 1, "{stats}");
+    let (s, _) = post(&app, "/admin/cache/flush", json!({"ssd": "yes"})).await;
+    assert_eq!(s, StatusCode::BAD_REQUEST);
+}
