@@ -109,7 +109,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
             prefill_chunk: a.prefill_chunk,
             logprobs: None,
         };
-        worker.submit(Job { prompt, opts, sink: Box::new(Timing(tx.clone(), i)) }).map_err(anyhow::Error::msg)?;
+        worker.submit(Job::new(prompt, opts, Box::new(Timing(tx.clone(), i)))).map_err(anyhow::Error::msg)?;
     }
     let mut times: Vec<Vec<Instant>> = vec![Vec::new(); concurrency];
     let mut done = 0;
@@ -263,7 +263,7 @@ fn first_token(worker: &Worker, prompt: &[u32]) -> Result<(Duration, usize)> {
         logprobs: None,
     };
     let start = Instant::now();
-    worker.submit(Job { prompt: prompt.to_vec(), opts, sink: Box::new(First(tx)) }).map_err(anyhow::Error::msg)?;
+    worker.submit(Job::new(prompt.to_vec(), opts, Box::new(First(tx)))).map_err(anyhow::Error::msg)?;
     let mut cached = 0;
     loop {
         match rx.recv()? {

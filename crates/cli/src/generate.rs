@@ -136,7 +136,7 @@ pub fn run(a: Args) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let (tx, rx) = mpsc::channel();
     let stop = Arc::new(AtomicBool::new(false));
-    worker.submit(Job { prompt: prompt.clone(), opts, sink: Box::new(Channel(tx, stop.clone())) }).map_err(anyhow::Error::msg)?;
+    worker.submit(Job::new(prompt.clone(), opts, Box::new(Channel(tx, stop.clone())))).map_err(anyhow::Error::msg)?;
     let out = loop {
         match rx.recv()? {
             Event::Started { .. } => {}

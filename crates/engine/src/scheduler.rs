@@ -275,18 +275,21 @@ impl<'a> Engine<'a> {
         let mut end = (joiner.fed + self.config.prefill_chunk.max(1)).min(len);
         // Chunks end where snapshots are due (without a cache, chunking is left alone).
         let stride = if caching { self.cache.config.stride } else { 0 };
-        if caching && joiner.fed + 1 < len {
-            end = end.min(len - 1);
+        let fed = joiner.fed;
+        let next_point = joiner.job.cache_points.iter().copied().filter(|&p| p > fed && p < len).min();
+        if caching && fed + 1 < len {
+            end = end.min(len - 1).min(next_point.unwrap_or(len));
         }
         if stride > 0 {
-            end = end.min((joiner.fed / stride + 1) * stride);
+            end = end.min((fed / stride + 1) * stride);
         }
         let input = Tensor::new(&prompt[joiner.fed..end], self.model.device())?.unsqueeze(0)?;
         let logits = self.model.forward(&input, &mut joiner.state, Logits::Last)?;
         joiner.fed = end;
         self.stats.prefill_chunks.fetch_add(1, Ordering::Relaxed);
         if end < len {
-            if caching && (end + 1 == len || (stride > 0 && end % stride == 0)) {
+            let point = end + 1 == len || (stride > 0 && end % stride == 0) || next_point == Some(end);
+            if caching && point {
                 let snap = Snapshot {
                     namespace: PROMPT_NAMESPACE,
                     tokens: prompt[..end].to_vec(),

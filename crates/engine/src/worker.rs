@@ -42,6 +42,16 @@ pub struct Job {
     pub prompt: Vec<u32>,
     pub opts: GenerationOptions,
     pub sink: Box<dyn EventSink>,
+    /// Prompt lengths at which the prompt cache should also keep a snapshot, e.g. where the
+    /// conversation so far ends in a chat prompt: the next turn re-renders the history and
+    /// shares exactly that prefix, while the tail after it (the generation prompt) may differ.
+    pub cache_points: Vec<usize>,
+}
+
+impl Job {
+    pub fn new(prompt: Vec<u32>, opts: GenerationOptions, sink: Box<dyn EventSink>) -> Self {
+        Self { prompt, opts, sink, cache_points: Vec::new() }
+    }
 }
 
 /// A job on its way to the engine thread, with any stored state found for it.

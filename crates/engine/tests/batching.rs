@@ -88,7 +88,7 @@ fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {
         let recorders: Vec<Recorder> = (0..jobs.len()).map(|_| Recorder::default()).collect();
         let submit = |i: usize| {
             let (prompt, o) = jobs[i].clone();
-            worker.submit(Job { prompt, opts: o, sink: Box::new(recorders[i].clone()) }).unwrap();
+            worker.submit(Job::new(prompt, o, Box::new(recorders[i].clone()))).unwrap();
         };
         // Join in three waves, each while the earlier rows are mid-generation.
         (0..3).for_each(submit);
@@ -140,13 +140,11 @@ fn a_long_prompt_joins_one_chunk_per_step() {
     )
     .unwrap();
     let running = Recorder::default();
-    worker
-        .submit(Job { prompt: tokens[..5].to_vec(), opts: opts(400, SamplingParams::greedy()), sink: Box::new(running.clone()) })
-        .unwrap();
+    worker.submit(Job::new(tokens[..5].to_vec(), opts(400, SamplingParams::greedy()), Box::new(running.clone()))).unwrap();
     running.wait(|r| r.tokens().len() >= 5);
     let joiner = Recorder::default();
     let joined_at = Instant::now();
-    worker.submit(Job { prompt: long, opts: opts(2, SamplingParams::greedy()), sink: Box::new(joiner.clone()) }).unwrap();
+    worker.submit(Job::new(long, opts(2, SamplingParams::greedy()), Box::new(joiner.clone()))).unwrap();
     joiner.wait(|r| !r.tokens().is_empty());
     let first = joiner.token_times()[0];
     let during: Vec<Instant> = running.token_times().into_iter().filter(|t| *t >= joined_at && *t <= first).collect();
@@ -174,9 +172,7 @@ fn admission_respects_the_state_budget_and_arrival_order() {
     assert!(worker.admissible(10_000).unwrap_err().contains("state budget"));
     let recorders: Vec<Recorder> = (0..3).map(|_| Recorder::default()).collect();
     for r in &recorders {
-        worker
-            .submit(Job { prompt: tokens[..10].to_vec(), opts: opts(20, SamplingParams::greedy()), sink: Box::new(r.clone()) })
-            .unwrap();
+        worker.submit(Job::new(tokens[..10].to_vec(), opts(20, SamplingParams::greedy()), Box::new(r.clone()))).unwrap();
     }
     for r in &recorders {
         r.wait(Recorder::finished);

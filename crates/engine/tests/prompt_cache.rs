@@ -69,7 +69,7 @@ impl EventSink for Channel {
 /// Runs `prompt`; with `hang_up_after`, the requester goes away after that many tokens.
 fn run_with(worker: &Worker, prompt: &[u32], opts: GenerationOptions, hang_up_after: Option<usize>) -> Run {
     let (tx, rx) = mpsc::channel();
-    worker.submit(Job { prompt: prompt.to_vec(), opts, sink: Box::new(Channel(tx, hang_up_after)) }).unwrap();
+    worker.submit(Job::new(prompt.to_vec(), opts, Box::new(Channel(tx, hang_up_after)))).unwrap();
     let mut run = Run { cached: usize::MAX, tokens: Vec::new(), logprobs: Vec::new() };
     loop {
         match rx.recv_timeout(Duration::from_secs(120)).expect("the engine answers") {

@@ -63,7 +63,7 @@ fn run_all(worker: &Worker, prompts: &[Vec<u32>], opts: &GenerationOptions) -> V
         .iter()
         .map(|p| {
             let (tx, rx) = mpsc::channel();
-            worker.submit(Job { prompt: p.clone(), opts: opts.clone(), sink: Box::new(Channel(tx)) }).unwrap();
+            worker.submit(Job::new(p.clone(), opts.clone(), Box::new(Channel(tx)))).unwrap();
             rx
         })
         .collect();
@@ -182,7 +182,7 @@ fn seeded_sampling_with_speculation_has_the_target_distribution() {
                 .map(|&s| {
                     let (tx, rx) = mpsc::channel();
                     let opts = GenerationOptions { sampling: sampling(offset + s), ..greedy(3) };
-                    worker.submit(Job { prompt: prompt.clone(), opts, sink: Box::new(Channel(tx)) }).unwrap();
+                    worker.submit(Job::new(prompt.clone(), opts, Box::new(Channel(tx)))).unwrap();
                     rx
                 })
                 .collect();

@@ -145,9 +145,8 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let thinking_on = req.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled");
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), Value::Bool(thinking_on));
-    let prompt_text = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
-    let prompt = state.tokenizer.encode(&prompt_text).map_err(|e| ApiError::internal(e.to_string()))?;
-    let opts = generation_options(&state, prompt.len(), Some(req.max_tokens), 0, sampling, None)?;
+    let (prompt_text, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
+    let opts = generation_options(&state, prompt.tokens.len(), Some(req.max_tokens), 0, sampling, None)?;
     let output = OutputOptions {
         stop: req.stop_sequences.unwrap_or_default(),
         thinking: Some(prompt_opens_thinking(&prompt_text)),
@@ -177,7 +176,7 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let _ = tx.send((
         "message_start",
         json!({"type": "message_start", "message": {"id": id, "type": "message", "role": "assistant", "model": model, "content": [],
-               "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": prompt.len(), "output_tokens": 0}}}),
+               "stop_reason": null, "stop_sequence": null, "usage": {"input_tokens": prompt.tokens.len(), "output_tokens": 0}}}),
     ));
     let _ = tx.send(("ping", json!({"type": "ping"})));
     tokio::spawn(async move {

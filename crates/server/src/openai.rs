@@ -16,7 +16,7 @@ use tokio_stream::StreamExt;
 use crate::error::{parse_body, ApiError, ApiResult};
 use crate::output::{drive, Finish, Outcome, OutputOptions, Piece};
 use crate::parse::thinking::prompt_opens_thinking;
-use crate::request::{generation_options, render_chat, SamplingFields, StopField};
+use crate::request::{generation_options, render_chat, Prompt, SamplingFields, StopField};
 use crate::state::AppState;
 
 #[derive(Debug, Deserialize)]
@@ -178,10 +178,10 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
     if req.reasoning_effort.as_deref() == Some("none") {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
-    let prompt_text = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
-    let prompt = state.tokenizer.encode(&prompt_text).map_err(|e| ApiError::internal(e.to_string()))?;
+    let (prompt_text, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
     let top = if req.logprobs { Some(req.top_logprobs.unwrap_or(0).min(20)) } else { None };
-    let opts = generation_options(&state, prompt.len(), req.max_completion_tokens.or(req.max_tokens), 4096, sampling, top)?;
+    let opts =
+        generation_options(&state, prompt.tokens.len(), req.max_completion_tokens.or(req.max_tokens), 4096, sampling, top)?;
     let output = OutputOptions {
         stop: req.stop.map(StopField::into_vec).unwrap_or_default(),
         thinking: Some(prompt_opens_thinking(&prompt_text)),
@@ -350,7 +350,7 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
     if !req.stream {
         let mut text = echo;
         let mut entries = Vec::new();
-        let outcome = drive(&state, prompt, opts, output, |p| {
+        let outcome = drive(&state, Prompt::plain(prompt), opts, output, |p| {
             match p {
                 Piece::Content(t) | Piece::Reasoning(t) => text.push_str(&t),
                 Piece::ToolCall(_) => {}
@@ -380,7 +380,7 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
         let _ = tx.send(chunk(choice(echo, Value::Null, Value::Null)));
     }
     tokio::spawn(async move {
-        let sent = drive(&state, prompt, opts, output, |p| {
+        let sent = drive(&state, Prompt::plain(prompt), opts, output, |p| {
             let c = match p {
                 Piece::Content(t) | Piece::Reasoning(t) => choice(t, Value::Null, Value::Null),
                 Piece::ToolCall(_) => return true,

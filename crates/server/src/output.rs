@@ -11,6 +11,7 @@ use crate::error::{ApiError, ApiResult};
 use crate::parse::stop::StopMatcher;
 use crate::parse::thinking::ThinkingSplitter;
 use crate::parse::tool_calls::{ToolCall, ToolCallParser, ToolEvent};
+use crate::request::Prompt;
 use crate::state::AppState;
 
 /// A piece of the answer, in order.
@@ -77,17 +78,18 @@ impl EventSink for ChannelSink {
 /// dropped channel within one step).
 pub async fn drive(
     state: &AppState,
-    prompt: Vec<u32>,
+    prompt: Prompt,
     opts: GenerationOptions,
     output: OutputOptions,
     mut emit: impl FnMut(Piece) -> bool,
 ) -> ApiResult<Option<Outcome>> {
     let started = Instant::now();
-    let prompt_tokens = prompt.len();
+    let prompt_tokens = prompt.tokens.len();
     let mut cached_tokens = 0;
     let wants_logprobs = opts.logprobs.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel();
-    state.worker.submit(Job { prompt, opts, sink: Box::new(ChannelSink(tx)) }).map_err(ApiError::internal)?;
+    let job = Job { cache_points: prompt.cache_points, ..Job::new(prompt.tokens, opts, Box::new(ChannelSink(tx))) };
+    state.worker.submit(job).map_err(ApiError::internal)?;
 
     let tokenizer = &state.tokenizer;
     let mut text = tokenizer.stream(true);

@@ -122,24 +122,48 @@ impl StopField {
     }
 }
 
-/// Renders the chat template; returns the prompt text.
+/// A tokenised prompt, and the lengths at which the prompt cache should keep a snapshot.
+pub struct Prompt {
+    pub tokens: Vec<u32>,
+    pub cache_points: Vec<usize>,
+}
+
+impl Prompt {
+    pub fn plain(tokens: Vec<u32>) -> Self {
+        Self { tokens, cache_points: Vec::new() }
+    }
+}
+
+/// Renders the chat template; returns the prompt text and tokens. The conversation without the
+/// generation prompt is rendered too: where it ends is where the next turn's prompt (which
+/// re-renders this history, often differently after it — e.g. without the empty think block
+/// the generation prompt opened) stops sharing tokens, so the cache keeps a snapshot there.
 pub fn render_chat(
     state: &AppState,
     messages: &[Value],
     tools: Option<&[Value]>,
     kwargs: &Map<String, Value>,
-) -> ApiResult<String> {
+) -> ApiResult<(String, Prompt)> {
     let template = state
         .template
         .as_ref()
         .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions", Some("messages")))?;
-    let mut context = serde_json::json!({
-        "messages": messages,
-        "tools": tools,
-        "add_generation_prompt": true,
-    });
-    for (k, v) in kwargs {
-        context[k] = v.clone();
-    }
-    template.render(&context).map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
+    let render = |generation_prompt: bool| {
+        let mut context = serde_json::json!({
+            "messages": messages,
+            "tools": tools,
+            "add_generation_prompt": generation_prompt,
+        });
+        for (k, v) in kwargs {
+            context[k] = v.clone();
+        }
+        template.render(&context).map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
+    };
+    let encode = |text: &str| state.tokenizer.encode(text).map_err(|e| ApiError::internal(e.to_string()));
+    let text = render(true)?;
+    let tokens = encode(&text)?;
+    let history = encode(&render(false)?)?;
+    let cache_points =
+        if history.len() < tokens.len() && tokens.starts_with(&history) { vec![history.len()] } else { Vec::new() };
+    Ok((text, Prompt { tokens, cache_points }))
 }
