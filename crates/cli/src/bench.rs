@@ -130,13 +130,15 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     ttft.sort_by(f64::total_cmp);
     itl.sort_by(f64::total_cmp);
     // Decode throughput over the steady window when every request is decoding (after the last
-    // joiner's first token, before the first request ends); prefill chunks interleaved before
-    // it would otherwise count against decode. Falls back to the whole span when that window is
-    // empty (very short generations).
+    // joiner's second token — a joiner's first token comes before it enters the batch, and a
+    // draft model then reads its prompt — and before the first request ends); prefill work
+    // interleaved before it would otherwise count against decode. Falls back to the whole span
+    // when that window is empty (very short generations).
+    let all_joined = times.iter().map(|t| t.get(1).unwrap_or(&t[0])).max().copied().expect("at least one request");
     let first_done = times.iter().filter_map(|t| t.last()).min().copied().expect("tokens");
-    let (decode_tokens, window) = if first_done > all_first {
-        let n = times.iter().flatten().filter(|t| **t > all_first && **t <= first_done).count();
-        (n, first_done - all_first)
+    let (decode_tokens, window) = if first_done > all_joined {
+        let n = times.iter().flatten().filter(|t| **t > all_joined && **t <= first_done).count();
+        (n, first_done - all_joined)
     } else {
         (times.iter().map(|t| t.len() - 1).sum(), last - first)
     };
