@@ -45,6 +45,9 @@ struct Row {
     rounds: usize,
     drafted: usize,
     accepted: usize,
+    /// Tokens to draft for this row next step: grows while drafts are all accepted, falls to
+    /// just past what was accepted when one fails, so a poor draft source costs little.
+    draft_len: usize,
     prefill_time: Duration,
     decode_start: Instant,
 }
@@ -207,6 +210,7 @@ impl<'a> Engine<'a> {
             checkpoints: self.cache.checkpoint_namespace(&job.prompt, &job.opts),
             checkpointed: 0,
             rounds: 0,
+            draft_len: self.drafter.as_ref().map_or(0, |d| d.tokens),
             drafted: 0,
             accepted: 0,
             prefill_time: Duration::ZERO,
@@ -309,6 +313,7 @@ impl<'a> Engine<'a> {
             checkpoints: self.cache.checkpoint_namespace(&j.job.prompt, &j.job.opts),
             checkpointed: 0,
             rounds: 0,
+            draft_len: self.drafter.as_ref().map_or(0, |d| d.tokens),
             drafted: 0,
             accepted: 0,
             prefill_time: j.started.elapsed(),
@@ -349,7 +354,7 @@ impl<'a> Engine<'a> {
                 let limits: Vec<usize> = self
                     .rows
                     .iter()
-                    .map(|r| r.job.opts.max_tokens.saturating_sub(r.generated.len() + 1).min(width_cap))
+                    .map(|r| r.job.opts.max_tokens.saturating_sub(r.generated.len() + 1).min(width_cap).min(r.draft_len))
                     .collect();
                 drafter.propose(&contexts, &limits)?
             }
@@ -378,7 +383,8 @@ impl<'a> Engine<'a> {
         let mut keep = Vec::with_capacity(self.rows.len());
         let mut done = Vec::new();
         for (i, ((row, logits), drafts)) in self.rows.iter_mut().zip(&logits).zip(&drafts).enumerate() {
-            let (positions, step) = Self::verify_row(self.stats, row, logits, drafts);
+            let max_draft = self.drafter.as_ref().map_or(0, |d| d.tokens);
+            let (positions, step) = Self::verify_row(self.stats, row, logits, drafts, max_draft);
             kept.push(positions);
             match step {
                 Step::Continue => keep.push(i),
@@ -426,16 +432,24 @@ impl<'a> Engine<'a> {
     /// drafts stand, the next position is valid too. Emits every token that stands (accepted
     /// drafts, then the target's own token where a draft failed or ran out) and returns how
     /// many fed positions the state keeps.
-    fn verify_row(stats: &WorkerStats, row: &mut Row, logits: &[Vec<f32>], drafts: &[u32]) -> (usize, Step) {
+    fn verify_row(stats: &WorkerStats, row: &mut Row, logits: &[Vec<f32>], drafts: &[u32], max_draft: usize) -> (usize, Step) {
         row.rounds += !drafts.is_empty() as usize;
         row.drafted += drafts.len();
         for (j, logits) in logits.iter().enumerate() {
             // Drafts never exceed the row's budget, so a draft position always has room.
-            let Some(&draft) = drafts.get(j) else { return (j + 1, Self::sample_and_send(stats, row, logits)) };
+            let Some(&draft) = drafts.get(j) else {
+                if !drafts.is_empty() {
+                    row.draft_len = (row.draft_len + 1).min(max_draft);
+                }
+                return (j + 1, Self::sample_and_send(stats, row, logits));
+            };
             let (token, accepted) = row.sampler.verify(logits, &row.context, &row.generated, draft);
             row.accepted += accepted as usize;
             let step = Self::send(stats, row, token, logits);
             if !accepted || matches!(step, Step::Done(_)) {
+                if !accepted {
+                    row.draft_len = (j + 1).min(max_draft);
+                }
                 return (j + 1, step);
             }
         }
