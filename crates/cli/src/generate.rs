@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
 use anyhow::{bail, Result};
-use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, FinishReason, GenerationOptions, Job, SamplingParams, Worker};
+use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, FinishReason, GenerationOptions, Job, SamplingChoice, Worker};
 
 use crate::common::{open_model, parse_device, parse_tokens, DTypeArg};
 use crate::draft::DraftArgs;
@@ -99,22 +99,19 @@ pub fn run(a: Args) -> Result<()> {
         (_, _, Some(list)) => parse_tokens(list)?,
         _ => bail!("give one of --prompt, --chat or --tokens"),
     };
-    let g = &folder.generation;
-    let sampled = g.do_sample.unwrap_or(true);
-    let sampling = SamplingParams {
-        temperature: a.temperature.unwrap_or(if sampled { g.temperature.unwrap_or(1.0) } else { 0.0 }),
-        top_p: a.top_p.or(g.top_p).unwrap_or(1.0),
-        top_k: a.top_k.or(g.top_k).unwrap_or(0),
-        min_p: a.min_p.or(g.min_p).unwrap_or(0.0),
-        repetition_penalty: a.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0),
-        presence_penalty: a.presence_penalty.or(g.presence_penalty).unwrap_or(0.0),
-        frequency_penalty: a.frequency_penalty.or(g.frequency_penalty).unwrap_or(0.0),
+    let sampling = SamplingChoice {
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        min_p: a.min_p,
+        repetition_penalty: a.repetition_penalty,
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
         logit_bias: Vec::new(),
         seed: a.seed,
-    };
-    if let Err(msg) = sampling.validate() {
-        bail!("{msg}");
     }
+    .resolve(&folder.generation)
+    .map_err(anyhow::Error::msg)?;
     let model = folder.load(a.dtype.dtype(), &device)?;
     let speculation = a.draft.speculation(
         folder.config.vocab_size,

@@ -10,6 +10,6 @@ pub mod speculative;
 pub mod worker;
 
 pub use generate::{generate, FinishReason, Generation, GenerationOptions, Sampled};
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{Sampler, SamplingChoice, SamplingParams};
 pub use speculative::{DraftSource, Speculation};
 pub use worker::{CacheConfig, EngineConfig, Event, EventSink, Job, SpawnError, SsdConfig, Worker, WorkerStats};

@@ -68,6 +68,42 @@ impl SamplingParams {
     }
 }
 
+/// The sampling settings a request or command line chose; every one left out comes from the
+/// model's `generation_config.json` (its authors' recommendation), then from the neutral value.
+/// The one place both the server and the CLI resolve defaults.
+#[derive(Clone, Debug, Default)]
+pub struct SamplingChoice {
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f64>,
+    pub repetition_penalty: Option<f64>,
+    pub presence_penalty: Option<f64>,
+    pub frequency_penalty: Option<f64>,
+    pub logit_bias: Vec<(u32, f32)>,
+    pub seed: Option<u64>,
+}
+
+impl SamplingChoice {
+    /// The parameters to sample with; the error names the parameter out of range.
+    pub fn resolve(self, g: &strata_model::GenerationConfig) -> Result<SamplingParams, String> {
+        let sampled = g.do_sample.unwrap_or(true);
+        let params = SamplingParams {
+            temperature: self.temperature.unwrap_or(if sampled { g.temperature.unwrap_or(1.0) } else { 0.0 }),
+            top_p: self.top_p.or(g.top_p).unwrap_or(1.0),
+            top_k: self.top_k.or(g.top_k).unwrap_or(0),
+            min_p: self.min_p.or(g.min_p).unwrap_or(0.0),
+            repetition_penalty: self.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0),
+            presence_penalty: self.presence_penalty.or(g.presence_penalty).unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.or(g.frequency_penalty).unwrap_or(0.0),
+            logit_bias: self.logit_bias,
+            seed: self.seed,
+        };
+        params.validate()?;
+        Ok(params)
+    }
+}
+
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,

@@ -5,13 +5,13 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
-use strata_engine::{GenerationOptions, SamplingParams};
+use strata_engine::{GenerationOptions, SamplingChoice, SamplingParams};
 
 use crate::error::{ApiError, ApiResult};
 use crate::state::AppState;
 
 /// Sampling fields as the APIs spell them; absent ones default from generation_config.json.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 pub struct SamplingFields {
     pub temperature: Option<f64>,
     pub top_p: Option<f64>,
@@ -26,8 +26,6 @@ pub struct SamplingFields {
 
 impl SamplingFields {
     pub fn resolve(&self, state: &AppState) -> ApiResult<SamplingParams> {
-        let g = &state.generation;
-        let sampled = g.do_sample.unwrap_or(true);
         let mut logit_bias = Vec::new();
         for (token, bias) in self.logit_bias.iter().flatten() {
             let id: u32 = token
@@ -46,22 +44,21 @@ impl SamplingFields {
                 return Err(ApiError::bad_request("top_k must be >= 0 (or -1 for off)", Some("top_k")));
             }
         }
-        let params = SamplingParams {
-            temperature: self.temperature.unwrap_or(if sampled { g.temperature.unwrap_or(1.0) } else { 0.0 }),
-            top_p: self.top_p.or(g.top_p).unwrap_or(1.0),
-            top_k: self.top_k.map(|k| k.max(0) as usize).or(g.top_k).unwrap_or(0),
-            min_p: self.min_p.or(g.min_p).unwrap_or(0.0),
-            repetition_penalty: self.repetition_penalty.or(g.repetition_penalty).unwrap_or(1.0),
-            presence_penalty: self.presence_penalty.unwrap_or(0.0),
-            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
+        let choice = SamplingChoice {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k.map(|k| k.max(0) as usize),
+            min_p: self.min_p,
+            repetition_penalty: self.repetition_penalty,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
             logit_bias,
             seed: self.seed,
         };
-        params.validate().map_err(|msg| {
+        choice.resolve(&state.generation).map_err(|msg| {
             let param = msg.split_whitespace().next().unwrap_or_default().to_string();
             ApiError::bad_request(msg, Some(&param))
-        })?;
-        Ok(params)
+        })
     }
 }
 
