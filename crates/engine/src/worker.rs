@@ -148,9 +148,11 @@ impl SharedCache {
         if self.config.checkpoint_every == 0 || self.writer.is_none() || !deterministic || opts.logprobs.is_some() {
             return None;
         }
-        let key = format!("checkpoint {prompt:?} {:?} {:?} {}", opts.sampling, opts.stop_tokens, opts.max_tokens);
+        let mut key = xxhash_rust::xxh3::Xxh3::new();
+        prompt.iter().for_each(|t| key.update(&t.to_le_bytes()));
+        key.update(format!("{:?} {:?} {}", opts.sampling, opts.stop_tokens, opts.max_tokens).as_bytes());
         // Never 0, the prompt cache's namespace.
-        Some(xxhash_rust::xxh3::xxh3_64(key.as_bytes()) | 1)
+        Some(key.digest() | 1)
     }
 
     pub fn ram(&self) -> std::sync::MutexGuard<'_, RamCache> {
