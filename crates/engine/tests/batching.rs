@@ -10,18 +10,12 @@ use candle_core::{DType, Device};
 use strata_engine::{generate, CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Worker};
 use strata_model::{Model, ModelFolder};
 
-fn fixtures() -> Vec<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> =
-        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
-    dirs.sort();
-    dirs
-}
+mod common;
+use common::{fixtures, prompt_tokens};
 
 fn load(dir: &PathBuf) -> (Model, Vec<u32>) {
     let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
-    let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
-    (model, t["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect())
+    (model, prompt_tokens(dir))
 }
 
 /// Records every event with the time it was sent.

@@ -7,18 +7,11 @@ use candle_core::{DType, Device};
 use strata_engine::{generate, FinishReason, GenerationOptions, SamplingParams};
 use strata_model::ModelFolder;
 
-fn fixtures() -> Vec<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> =
-        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
-    dirs.sort();
-    dirs
-}
+mod common;
+use common::{fixtures, prompt_tokens};
 
 fn reference(dir: &PathBuf) -> (Vec<u32>, serde_json::Value) {
-    let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
-    let tokens = t["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect();
-    (tokens, serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap())
+    (prompt_tokens(dir), serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap())
 }
 
 fn opts(sampling: SamplingParams) -> GenerationOptions {

@@ -4,7 +4,7 @@
 //! resent conversation reuses the previous turn; a generation interrupted by a crash resumes
 //! from its checkpoint with the output of an uninterrupted run.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::Duration;
@@ -14,18 +14,8 @@ use strata_engine::cache::{Identity, SsdOptions};
 use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, SsdConfig, Worker};
 use strata_model::ModelFolder;
 
-fn fixtures() -> Vec<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> =
-        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
-    dirs.sort();
-    dirs
-}
-
-fn prompt_tokens(dir: &Path) -> Vec<u32> {
-    let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
-    t["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect()
-}
+mod common;
+use common::{fixtures, prompt_tokens};
 
 fn cache(ssd: Option<&Path>, checkpoint_every: usize) -> CacheConfig {
     let ssd = ssd.map(|dir| SsdConfig {

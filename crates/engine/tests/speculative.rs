@@ -15,13 +15,8 @@ use strata_engine::{
 };
 use strata_model::{Model, ModelFolder};
 
-fn fixtures() -> Vec<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> =
-        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
-    dirs.sort();
-    dirs
-}
+mod common;
+use common::{fixtures, prompt_tokens};
 
 fn load(dir: &Path) -> Model {
     ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap()
@@ -89,8 +84,7 @@ fn greedy(max_tokens: usize) -> GenerationOptions {
 
 /// Eight prompts, repetitive enough that prompt lookup finds matches.
 fn prompts(dir: &Path) -> Vec<Vec<u32>> {
-    let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
-    let tokens: Vec<u32> = t["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect();
+    let tokens = prompt_tokens(dir);
     (0..8).map(|i| tokens[i..i + 6 + i].iter().cycle().take(12 + 3 * i).copied().collect()).collect()
 }
 

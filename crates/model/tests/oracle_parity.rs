@@ -5,14 +5,8 @@ use std::path::PathBuf;
 use candle_core::{DType, Device, Tensor};
 use strata_model::{Logits, ModelFolder};
 
-pub fn fixtures() -> Vec<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> =
-        std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
-    dirs.sort();
-    assert!(dirs.len() >= 3, "fixtures missing under {}", root.display());
-    dirs
-}
+mod common;
+use common::fixtures;
 
 fn reference(dir: &PathBuf) -> (Vec<u32>, Tensor, Tensor, usize) {
     let tensors = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();

@@ -3,19 +3,12 @@
 //! bit for bit the state of a forward over only its kept tokens, in a batch whose rows keep
 //! different counts; and a round made of several forwards (a draft model's steps) rolls back too.
 
-use std::path::PathBuf;
-
 use candle_core::{DType, Device, Tensor};
 use strata_model::{Logits, Model, ModelFolder};
 use strata_state::{BatchState, LayerState};
 
-fn fixtures() -> Vec<PathBuf> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
-    let mut dirs: Vec<PathBuf> =
-        std::fs::read_dir(&root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
-    dirs.sort();
-    dirs
-}
+mod common;
+use common::fixtures;
 
 fn tokens(rows: &[Vec<u32>]) -> Tensor {
     Tensor::new(rows.to_vec(), &Device::Cpu).unwrap()

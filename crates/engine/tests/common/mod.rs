@@ -1,0 +1,20 @@
+//! What the engine's test files share: the Qwen3.5 fixture folders and their reference prompt.
+
+use std::path::{Path, PathBuf};
+
+use candle_core::Device;
+
+/// Every Qwen3.5 fixture folder (dense ones live under `fixtures/dense/`).
+pub fn fixtures() -> Vec<PathBuf> {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    let mut dirs: Vec<PathBuf> =
+        std::fs::read_dir(root).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
+    dirs.sort();
+    dirs
+}
+
+/// The prompt transformers' references were computed for.
+pub fn prompt_tokens(dir: &Path) -> Vec<u32> {
+    let t = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    t["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|x| x as u32).collect()
+}
