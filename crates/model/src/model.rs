@@ -36,14 +36,6 @@ impl ArchConfig {
             None => Err(ModelError::field(path, "model_type", "missing")),
         }
     }
-
-    /// The `model_type` this config was read as (nested and flat Qwen3.5 both say `qwen3_5`).
-    pub fn model_type(&self) -> &'static str {
-        match self {
-            ArchConfig::Qwen35(_) => "qwen3_5",
-            ArchConfig::Dense(c) => c.family.model_type(),
-        }
-    }
 }
 
 /// What every caller needs of a config whatever its family, beside the family's own fields.
@@ -152,14 +144,6 @@ impl Model {
                 }
                 Ok(())
             }
-        }
-    }
-
-    /// End-of-sequence ids from `config.json` (a folder's generation config may add more).
-    pub fn eos_token_ids(&self) -> &[u32] {
-        match self {
-            Model::Qwen35(m) => &m.config().eos_token_ids,
-            Model::Dense(m) => &m.config().eos_token_ids,
         }
     }
 }

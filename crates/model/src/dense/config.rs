@@ -20,16 +20,6 @@ pub enum DenseFamily {
     Llama,
 }
 
-impl DenseFamily {
-    pub fn model_type(self) -> &'static str {
-        match self {
-            DenseFamily::Qwen3 => "qwen3",
-            DenseFamily::Qwen2 => "qwen2",
-            DenseFamily::Llama => "llama",
-        }
-    }
-}
-
 /// Llama 3's frequency-dependent RoPE scaling (`rope_type: "llama3"`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct Llama3Scaling {
