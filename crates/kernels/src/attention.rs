@@ -6,41 +6,60 @@ use rayon::prelude::*;
 use crate::matmul::Widen;
 use crate::Result;
 
-/// `q` `[Hq, T, D]` for the row's newest `T` positions; `k`, `v` `[Hkv, L, D]` hold its whole
-/// history including those `T` (so the query at index `i` sits at position `L - T + i` and sees
-/// keys `0..=L-T+i`). Query head `h` reads KV head `h / (Hq / Hkv)`. Scores and softmax are f32;
-/// the result `[Hq, T, D]` is in `q`'s dtype.
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+/// How scores are formed and which keys a query sees.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Scoring {
+    /// Multiplies `q · k`.
+    pub scale: f64,
+    /// Sliding window: the query at position `p` sees keys `p - window + 1 ..= p` only.
+    pub window: Option<usize>,
+}
+
+impl Scoring {
+    pub fn scaled(scale: f64) -> Self {
+        Self { scale, window: None }
+    }
+
+    /// The keys `first..=pos` the query at `pos` sees.
+    fn first_visible(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+}
+
+/// `q` `[Hq, T, D]` for the row's newest `T` positions; `k`, `v` `[Hkv, L, D]` hold its history
+/// including those `T` (so the query at index `i` sits at position `L - T + i` and sees keys
+/// `0..=L-T+i`, or the last `window` of them). Query head `h` reads KV head `h / (Hq / Hkv)`.
+/// Scores and softmax are f32; the result `[Hq, T, D]` is in `q`'s dtype.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
     let few = q.dim(1)? <= crate::matmul::MAX_EXACT_ROWS && q.device().is_cpu() && k.dtype() == v.dtype();
     match k.dtype() {
-        DType::F32 if few => few_queries::<f32>(q, k, v, scale as f32),
-        DType::BF16 if few => few_queries::<half::bf16>(q, k, v, scale as f32),
-        _ => reference(q, k, v, scale),
+        DType::F32 if few => few_queries::<f32>(q, k, v, scoring),
+        DType::BF16 if few => few_queries::<half::bf16>(q, k, v, scoring),
+        _ => reference(q, k, v, scoring),
     }
 }
 
 /// The same attention from tensor ops (batched matmuls), for long query blocks and any device.
-pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
     let (hq, t_len, d) = q.dims3()?;
     let (hkv, l_len, _) = k.dims3()?;
     let group = hq / hkv;
     let dtype = q.dtype();
     // Fold the query heads that share a KV head into the time axis: [Hkv, G*T, D].
     let qg = q.reshape((hkv, group * t_len, d))?;
-    let scores = (qg.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-    let scores = if t_len > 1 {
-        let past = l_len - t_len;
+    let mut scores = (qg.matmul(&k.t()?)? * scoring.scale)?.to_dtype(DType::F32)?;
+    let past = l_len - t_len;
+    if t_len > 1 || scoring.first_visible(past) > 0 {
         let mask: Vec<f32> = (0..group * t_len)
             .flat_map(|r| {
                 let pos = past + r % t_len;
-                (0..l_len).map(move |j| if j <= pos { 0.0 } else { f32::NEG_INFINITY })
+                let first = scoring.first_visible(pos);
+                (0..l_len).map(move |j| if (first..=pos).contains(&j) { 0.0 } else { f32::NEG_INFINITY })
             })
             .collect();
         let mask = Tensor::from_vec(mask, (group * t_len, l_len), q.device())?;
-        scores.broadcast_add(&mask)?
-    } else {
-        scores
-    };
+        scores = scores.broadcast_add(&mask)?;
+    }
     let probs = softmax_last_dim(&scores)?.to_dtype(dtype)?;
     probs.matmul(&v.contiguous()?)?.reshape((hq, t_len, d))
 }
@@ -50,7 +69,8 @@ pub fn reference(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tenso
 /// keys, in f32, so a query's result does not depend on how many queries share the call: a
 /// verify forward computes each position exactly as decoding it alone would, which exact
 /// rollback and acceptance rely on. Keys and values are read in place from the KV store.
-fn few_queries<W: Widen>(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Result<Tensor> {
+fn few_queries<W: Widen>(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
+    let scale = scoring.scale as f32;
     let (hq, t_len, d) = q.dims3()?;
     let (hkv, l_len, _) = k.dims3()?;
     let group = hq / hkv;
@@ -60,22 +80,23 @@ fn few_queries<W: Widen>(q: &Tensor, k: &Tensor, v: &Tensor, scale: f32) -> Resu
     let (Storage::Cpu(k_cpu), Storage::Cpu(v_cpu)) = (&*k_storage, &*v_storage) else { unreachable!("checked CPU above") };
     let (ks, vs) = (k_cpu.as_slice::<W>()?, v_cpu.as_slice::<W>()?);
     if k_layout.stride()[2] != 1 || v_layout.stride()[2] != 1 {
-        return reference(q, k, v, scale as f64);
+        return reference(q, k, v, scoring);
     }
     let mut out = vec![0f32; hq * t_len * d];
     out.par_chunks_mut(d).enumerate().for_each(|(index, o)| {
         let (h, i) = (index / t_len, index % t_len);
         let kv_head = h / group;
         let query = &qs[index * d..(index + 1) * d];
-        let visible = l_len - t_len + i + 1;
-        let mut weights: Vec<f32> = (0..visible).map(|j| dot(query, row(ks, k_layout, kv_head, j, d)) * scale).collect();
+        let pos = l_len - t_len + i;
+        let first = scoring.first_visible(pos);
+        let mut weights: Vec<f32> = (first..=pos).map(|j| dot(query, row(ks, k_layout, kv_head, j, d)) * scale).collect();
         let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut total = 0f32;
         for w in &mut weights {
             *w = (*w - max).exp();
             total += *w;
         }
-        for (j, w) in weights.iter().enumerate() {
+        for (j, w) in (first..=pos).zip(&weights) {
             let p = w / total;
             for (o, x) in o.iter_mut().zip(row(vs, v_layout, kv_head, j, d)) {
                 *o += p * x.widen();
@@ -119,7 +140,12 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    /// Against a direct per-head, per-position loop.
+    /// Scorings every test covers: plain causal and two sliding windows.
+    fn scorings(scale: f64) -> [Scoring; 3] {
+        [Scoring::scaled(scale), Scoring { scale, window: Some(3) }, Scoring { scale, window: Some(1) }]
+    }
+
+    /// Against a direct per-head, per-position loop, for both paths.
     #[test]
     fn matches_naive_loop() {
         let dev = Device::Cpu;
@@ -131,21 +157,31 @@ mod tests {
         let q = Tensor::from_vec(qd.clone(), (hq, t, d), &dev).unwrap();
         let k = Tensor::from_vec(kd.clone(), (hkv, l, d), &dev).unwrap();
         let v = Tensor::from_vec(vd.clone(), (hkv, l, d), &dev).unwrap();
-        let scale = 1.0 / (d as f64).sqrt();
-        let out = causal_attention(&q, &k, &v, scale).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        for h in 0..hq {
-            let kh = h / (hq / hkv);
-            for i in 0..t {
-                let pos = l - t + i;
-                let s: Vec<f32> = (0..=pos)
-                    .map(|j| (0..d).map(|x| qd[(h * t + i) * d + x] * kd[(kh * l + j) * d + x]).sum::<f32>() * scale as f32)
-                    .collect();
-                let m = s.iter().cloned().fold(f32::MIN, f32::max);
-                let z: f32 = s.iter().map(|x| (x - m).exp()).sum();
-                for x in 0..d {
-                    let want: f32 = (0..=pos).map(|j| (s[j] - m).exp() / z * vd[(kh * l + j) * d + x]).sum();
-                    let got = out[(h * t + i) * d + x];
-                    assert!((want - got).abs() < 1e-5, "h{h} i{i} x{x}: {want} vs {got}");
+        for scoring in scorings(1.0 / (d as f64).sqrt()) {
+            let fast = causal_attention(&q, &k, &v, scoring).unwrap();
+            let slow = reference(&q, &k, &v, scoring).unwrap();
+            for out in [fast, slow] {
+                let out = out.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                for h in 0..hq {
+                    let kh = h / (hq / hkv);
+                    for i in 0..t {
+                        let pos = l - t + i;
+                        let first = scoring.window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                        let s: Vec<f32> = (first..=pos)
+                            .map(|j| {
+                                let dot = (0..d).map(|x| qd[(h * t + i) * d + x] * kd[(kh * l + j) * d + x]).sum::<f32>();
+                                dot * scoring.scale as f32
+                            })
+                            .collect();
+                        let m = s.iter().cloned().fold(f32::MIN, f32::max);
+                        let z: f32 = s.iter().map(|x| (x - m).exp()).sum();
+                        for x in 0..d {
+                            let want: f32 =
+                                (first..=pos).zip(&s).map(|(j, s)| (s - m).exp() / z * vd[(kh * l + j) * d + x]).sum();
+                            let got = out[(h * t + i) * d + x];
+                            assert!((want - got).abs() < 1e-5, "{scoring:?} h{h} i{i} x{x}: {want} vs {got}");
+                        }
+                    }
                 }
             }
         }
@@ -158,16 +194,16 @@ mod tests {
         let dev = Device::Cpu;
         let (hq, hkv, l, cap, d) = (4, 2, 9, 16, 40);
         let gen = |n: usize, s: f32| (0..n).map(|i| (i as f32 * 0.37 + s).sin()).collect::<Vec<_>>();
-        for dtype in [DType::F32, DType::BF16] {
+        for (dtype, scoring) in [DType::F32, DType::BF16].into_iter().flat_map(|t| scorings(0.2).map(|s| (t, s))) {
             let buf = |s| Tensor::from_vec(gen(hkv * cap * d, s), (hkv, cap, d), &dev).unwrap().to_dtype(dtype).unwrap();
             let (k, v) = (buf(0.5).narrow(1, 0, l).unwrap(), buf(1.5).narrow(1, 0, l).unwrap());
             let q = Tensor::from_vec(gen(hq * 5 * d, 2.5), (hq, 5, d), &dev).unwrap().to_dtype(dtype).unwrap();
-            let fast = causal_attention(&q, &k, &v, 0.2).unwrap().to_dtype(DType::F32).unwrap();
-            let slow = reference(&q, &k, &v, 0.2).unwrap().to_dtype(DType::F32).unwrap();
+            let fast = causal_attention(&q, &k, &v, scoring).unwrap().to_dtype(DType::F32).unwrap();
+            let slow = reference(&q, &k, &v, scoring).unwrap().to_dtype(DType::F32).unwrap();
             let diff = (&fast - &slow).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
-            assert!(diff < if dtype == DType::F32 { 1e-5 } else { 2e-2 }, "{dtype:?}: {diff}");
+            assert!(diff < if dtype == DType::F32 { 1e-5 } else { 2e-2 }, "{dtype:?} {scoring:?}: {diff}");
             // The last query alone, over the same keys: the same bits.
-            let last = causal_attention(&q.narrow(1, 4, 1).unwrap(), &k, &v, 0.2).unwrap();
+            let last = causal_attention(&q.narrow(1, 4, 1).unwrap(), &k, &v, scoring).unwrap();
             let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(bits(&last), bits(&fast.narrow(1, 4, 1).unwrap().to_dtype(dtype).unwrap()));
         }

@@ -52,6 +52,10 @@ impl KvStore {
         self.rows.len()
     }
 
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
     pub fn len(&self, row: usize) -> usize {
         self.rows[row].len
     }

@@ -6,10 +6,12 @@
 
 mod kv;
 mod recurrent;
+mod window;
 pub use recurrent::RecurrentShape;
 
 pub use kv::KvStore;
 pub use recurrent::{RecurrentRound, RecurrentState};
+pub use window::{WindowKvStore, ROUND_SLACK};
 
 use candle_core::Tensor;
 
@@ -38,6 +40,8 @@ pub enum LayerState {
     Attention(KvStore),
     /// Gated DeltaNet: conv window and recurrent matrix, fixed size per row.
     Recurrent(RecurrentState),
+    /// Sliding-window attention: keys and values of the most recent positions only.
+    Window(WindowKvStore),
 }
 
 impl LayerState {
@@ -45,6 +49,7 @@ impl LayerState {
         match self {
             LayerState::Attention(_) => "attention KV",
             LayerState::Recurrent(_) => "recurrent",
+            LayerState::Window(_) => "sliding-window KV",
         }
     }
 
@@ -52,6 +57,16 @@ impl LayerState {
         match self {
             LayerState::Attention(s) => s.rows(),
             LayerState::Recurrent(s) => s.rows(),
+            LayerState::Window(s) => s.rows(),
+        }
+    }
+
+    /// Where the layer's tensors live.
+    pub fn device(&self) -> candle_core::Device {
+        match self {
+            LayerState::Attention(s) => s.device().clone(),
+            LayerState::Recurrent(s) => s.conv.device().clone(),
+            LayerState::Window(s) => s.device().clone(),
         }
     }
 
@@ -60,15 +75,26 @@ impl LayerState {
         match self {
             LayerState::Attention(s) => s.bytes(),
             LayerState::Recurrent(s) => s.bytes(),
+            LayerState::Window(s) => s.bytes(),
         }
     }
 
-    /// Whether a row's state can be cut back to an earlier position. KV can; a recurrent state
-    /// only exists at the position it was computed for.
+    /// Whether every row can be cut back to any earlier position. KV can; a recurrent state
+    /// only exists at the position it was computed for; a sliding window only until it wraps.
     pub fn can_trim(&self) -> bool {
         match self {
             LayerState::Attention(_) => true,
             LayerState::Recurrent(_) => false,
+            LayerState::Window(s) => s.can_trim(),
+        }
+    }
+
+    /// Whether `row` can be cut back to its first `len` positions.
+    pub fn can_trim_to(&self, row: usize, len: usize) -> bool {
+        match self {
+            LayerState::Attention(s) => len <= s.len(row),
+            LayerState::Recurrent(_) => false,
+            LayerState::Window(s) => s.can_trim_to(row, len),
         }
     }
 
@@ -77,6 +103,7 @@ impl LayerState {
         match (self, other) {
             (LayerState::Attention(a), LayerState::Attention(b)) => a.merge(b),
             (LayerState::Recurrent(a), LayerState::Recurrent(b)) => a.merge(b),
+            (LayerState::Window(a), LayerState::Window(b)) => a.merge(b),
             (a, b) => Err(StateError::KindMismatch(b.kind(), a.kind())),
         }
     }
@@ -86,6 +113,7 @@ impl LayerState {
         match self {
             LayerState::Attention(s) => s.filter(keep),
             LayerState::Recurrent(s) => s.filter(keep),
+            LayerState::Window(s) => s.filter(keep),
         }
     }
 
@@ -94,6 +122,7 @@ impl LayerState {
         Ok(match self {
             LayerState::Attention(s) => LayerState::Attention(s.extract(row)?),
             LayerState::Recurrent(s) => LayerState::Recurrent(s.extract(row)?),
+            LayerState::Window(s) => LayerState::Window(s.extract(row)?),
         })
     }
 
@@ -102,6 +131,7 @@ impl LayerState {
         match self {
             LayerState::Attention(s) => s.trim(row, len),
             LayerState::Recurrent(_) => Err(StateError::Untrimmable { kind: "recurrent", from: usize::MAX, to: len }),
+            LayerState::Window(s) => s.trim(row, len),
         }
     }
 
@@ -116,22 +146,28 @@ impl LayerState {
                 vec![("k", k.force_contiguous()?), ("v", v.force_contiguous()?)]
             }
             LayerState::Recurrent(s) => vec![("conv", s.conv.clone()), ("ssm", s.ssm.clone())],
+            LayerState::Window(s) => {
+                let (k, v) = s.held(0)?;
+                vec![("k", k), ("v", v)]
+            }
         })
     }
 
-    /// Rebuilds a single-row layer of this layer's kind and shape from its parts; `part` hands
-    /// out each named tensor (and may read it from disk on demand).
-    pub fn from_parts(&self, mut part: impl FnMut(&str) -> Result<Tensor>) -> Result<LayerState> {
+    /// Rebuilds a single-row layer at `position` of this layer's kind and shape from its parts;
+    /// `part` hands out each named tensor (and may read it from disk on demand).
+    pub fn from_parts(&self, position: usize, mut part: impl FnMut(&str) -> Result<Tensor>) -> Result<LayerState> {
         Ok(match self {
             LayerState::Attention(s) => LayerState::Attention(s.single_row(part("k")?, part("v")?)?),
             LayerState::Recurrent(s) => LayerState::Recurrent(s.single_row(part("conv")?, part("ssm")?)?),
+            LayerState::Window(s) => LayerState::Window(s.single_row(part("k")?, part("v")?, position)?),
         })
     }
 
-    /// The number of positions a single-row layer holds, where the kind records it.
+    /// The number of positions a single-row layer has consumed, where the kind records it.
     fn stored_len(&self) -> Option<usize> {
         match self {
             LayerState::Attention(s) => Some(s.len(0)),
+            LayerState::Window(s) => Some(s.len(0)),
             LayerState::Recurrent(_) => None,
         }
     }
@@ -186,13 +222,14 @@ impl BatchState {
         self.layers.iter().all(LayerState::can_trim)
     }
 
-    /// Cuts `row` back to its first `len` positions (only when every layer can trim).
+    /// Cuts `row` back to its first `len` positions (only when every layer can; otherwise
+    /// nothing changes).
     pub fn trim(&mut self, row: usize, len: usize) -> Result<()> {
         let from = self.positions[row];
         if len > from {
             return Err(StateError::Untrimmable { kind: "batch", from, to: len });
         }
-        if let Some(layer) = self.layers.iter().find(|l| !l.can_trim()) {
+        if let Some(layer) = self.layers.iter().find(|l| !l.can_trim_to(row, len)) {
             return Err(StateError::Untrimmable { kind: layer.kind(), from, to: len });
         }
         for layer in &mut self.layers {
@@ -221,7 +258,7 @@ impl BatchState {
     ) -> Result<BatchState> {
         let mut layers = Vec::with_capacity(template.layers.len());
         for (i, like) in template.layers.iter().enumerate() {
-            let layer = like.from_parts(|name| part(&format!("layers.{i}.{name}")))?;
+            let layer = like.from_parts(position, |name| part(&format!("layers.{i}.{name}")))?;
             if let Some(len) = layer.stored_len().filter(|&len| len != position) {
                 return Err(StateError::BadPart(format!("layer {i} holds {len} positions, expected {position}")));
             }

@@ -303,11 +303,7 @@ pub(super) fn read_entry(path: &Path, identity: &Identity, template: &BatchState
 
 /// Where the template's tensors live, so restored tensors go straight there.
 fn device_of(template: &BatchState) -> Device {
-    let device = template.layers.iter().find_map(|layer| match layer {
-        LayerState::Attention(kv) => (kv.rows() > 0).then(|| kv.history(0).ok()).flatten().map(|(k, _)| k.device().clone()),
-        LayerState::Recurrent(s) => Some(s.conv.device().clone()),
-    });
-    device.unwrap_or(Device::Cpu)
+    template.layers.first().map_or(Device::Cpu, LayerState::device)
 }
 
 #[cfg(test)]
