@@ -1,7 +1,6 @@
 //! `strata generate`.
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
@@ -13,9 +12,9 @@ use crate::draft::DraftArgs;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// Model folder (Hugging Face layout).
+    /// A model folder, a .gguf file, or a Hugging Face repo id; default: as `strata serve`.
     #[arg(long)]
-    model: PathBuf,
+    model: Option<String>,
     /// Raw prompt text (no chat template).
     #[arg(long, group = "input")]
     prompt: Option<String>,
@@ -79,14 +78,16 @@ impl EventSink for Channel {
 
 pub fn run(a: Args) -> Result<()> {
     let device = parse_device(&a.device)?;
-    let folder = open_model(&a.model)?;
+    let dir = crate::hub::resolve_model(a.model.as_deref())?;
+    let folder = open_model(&dir)?;
     let prompt = match (&a.prompt, &a.chat, &a.tokens) {
-        (Some(text), _, _) => folder.tokenizer.encode(text)?,
+        (Some(text), _, _) => folder.tokenizer.encode_prompt(text)?,
         (_, Some(text), _) => {
             let Some(template) = &folder.chat_template else {
                 bail!(
-                    "--chat: {} has no chat template (tokenizer_config.json chat_template or chat_template.jinja); use --prompt",
-                    a.model.display()
+                    "--chat: {} has no chat template (tokenizer_config.json chat_template, chat_template.jinja or GGUF \
+                     tokenizer.chat_template); use --prompt",
+                    dir.display()
                 );
             };
             let rendered = template.render(serde_json::json!({

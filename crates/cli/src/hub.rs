@@ -34,25 +34,56 @@ const SINGLE: &str = "model.safetensors";
 /// Attempts per file; each retry resumes from the partial file hf-hub keeps.
 const ATTEMPTS: u32 = 3;
 
-/// Resolves the `--model` flag of `strata serve/generate/...` to a local model folder.
-/// - Some(path) that exists as a directory → that path.
+/// Where `scripts/fetch-demo-model.sh` puts the demo model: `$STRATA_MODELS_DIR`, else
+/// `~/.cache/strata/models`.
+pub fn demo_model_path() -> PathBuf {
+    let dir = env("STRATA_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| {
+        let home = env("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
+        home.join(".cache").join("strata").join("models")
+    });
+    dir.join(DEMO_MODEL)
+}
+
+/// The demo model's file name.
+const DEMO_MODEL: &str = "gemma-3-270m-q4_k_m.gguf";
+
+/// Resolves the `--model` flag of `strata serve/generate/...` to a local model folder or file.
+/// - Some(path) that exists as a directory or a `.gguf` file → that path.
 /// - Some("owner/name") (a Hugging Face repo id, optionally "owner/name@revision") → the snapshot
 ///   folder in the local HF cache if complete, otherwise downloaded (with a progress bar on
 ///   stderr, resuming partial files): config.json, tokenizer.json, tokenizer_config.json,
 ///   generation_config.json and chat_template.jinja when listed, model.safetensors or
 ///   model.safetensors.index.json plus every shard it lists.
 /// - None → the newest (by snapshot mtime) complete cached repo whose config.json has model_type
-///   "qwen3_5" or "qwen3_5_text"; if none, an error that says how to get one.
+///   "qwen3_5" or "qwen3_5_text"; else the demo model that `scripts/fetch-demo-model.sh`
+///   installs; if neither is there, an error that says how to get one.
 pub fn resolve_model(spec: Option<&str>) -> Result<PathBuf> {
     let Some(spec) = spec else {
-        return Hub::from_env()?.newest_cached();
+        let hub = Hub::from_env()?;
+        return hub.newest_cached().or_else(|_| {
+            let demo = demo_model_path();
+            if demo.is_file() {
+                return Ok(demo);
+            }
+            bail!(
+                "no --model given, no Qwen3.5 model in the Hugging Face cache at {} and no demo model at {}: run \
+                 `scripts/fetch-demo-model.sh` to install the demo model (Gemma 3 270M, about 250 MB), pass a repo id to \
+                 download one (e.g. `--model Qwen/Qwen3.5-0.8B`), or a model folder or .gguf file (`--model PATH`)",
+                hub.cache.display(),
+                demo.display()
+            )
+        });
     };
     let path = Path::new(spec);
-    if path.is_dir() {
+    let is_gguf = path.extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf"));
+    if path.is_dir() || (path.is_file() && is_gguf) {
         return Ok(path.to_path_buf());
     }
     if path.exists() {
-        bail!("--model {spec}: is a file; expected a model folder or a Hugging Face repo id (owner/name)");
+        bail!("--model {spec}: is a file but not a .gguf; expected a model folder, a .gguf file or a Hugging Face repo id (owner/name)");
+    }
+    if is_gguf {
+        bail!("--model {spec}: no such file");
     }
     let repo = RepoId::parse(spec)?;
     Hub::from_env()?.resolve(&repo)

@@ -7,12 +7,17 @@ mod draft;
 mod generate;
 mod hub;
 mod logits;
+mod perplexity;
 mod serve;
 
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "strata", version, about = "Inference engine for hybrid (Gated DeltaNet + attention) language models")]
+#[command(
+    name = "strata",
+    version,
+    about = "Inference engine and server for language models: hybrid Qwen3.5, dense, Gemma 3; safetensors and GGUF"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -28,6 +33,8 @@ enum Command {
     Bench(bench::Args),
     /// Serve the OpenAI- and Anthropic-compatible HTTP API.
     Serve(serve::Args),
+    /// Perplexity of a model over a text file, with tokens/s.
+    Perplexity(perplexity::Args),
 }
 
 fn main() {
@@ -37,6 +44,7 @@ fn main() {
         Command::Logits(args) => logits::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve::run(args),
+        Command::Perplexity(args) => perplexity::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

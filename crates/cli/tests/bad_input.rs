@@ -62,7 +62,7 @@ fn rewrite_weights(dir: &Path, edit: impl FnOnce(&mut HashMap<String, Tensor>)) 
 #[test]
 fn missing_folder() {
     let err = generate_error(Path::new("/nonexistent/model"), &[]);
-    assert!(err.contains("/nonexistent/model") && err.contains("does not exist"), "{err}");
+    assert!(err.contains("/nonexistent/model") && err.contains("no such model folder"), "{err}");
 }
 
 #[test]

@@ -47,7 +47,16 @@ struct Env {
 impl Env {
     fn new(vars: &[(&str, &str)]) -> Self {
         let guard = ENV_LOCK.lock().unwrap_or_else(|e| e.into_inner());
-        for name in ["HF_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HF_ENDPOINT", "HF_TOKEN", "HF_TOKEN_PATH", "HF_HUB_OFFLINE"] {
+        for name in [
+            "HF_HUB_CACHE",
+            "HF_HOME",
+            "XDG_CACHE_HOME",
+            "HF_ENDPOINT",
+            "HF_TOKEN",
+            "HF_TOKEN_PATH",
+            "HF_HUB_OFFLINE",
+            "STRATA_MODELS_DIR",
+        ] {
             std::env::remove_var(name);
         }
         for (name, value) in vars {
@@ -375,10 +384,20 @@ fn resumes_after_a_cut_connection() {
 fn no_model_picks_the_newest_cached_supported_repo() {
     let hub = FakeHub::start();
     let tmp = tempfile::tempdir().unwrap();
-    let _env = Env::new(&[("HF_HUB_CACHE", tmp.path().to_str().unwrap()), ("HF_ENDPOINT", hub.url.as_str())]);
+    let models = tempfile::tempdir().unwrap();
+    let _env = Env::new(&[
+        ("HF_HUB_CACHE", tmp.path().to_str().unwrap()),
+        ("HF_ENDPOINT", hub.url.as_str()),
+        ("STRATA_MODELS_DIR", models.path().to_str().unwrap()),
+    ]);
 
     let empty = error_of(None);
     assert!(empty.contains("--model Qwen/Qwen3.5-0.8B") && empty.contains(tmp.path().to_str().unwrap()), "{empty}");
+    assert!(empty.contains("scripts/fetch-demo-model.sh") && empty.contains(models.path().to_str().unwrap()), "{empty}");
+    // With nothing in the Hugging Face cache, the demo model is the fallback.
+    let demo = models.path().join("gemma-3-270m-q4_k_m.gguf");
+    std::fs::write(&demo, b"GGUF").unwrap();
+    assert_eq!(resolve_model(None).unwrap(), demo);
 
     let first = resolve_model(Some(REPO)).unwrap();
     let second = resolve_model(Some("test-org/tiny-b-2")).unwrap();

@@ -94,7 +94,13 @@ fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {
             r.wait(Recorder::finished);
             assert_eq!(r.tokens(), solo[i], "{} request {i}", dir.display());
         }
-        assert_eq!(worker.stats().active.load(std::sync::atomic::Ordering::Relaxed), 0);
+        // The engine retires a row right after sending its last event: allow it that moment.
+        let active = || worker.stats().active.load(std::sync::atomic::Ordering::Relaxed);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while active() != 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert_eq!(active(), 0, "rows still active after every request finished");
     }
 }
 

@@ -11,6 +11,8 @@ use crate::error::{ModelError, Result};
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// `bos_token` / `eos_token`, which transformers passes to every template.
+    special_tokens: serde_json::Map<String, serde_json::Value>,
 }
 
 impl ChatTemplate {
@@ -52,13 +54,27 @@ impl ChatTemplate {
         env.add_function("strftime_now", |fmt: String| chrono::Local::now().format(&fmt).to_string());
         env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.to_string()).map_err(|e| describe(&e))?;
-        Ok(Self { env })
+        Ok(Self { env, special_tokens: serde_json::Map::new() })
     }
 
-    /// Renders `context` (messages, tools, add_generation_prompt, template kwargs…).
+    /// Makes the tokenizer's BOS and EOS strings available as `bos_token` and `eos_token`.
+    pub fn with_special_tokens(mut self, tokenizer: &crate::Tokenizer) -> Self {
+        if let Some((bos, _)) = tokenizer.bos() {
+            self.special_tokens.insert("bos_token".into(), bos.into());
+        }
+        if let Some(eos) = tokenizer.eos_text() {
+            self.special_tokens.insert("eos_token".into(), eos.into());
+        }
+        self
+    }
+
+    /// Renders `context` (messages, tools, add_generation_prompt, template kwargs…); the
+    /// special tokens are there unless the context sets them.
     pub fn render<S: Serialize>(&self, context: S) -> Result<String> {
         let template = self.env.get_template("chat").map_err(|e| ModelError::Template(describe(&e)))?;
-        template.render(context).map_err(|e| ModelError::Template(describe(&e)))
+        let context = Value::from_serialize(&context);
+        let defaults = Value::from_serialize(&self.special_tokens);
+        template.render(minijinja::context! { ..context, ..defaults }).map_err(|e| ModelError::Template(describe(&e)))
     }
 }
 

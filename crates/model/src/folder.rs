@@ -1,4 +1,5 @@
-//! A model folder in the layout Hugging Face uses, opened and checked as a whole.
+//! A model: a folder in the layout Hugging Face uses, or a single GGUF file (or a folder holding
+//! one), opened and checked as a whole.
 
 use std::path::{Path, PathBuf};
 
@@ -7,10 +8,17 @@ use candle_core::{DType, Device};
 use crate::chat_template::ChatTemplate;
 use crate::error::{ModelError, Result};
 use crate::generation_config::GenerationConfig;
+use crate::gguf::GgufFile;
 use crate::model::{ArchConfig, Model, ModelConfig};
 use crate::source::FileSource;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
+
+/// Where the tensors are.
+enum Tensors {
+    Safetensors(Weights),
+    Gguf(GgufFile),
+}
 
 pub struct ModelFolder {
     pub path: PathBuf,
@@ -18,26 +26,76 @@ pub struct ModelFolder {
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub generation: GenerationConfig,
-    weights: Weights,
+    tensors: Tensors,
 }
+
+/// Gemma's turn format, for GGUF files of the family that carry no template of their own.
+const GEMMA_CHAT_TEMPLATE: &str = include_str!("gguf/gemma_chat.jinja");
 
 impl ModelFolder {
     /// Reads config, tokenizer, template and generation config, and validates the weight
-    /// files' headers. Tensors are read by [`ModelFolder::load_model`] (or `load`).
+    /// files' headers. Tensors are read by [`ModelFolder::load`]. `path` is a Hugging Face
+    /// folder, a `.gguf` file, or a folder holding exactly one `.gguf` file and no config.json.
     pub fn open(path: &Path) -> Result<Self> {
+        if path.is_file() {
+            return Self::open_gguf(path);
+        }
         if !path.is_dir() {
             return Err(ModelError::MissingFolder(path.to_path_buf()));
         }
         let config_path = path.join("config.json");
         if !config_path.exists() {
-            return Err(ModelError::file(&config_path, "missing: a model folder needs config.json"));
+            return match gguf_files(path)?.as_slice() {
+                [one] => Self::open_gguf(one),
+                [] => Err(ModelError::file(&config_path, "missing: a model folder needs config.json (or a single .gguf file)")),
+                many => Err(ModelError::file(
+                    path,
+                    format!("holds {} .gguf files and no config.json; pass the file to use", many.len()),
+                )),
+            };
         }
         let config = ArchConfig::from_file(&config_path)?.into();
-        let tokenizer = Tokenizer::from_file(&path.join("tokenizer.json"))?;
-        let chat_template = ChatTemplate::from_folder(path)?;
+        let tokenizer = Tokenizer::from_folder(path)?;
+        let chat_template = ChatTemplate::from_folder(path)?.map(|t| t.with_special_tokens(&tokenizer));
         let generation = GenerationConfig::from_folder(path)?;
         let weights = Weights::open(path)?;
-        Ok(Self { path: path.to_path_buf(), config, tokenizer, chat_template, generation, weights })
+        Ok(Self {
+            path: path.to_path_buf(),
+            config,
+            tokenizer,
+            chat_template,
+            generation,
+            tensors: Tensors::Safetensors(weights),
+        })
+    }
+
+    fn open_gguf(path: &Path) -> Result<Self> {
+        let file = GgufFile::open(path)?;
+        let config: ModelConfig = ArchConfig::from_json(&file.hf_config()?, path)?.into();
+        let tokenizer = Tokenizer::from_gguf(file.metadata()).map_err(|e| ModelError::file(path, e))?;
+        let template_source = match file.chat_template() {
+            Some(t) => Some(t.to_string()),
+            None if file.architecture() == "gemma3" => Some(GEMMA_CHAT_TEMPLATE.to_string()),
+            None => None,
+        };
+        let chat_template = template_source
+            .map(|source| ChatTemplate::new(&source).map_err(|e| ModelError::file(path, format!("tokenizer.chat_template: {e}"))))
+            .transpose()?
+            .map(|t| t.with_special_tokens(&tokenizer));
+        // Chat turns end with an end-of-turn token the template writes; stop there too.
+        let mut eos_token_ids = config.eos_token_ids.clone();
+        for marker in ["<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|endoftext|>"] {
+            if let Some(id) = tokenizer.token_id(marker).filter(|id| !eos_token_ids.contains(id)) {
+                eos_token_ids.push(id);
+            }
+        }
+        let generation = GenerationConfig { eos_token_ids, ..GenerationConfig::default() };
+        Ok(Self { path: path.to_path_buf(), config, tokenizer, chat_template, generation, tensors: Tensors::Gguf(file) })
+    }
+
+    /// Whether the weights come from a GGUF file (kept quantized).
+    pub fn is_gguf(&self) -> bool {
+        matches!(self.tensors, Tensors::Gguf(_))
     }
 
     /// End-of-sequence ids from the config and generation config.
@@ -51,17 +109,43 @@ impl ModelFolder {
         ids
     }
 
-    /// Loads the model of whatever supported family the folder holds.
+    /// Loads the model of whatever supported family the folder holds. GGUF matrices stay
+    /// quantized (activations in `dtype`).
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Model> {
-        Model::load(&self.config.arch, &self.source(device), dtype)
+        match &self.tensors {
+            Tensors::Safetensors(weights) => Model::load(&self.config.arch, &self.source(weights, device), dtype),
+            Tensors::Gguf(file) => Model::load(&self.config.arch, &file.source(device, false)?, dtype),
+        }
+    }
+
+    /// Loads the model with every GGUF tensor dequantized to `dtype` (the same as [`load`] for
+    /// safetensors folders): for comparison against references that dequantize.
+    ///
+    /// [`load`]: ModelFolder::load
+    pub fn load_dequantized(&self, dtype: DType, device: &Device) -> Result<Model> {
+        match &self.tensors {
+            Tensors::Safetensors(_) => self.load(dtype, device),
+            Tensors::Gguf(file) => Model::load(&self.config.arch, &file.source(device, true)?, dtype),
+        }
     }
 
     /// Where the text model's tensors are. Qwen3.5 releases name them `model.language_model.*`
     /// (with `model.visual.*` and `mtp.*` beside them, not used by the text model); flat text
     /// checkpoints and dense models name them `model.*`.
-    fn source(&self, device: &Device) -> FileSource<'_> {
+    fn source<'a>(&self, weights: &'a Weights, device: &Device) -> FileSource<'a> {
         let prefix =
-            if self.weights.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
-        FileSource { weights: &self.weights, prefix: prefix.into(), device: device.clone() }
+            if weights.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
+        FileSource { weights, prefix: prefix.into(), device: device.clone() }
     }
+}
+
+/// The `.gguf` files directly in `dir`.
+fn gguf_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(dir).map_err(|e| ModelError::file(dir, format!("cannot list: {e}")))?;
+    let mut files: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.is_file() && p.extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf")))
+        .collect();
+    files.sort();
+    Ok(files)
 }

@@ -10,6 +10,7 @@ use strata_state::BatchState;
 use crate::config::Qwen35Config;
 use crate::dense::{Dense, DenseConfig};
 use crate::error::{ModelError, Result};
+use crate::gemma3::{Gemma3, Gemma3Config};
 use crate::qwen3_5::{Logits, Qwen35, Round, StateCost};
 use crate::source::WeightSource;
 
@@ -20,18 +21,27 @@ pub enum ArchConfig {
     Qwen35(Qwen35Config),
     /// `qwen3`, `qwen2`, `llama`.
     Dense(DenseConfig),
+    /// `gemma3_text`, `gemma3` (its text model).
+    Gemma3(Gemma3Config),
 }
 
 impl ArchConfig {
     pub fn from_file(path: &Path) -> Result<Self> {
-        let root = crate::error::read_json(path)?;
+        Self::from_json(&crate::error::read_json(path)?, path)
+    }
+
+    /// Parses a config in the Hugging Face layout; `path` names where it came from in errors.
+    pub fn from_json(root: &Value, path: &Path) -> Result<Self> {
         match root.get("model_type").and_then(Value::as_str) {
-            Some("qwen3_5" | "qwen3_5_text") => Ok(ArchConfig::Qwen35(Qwen35Config::from_json(&root, path)?)),
-            Some("qwen3" | "qwen2" | "llama") => Ok(ArchConfig::Dense(DenseConfig::from_json(&root, path)?)),
+            Some("qwen3_5" | "qwen3_5_text") => Ok(ArchConfig::Qwen35(Qwen35Config::from_json(root, path)?)),
+            Some("qwen3" | "qwen2" | "llama") => Ok(ArchConfig::Dense(DenseConfig::from_json(root, path)?)),
+            Some("gemma3" | "gemma3_text") => Ok(ArchConfig::Gemma3(Gemma3Config::from_json(root, path)?)),
             Some(other) => Err(ModelError::field(
                 path,
                 "model_type",
-                format!("`{other}` is not supported (supported: qwen3_5, qwen3_5_text, qwen3, qwen2, llama)"),
+                format!(
+                    "`{other}` is not supported (supported: qwen3_5, qwen3_5_text, qwen3, qwen2, llama, gemma3, gemma3_text)"
+                ),
             )),
             None => Err(ModelError::field(path, "model_type", "missing")),
         }
@@ -52,6 +62,7 @@ impl From<ArchConfig> for ModelConfig {
         let (vocab_size, max_position_embeddings, eos_token_ids) = match &arch {
             ArchConfig::Qwen35(c) => (c.vocab_size, c.max_position_embeddings, c.eos_token_ids.clone()),
             ArchConfig::Dense(c) => (c.vocab_size, c.max_position_embeddings, c.eos_token_ids.clone()),
+            ArchConfig::Gemma3(c) => (c.vocab_size, c.max_position_embeddings, c.eos_token_ids.clone()),
         };
         Self { vocab_size, max_position_embeddings, eos_token_ids, arch }
     }
@@ -61,6 +72,7 @@ impl From<ArchConfig> for ModelConfig {
 pub enum Model {
     Qwen35(Qwen35),
     Dense(Dense),
+    Gemma3(Gemma3),
 }
 
 impl Model {
@@ -68,6 +80,7 @@ impl Model {
         Ok(match cfg {
             ArchConfig::Qwen35(c) => Model::Qwen35(Qwen35::load(c, src, dtype)?),
             ArchConfig::Dense(c) => Model::Dense(Dense::load(c, src, dtype)?),
+            ArchConfig::Gemma3(c) => Model::Gemma3(Gemma3::load(c, src, dtype)?),
         })
     }
 
@@ -76,6 +89,7 @@ impl Model {
         match self {
             Model::Qwen35(m) => m.forward(tokens, state, logits),
             Model::Dense(m) => m.forward(tokens, state, logits),
+            Model::Gemma3(m) => m.forward(tokens, state, logits),
         }
     }
 
@@ -83,6 +97,7 @@ impl Model {
         match self {
             Model::Qwen35(m) => m.new_state(rows),
             Model::Dense(m) => m.new_state(rows),
+            Model::Gemma3(m) => m.new_state(rows),
         }
     }
 
@@ -90,6 +105,7 @@ impl Model {
         match self {
             Model::Qwen35(m) => m.state_cost(),
             Model::Dense(m) => m.state_cost(),
+            Model::Gemma3(m) => m.state_cost(),
         }
     }
 
@@ -97,6 +113,7 @@ impl Model {
         match self {
             Model::Qwen35(m) => m.device(),
             Model::Dense(m) => m.device(),
+            Model::Gemma3(m) => m.device(),
         }
     }
 
@@ -104,6 +121,7 @@ impl Model {
         match self {
             Model::Qwen35(m) => m.dtype(),
             Model::Dense(m) => m.dtype(),
+            Model::Gemma3(m) => m.dtype(),
         }
     }
 
@@ -111,6 +129,7 @@ impl Model {
         match self {
             Model::Qwen35(m) => m.config().vocab_size,
             Model::Dense(m) => m.config().vocab_size,
+            Model::Gemma3(m) => m.config().vocab_size,
         }
     }
 
@@ -118,6 +137,7 @@ impl Model {
         match self {
             Model::Qwen35(m) => m.config().max_position_embeddings,
             Model::Dense(m) => m.config().max_position_embeddings,
+            Model::Gemma3(m) => m.config().max_position_embeddings,
         }
     }
 
@@ -125,7 +145,7 @@ impl Model {
     pub fn open_round(&self, state: &mut BatchState) -> Round {
         match self {
             Model::Qwen35(m) => m.open_round(state),
-            Model::Dense(_) => Round { start: state.positions.clone() },
+            Model::Dense(_) | Model::Gemma3(_) => Round { start: state.positions.clone() },
         }
     }
 
@@ -135,7 +155,7 @@ impl Model {
     pub fn close_round(&self, state: &mut BatchState, round: Round, keep: &[usize]) -> Result<()> {
         match self {
             Model::Qwen35(m) => m.close_round(state, round, keep),
-            Model::Dense(_) => {
+            Model::Dense(_) | Model::Gemma3(_) => {
                 for (r, (&start, &kept)) in round.start.iter().zip(keep).enumerate() {
                     if start + kept > state.positions[r] {
                         return Err(ModelError::Invalid(format!("cannot keep {kept} positions of row {r}")));

@@ -6,11 +6,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use candle_core::{DType, Device, Tensor};
 
 use crate::error::Result;
+use crate::qwen3_5::layers::Matrix;
 use crate::weights::Weights;
 
+/// Tensors by their Hugging Face name (relative to the text decoder) and convention; a source
+/// in another layout (GGUF) translates names and conventions to these.
 pub trait WeightSource {
     /// The tensor `name`, which must have `shape`, as `dtype` on the source's device.
     fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor>;
+
+    /// The weight matrix `name` (`[rows, cols]`): kept quantized where the source stores it so
+    /// and the model multiplies it as stored, else as `dtype`.
+    fn matrix(&self, name: &str, rows: usize, cols: usize, dtype: DType) -> Result<Matrix> {
+        Ok(Matrix::Dense(self.get(name, &[rows, cols], dtype)?))
+    }
+
     fn device(&self) -> &Device;
 }
 

@@ -1,5 +1,6 @@
-//! The dense decoders (qwen3, qwen2, llama) against transformers (fixtures written by
-//! scripts/oracle/make_dense_fixtures.py under fixtures/dense/).
+//! The attention-only decoders (qwen3, qwen2, llama; gemma3 with its sliding-window layers)
+//! against transformers (fixtures written by scripts/oracle/make_dense_fixtures.py and
+//! make_gemma3_fixture.py under fixtures/dense/).
 
 use std::path::{Path, PathBuf};
 
@@ -15,13 +16,19 @@ fn fixtures() -> Vec<PathBuf> {
     let mut dirs: Vec<PathBuf> =
         std::fs::read_dir(&dense).unwrap().map(|e| e.unwrap().path()).filter(|p| p.join("config.json").exists()).collect();
     dirs.sort();
-    assert!(dirs.len() >= 3, "dense fixtures missing under {}", dense.display());
+    assert!(dirs.len() >= 4, "dense fixtures missing under {}", dense.display());
     dirs
 }
 
 fn load(dir: &Path) -> Model {
     let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
-    assert!(matches!(model, Model::Dense(_)), "{} did not load as a dense model", dir.display());
+    let family = dir.file_name().unwrap().to_str().unwrap().split('-').next().unwrap().to_string();
+    let loaded_as = match &model {
+        Model::Dense(m) => format!("{:?}", m.config().family).to_lowercase(),
+        Model::Gemma3(_) => "gemma3".into(),
+        Model::Qwen35(_) => "qwen3_5".into(),
+    };
+    assert_eq!(loaded_as, family, "{} loaded as the wrong family", dir.display());
     model
 }
 

@@ -312,10 +312,10 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
         return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
     }
     let prompt = match req.prompt {
-        PromptField::Text(t) => state.tokenizer.encode(&t).map_err(|e| ApiError::internal(e.to_string()))?,
+        PromptField::Text(t) => state.tokenizer.encode_prompt(&t).map_err(|e| ApiError::internal(e.to_string()))?,
         PromptField::Tokens(ids) => ids,
         PromptField::Batch(mut items) if items.len() == 1 => match items.remove(0) {
-            PromptField::Text(t) => state.tokenizer.encode(&t).map_err(|e| ApiError::internal(e.to_string()))?,
+            PromptField::Text(t) => state.tokenizer.encode_prompt(&t).map_err(|e| ApiError::internal(e.to_string()))?,
             PromptField::Tokens(ids) => ids,
             PromptField::Batch(_) => return Err(ApiError::bad_request("prompt: nested lists are not supported", Some("prompt"))),
         },

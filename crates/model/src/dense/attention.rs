@@ -2,7 +2,7 @@
 //! q/k RMSNorm (Qwen3), full RoPE, GQA over each row's own KV history, `o_proj`.
 
 use candle_core::{DType, Tensor};
-use strata_kernels::attention::causal_attention;
+use strata_kernels::attention::{causal_attention, Scoring};
 use strata_state::KvStore;
 
 use super::config::DenseConfig;
@@ -57,7 +57,7 @@ impl Attention {
         let mut rows = Vec::with_capacity(b);
         for row in 0..b {
             let (keys, values) = kv.append(row, &k.get(row)?, &v.get(row)?)?;
-            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, scale)?);
+            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, Scoring::scaled(scale))?);
         }
         let out = Tensor::stack(&rows, 0)?.transpose(1, 2)?.reshape((b, t, h * d))?;
         self.o_proj.forward(&out)

@@ -12,7 +12,7 @@ use strata_state::{BatchState, KvStore, LayerState};
 use self::attention::Attention;
 use self::norm::RmsNorm;
 use crate::error::{ModelError, Result};
-use crate::qwen3_5::layers::{Linear, Mlp, Rotary};
+use crate::qwen3_5::layers::{Linear, Matrix, Mlp, Rotary};
 use crate::qwen3_5::{Logits, StateCost};
 use crate::source::WeightSource;
 
@@ -27,7 +27,7 @@ struct DecoderLayer {
 
 pub struct Dense {
     cfg: DenseConfig,
-    embed: Tensor,
+    embed: Matrix,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
@@ -41,7 +41,7 @@ impl Dense {
     /// (`embed_tokens.weight`, `layers.N.…`, `norm.weight`), plus `lm_head.weight` when untied.
     pub fn load(cfg: &DenseConfig, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
         let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let embed = src.get("embed_tokens.weight", &[cfg.vocab_size, hidden], dtype)?;
+        let embed = src.matrix("embed_tokens.weight", cfg.vocab_size, hidden, dtype)?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let p = format!("layers.{i}");
@@ -89,7 +89,7 @@ impl Dense {
     /// What a sequence's state costs: the KV of every layer per token, nothing fixed per row.
     pub fn state_cost(&self) -> StateCost {
         let per_layer = KvStore::bytes_per_token(self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype);
-        StateCost { bytes_per_token: self.layers.len() * per_layer, bytes_per_row: 0 }
+        StateCost { bytes_per_token: self.layers.len() * per_layer, ..StateCost::default() }
     }
 
     /// Fresh state for `rows` empty sequences.
@@ -117,7 +117,7 @@ impl Dense {
         if let Some(&bad) = ids.to_vec1::<u32>()?.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
             return Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)));
         }
-        let mut x = self.embed.index_select(&ids, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        let mut x = self.embed.rows_at(&ids, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?;
         let rope = self.rotary.tables(&state.positions, t, &self.device)?;
         for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
             let LayerState::Attention(kv) = layer_state else {

@@ -2,7 +2,7 @@
 //! each row's KV history, output times `sigmoid(gate)`.
 
 use candle_core::{DType, Tensor};
-use strata_kernels::attention::causal_attention;
+use strata_kernels::attention::{causal_attention, Scoring};
 use strata_state::KvStore;
 
 use super::layers::{Linear, RmsNorm, Rotary};
@@ -54,7 +54,7 @@ impl Attention {
         let mut rows = Vec::with_capacity(b);
         for row in 0..b {
             let (keys, values) = kv.append(row, &k.get(row)?, &v.get(row)?)?;
-            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, scale)?);
+            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, Scoring::scaled(scale))?);
         }
         let out = Tensor::stack(&rows, 0)?.transpose(1, 2)?.reshape((b, t, h * d))?;
         let out = (out * candle_nn::ops::sigmoid(&gate)?)?;

@@ -1,24 +1,64 @@
 //! Building blocks shared by Qwen3.5 layers.
 
-use candle_core::{DType, Device, Tensor, D};
+use std::sync::Arc;
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
 
 use crate::error::Result;
 use crate::source::WeightSource;
 
+/// A weight matrix `[out, in]`: a plain tensor, or kept block-quantized (GGUF) and multiplied
+/// quantized.
+#[derive(Clone)]
+pub enum Matrix {
+    Dense(Tensor),
+    Quantized(Arc<QTensor>),
+}
+
+impl Matrix {
+    pub fn rows(&self) -> Result<usize> {
+        Ok(match self {
+            Matrix::Dense(w) => w.dim(0)?,
+            Matrix::Quantized(w) => w.shape().dims2()?.0,
+        })
+    }
+
+    /// `x W^T` for `x` `[rows, in]`, in `x`'s dtype.
+    fn multiply(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Matrix::Dense(w) => Ok(strata_kernels::matmul::matmul_t(x, w)?),
+            // The quantized kernels take f32 activations and give f32.
+            Matrix::Quantized(w) => {
+                let y = QMatMul::QTensor(w.clone()).forward(&x.to_dtype(DType::F32)?)?;
+                Ok(y.to_dtype(x.dtype())?)
+            }
+        }
+    }
+
+    /// Rows `ids` (`[N]` u32) as `[N, in]` in `dtype`: an embedding lookup.
+    pub fn rows_at(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
+        Ok(match self {
+            Matrix::Dense(w) => w.index_select(ids, 0)?.to_dtype(dtype)?,
+            Matrix::Quantized(w) => w.embedding(ids)?.to_dtype(dtype)?,
+        })
+    }
+}
+
 /// A linear projection `x W^T (+ b)`.
 pub struct Linear {
-    weight: Tensor,
+    weight: Matrix,
     bias: Option<Tensor>,
 }
 
 impl Linear {
     pub fn load(src: &dyn WeightSource, name: &str, out_dim: usize, in_dim: usize, bias: bool, dtype: DType) -> Result<Self> {
-        let weight = src.get(&format!("{name}.weight"), &[out_dim, in_dim], dtype)?;
+        let weight = src.matrix(&format!("{name}.weight"), out_dim, in_dim, dtype)?;
         let bias = if bias { Some(src.get(&format!("{name}.bias"), &[out_dim], dtype)?) } else { None };
         Ok(Self { weight, bias })
     }
 
-    pub fn from_weight(weight: Tensor) -> Self {
+    pub fn from_weight(weight: Matrix) -> Self {
         Self { weight, bias: None }
     }
 
@@ -26,13 +66,13 @@ impl Linear {
         let dims = x.dims();
         let in_dim = dims[dims.len() - 1];
         let rows = x.elem_count() / in_dim;
-        let y = strata_kernels::matmul::matmul_t(&x.reshape((rows, in_dim))?, &self.weight)?;
+        let y = self.weight.multiply(&x.reshape((rows, in_dim))?)?;
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         };
         let mut out_shape = dims.to_vec();
-        *out_shape.last_mut().expect("input has at least one dim") = self.weight.dim(0)?;
+        *out_shape.last_mut().expect("input has at least one dim") = self.weight.rows()?;
         Ok(y.reshape(out_shape)?)
     }
 }

@@ -10,7 +10,7 @@ use strata_state::{BatchState, KvStore, LayerState, RecurrentState};
 
 use self::attention::Attention;
 use self::deltanet::GatedDeltaNet;
-use self::layers::{Linear, Mlp, RmsNorm, Rotary};
+use self::layers::{Linear, Matrix, Mlp, RmsNorm, Rotary};
 use crate::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
@@ -34,16 +34,21 @@ pub struct Round {
 }
 
 /// Memory cost of one sequence's state; see [`Qwen35::state_cost`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StateCost {
+    /// What every position costs (full attention KV).
     pub bytes_per_token: usize,
+    /// Fixed per sequence (recurrent state).
     pub bytes_per_row: usize,
+    /// What a position costs while it is among the last `window_positions` (sliding-window KV).
+    pub window_bytes_per_token: usize,
+    pub window_positions: usize,
 }
 
 impl StateCost {
     /// Bytes of state for a sequence of `tokens` tokens.
     pub fn bytes(&self, tokens: usize) -> usize {
-        self.bytes_per_row + tokens * self.bytes_per_token
+        self.bytes_per_row + tokens * self.bytes_per_token + tokens.min(self.window_positions) * self.window_bytes_per_token
     }
 }
 
@@ -58,7 +63,7 @@ pub enum Logits {
 
 pub struct Qwen35 {
     cfg: Qwen35Config,
-    embed: Tensor,
+    embed: Matrix,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
     lm_head: Linear,
@@ -72,7 +77,7 @@ impl Qwen35 {
     /// (`embed_tokens.weight`, `layers.N.…`, `norm.weight`), plus `lm_head.weight` when untied.
     pub fn load(cfg: &Qwen35Config, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
         let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let embed = src.get("embed_tokens.weight", &[cfg.vocab_size, hidden], dtype)?;
+        let embed = src.matrix("embed_tokens.weight", cfg.vocab_size, hidden, dtype)?;
         let layers = cfg
             .layer_types
             .iter()
@@ -123,7 +128,7 @@ impl Qwen35 {
     /// layer) and fixed bytes per row (conv window and recurrent matrix of every DeltaNet layer).
     pub fn state_cost(&self) -> StateCost {
         let cfg = &self.cfg;
-        let mut cost = StateCost { bytes_per_token: 0, bytes_per_row: 0 };
+        let mut cost = StateCost::default();
         for kind in &cfg.layer_types {
             match kind {
                 LayerKind::Full => {
@@ -209,7 +214,7 @@ impl Qwen35 {
         if let Some(&bad) = tokens.flatten_all()?.to_vec1::<u32>()?.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
             return Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)));
         }
-        let mut x = self.embed.index_select(&tokens.flatten_all()?, 0)?.reshape((b, t, self.cfg.hidden_size))?;
+        let mut x = self.embed.rows_at(&tokens.flatten_all()?, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?;
         let rope = self.rotary.tables(&state.positions, t, &self.device)?;
         for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
             let h = layer.input_norm.forward(&x)?;

@@ -1,0 +1,246 @@
+//! Gemma 3 text decoder (transformers `gemma3_text`): local layers attend over a sliding window
+//! (their KV lives in a rotating window store) and every few layers one attends globally; each
+//! has its own RoPE base. Per-head q/k norms, `(1 + w)` RMSNorms before and after both blocks,
+//! embeddings scaled by √hidden, a GELU-tanh gated MLP, the LM head tied to the embeddings, and
+//! optional soft-capping of the final logits.
+
+pub mod config;
+
+use candle_core::{DType, Device, Tensor};
+use strata_kernels::attention::{causal_attention, Scoring};
+use strata_state::{BatchState, KvStore, LayerState, WindowKvStore};
+
+use crate::error::{ModelError, Result};
+use crate::qwen3_5::layers::{Linear, Matrix, RmsNorm, Rotary};
+use crate::qwen3_5::{Logits, StateCost};
+use crate::source::WeightSource;
+
+pub use self::config::{Gemma3Config, RopeSettings};
+
+struct Attention {
+    q_proj: Linear,
+    k_proj: Linear,
+    v_proj: Linear,
+    o_proj: Linear,
+    q_norm: RmsNorm,
+    k_norm: RmsNorm,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        // transformers' `gelu_pytorch_tanh`: candle's `gelu` is the tanh approximation.
+        let h = (self.gate.forward(x)?.gelu()? * self.up.forward(x)?)?;
+        self.down.forward(&h)
+    }
+}
+
+struct DecoderLayer {
+    sliding: bool,
+    input_norm: RmsNorm,
+    attn: Attention,
+    post_attn_norm: RmsNorm,
+    pre_mlp_norm: RmsNorm,
+    mlp: Mlp,
+    post_mlp_norm: RmsNorm,
+}
+
+pub struct Gemma3 {
+    cfg: Gemma3Config,
+    embed: Matrix,
+    layers: Vec<DecoderLayer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    global_rotary: Rotary,
+    local_rotary: Rotary,
+    dtype: DType,
+    device: Device,
+}
+
+fn rotary(head_dim: usize, rope: RopeSettings) -> Rotary {
+    let mut r = Rotary::new(head_dim, rope.theta);
+    // Linear scaling divides positions, i.e. every frequency, by the factor.
+    for f in &mut r.inv_freq {
+        *f = (*f as f64 / rope.linear_factor) as f32;
+    }
+    r
+}
+
+impl Gemma3 {
+    /// Builds the model from `src`, whose names are relative to the decoder (`embed_tokens.weight`,
+    /// `layers.N.…`, `norm.weight`); the LM head is the embedding matrix.
+    pub fn load(cfg: &Gemma3Config, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
+        let (hidden, eps, d) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim);
+        let (h, kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
+        let embed = src.matrix("embed_tokens.weight", cfg.vocab_size, hidden, dtype)?;
+        let layers = (0..cfg.num_hidden_layers)
+            .map(|i| {
+                let p = format!("layers.{i}");
+                let linear =
+                    |name: &str, out_dim, in_dim| Linear::load(src, &format!("{p}.{name}"), out_dim, in_dim, false, dtype);
+                let norm = |name: &str, dim| RmsNorm::load(src, &format!("{p}.{name}"), dim, eps);
+                Ok(DecoderLayer {
+                    sliding: cfg.sliding[i],
+                    input_norm: norm("input_layernorm", hidden)?,
+                    attn: Attention {
+                        q_proj: linear("self_attn.q_proj", h * d, hidden)?,
+                        k_proj: linear("self_attn.k_proj", kv * d, hidden)?,
+                        v_proj: linear("self_attn.v_proj", kv * d, hidden)?,
+                        o_proj: linear("self_attn.o_proj", hidden, h * d)?,
+                        q_norm: norm("self_attn.q_norm", d)?,
+                        k_norm: norm("self_attn.k_norm", d)?,
+                    },
+                    post_attn_norm: norm("post_attention_layernorm", hidden)?,
+                    pre_mlp_norm: norm("pre_feedforward_layernorm", hidden)?,
+                    mlp: Mlp {
+                        gate: linear("mlp.gate_proj", cfg.intermediate_size, hidden)?,
+                        up: linear("mlp.up_proj", cfg.intermediate_size, hidden)?,
+                        down: linear("mlp.down_proj", hidden, cfg.intermediate_size)?,
+                    },
+                    post_mlp_norm: norm("post_feedforward_layernorm", hidden)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self {
+            cfg: cfg.clone(),
+            lm_head: Linear::from_weight(embed.clone()),
+            embed,
+            layers,
+            norm: RmsNorm::load(src, "norm", hidden, eps)?,
+            global_rotary: rotary(d, cfg.global_rope),
+            local_rotary: rotary(d, cfg.local_rope),
+            dtype,
+            device: src.device().clone(),
+        })
+    }
+
+    pub fn config(&self) -> &Gemma3Config {
+        &self.cfg
+    }
+
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// What a sequence's state costs: global layers hold every position, local layers at most
+    /// their ring's.
+    pub fn state_cost(&self) -> StateCost {
+        let per_layer = KvStore::bytes_per_token(self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype);
+        let global = self.layers.iter().filter(|l| !l.sliding).count();
+        StateCost {
+            bytes_per_token: global * per_layer,
+            bytes_per_row: 0,
+            window_bytes_per_token: (self.layers.len() - global) * per_layer,
+            window_positions: WindowKvStore::capacity_for(self.cfg.sliding_window),
+        }
+    }
+
+    /// Fresh state for `rows` empty sequences.
+    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
+        let (kv, d) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| {
+                Ok(if l.sliding {
+                    LayerState::Window(WindowKvStore::new(rows, self.cfg.sliding_window, kv, d, self.dtype, &self.device)?)
+                } else {
+                    LayerState::Attention(KvStore::new(rows, kv, d, self.dtype, &self.device)?)
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(BatchState { layers, positions: vec![0; rows] })
+    }
+
+    /// Runs `tokens` (`[B, T]`, u32), each row continuing from its own position in `state`, and
+    /// advances the state. Returns f32 logits.
+    pub fn forward(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        if b != state.rows() || state.layers.len() != self.layers.len() {
+            return Err(ModelError::Invalid(format!(
+                "forward got {b} rows for {} layers, but the state has {} rows and {} layers",
+                self.layers.len(),
+                state.rows(),
+                state.layers.len()
+            )));
+        }
+        let ids = tokens.flatten_all()?;
+        if let Some(&bad) = ids.to_vec1::<u32>()?.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)));
+        }
+        // transformers rounds √hidden to the model dtype before scaling.
+        let normalizer = Tensor::new((self.cfg.hidden_size as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
+        let mut x = self.embed.rows_at(&ids, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?.broadcast_mul(&normalizer)?;
+        let global_rope = self.global_rotary.tables(&state.positions, t, &self.device)?;
+        let local_rope = self.local_rotary.tables(&state.positions, t, &self.device)?;
+        for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
+            let h = layer.input_norm.forward(&x)?;
+            let h = if layer.sliding {
+                let LayerState::Window(kv) = layer_state else {
+                    return Err(ModelError::Invalid(format!("a sliding-window layer got {} state", layer_state.kind())));
+                };
+                self.attention(layer, &h, &self.local_rotary, &local_rope, |row, k, v| kv.append(row, k, v))?
+            } else {
+                let LayerState::Attention(kv) = layer_state else {
+                    return Err(ModelError::Invalid(format!("a global attention layer got {} state", layer_state.kind())));
+                };
+                self.attention(layer, &h, &self.global_rotary, &global_rope, |row, k, v| kv.append(row, k, v))?
+            };
+            x = (&x + layer.post_attn_norm.forward(&h)?)?;
+            let h = layer.mlp.forward(&layer.pre_mlp_norm.forward(&x)?)?;
+            x = (&x + layer.post_mlp_norm.forward(&h)?)?;
+        }
+        for p in &mut state.positions {
+            *p += t;
+        }
+        let x = match logits {
+            Logits::All => x,
+            Logits::Last => x.narrow(1, t - 1, 1)?.squeeze(1)?,
+        };
+        let out = self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?;
+        Ok(match self.cfg.final_logit_softcapping {
+            Some(cap) => ((out / cap)?.tanh()? * cap)?,
+            None => out,
+        })
+    }
+
+    /// Attention of one layer; `append` stores a row's new keys and values and hands back the
+    /// keys and values its queries read (the whole history, or the window's).
+    fn attention(
+        &self,
+        layer: &DecoderLayer,
+        x: &Tensor,
+        rotary: &Rotary,
+        rope: &(Tensor, Tensor),
+        mut append: impl FnMut(usize, &Tensor, &Tensor) -> strata_state::Result<(Tensor, Tensor)>,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let (h, kv, d) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let a = &layer.attn;
+        let q = a.q_norm.forward(&a.q_proj.forward(x)?.reshape((b, t, h, d))?)?.transpose(1, 2)?;
+        let k = a.k_norm.forward(&a.k_proj.forward(x)?.reshape((b, t, kv, d))?)?.transpose(1, 2)?;
+        let v = a.v_proj.forward(x)?.reshape((b, t, kv, d))?.transpose(1, 2)?;
+        let q = rotary.apply(&q, &rope.0, &rope.1)?;
+        let k = rotary.apply(&k, &rope.0, &rope.1)?;
+        let scoring = Scoring {
+            scale: 1.0 / self.cfg.query_pre_attn_scalar.sqrt(),
+            window: layer.sliding.then_some(self.cfg.sliding_window),
+        };
+        let mut rows = Vec::with_capacity(b);
+        for row in 0..b {
+            let (keys, values) = append(row, &k.get(row)?, &v.get(row)?)?;
+            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, scoring)?);
+        }
+        let out = Tensor::stack(&rows, 0)?.transpose(1, 2)?.reshape((b, t, h * d))?;
+        a.o_proj.forward(&out)
+    }
+}
