@@ -5,11 +5,13 @@
 //! - [`conv1d`]: depthwise causal conv1d + SiLU over a window, carrying the conv state.
 //! - [`attention`]: causal softmax attention with GQA over a row's KV history.
 //! - [`matmul`]: weight-streaming `x W^T` for decode-sized inputs against bf16 weights on CPU.
+//! - [`q8`]: `x W^T` against Q8_0 block-quantized weights on CPU, llama.cpp's arithmetic.
 
 pub mod attention;
 pub mod conv1d;
 pub mod gated_delta;
 pub mod matmul;
+pub mod q8;
 
 pub use candle_core::{Error, Result};
 

@@ -89,7 +89,16 @@ impl ModelFolder {
                 eos_token_ids.push(id);
             }
         }
-        let generation = GenerationConfig { eos_token_ids, ..GenerationConfig::default() };
+        // GGUF files carry no sampling settings: take llama.cpp's defaults, which its users expect.
+        let generation = GenerationConfig {
+            eos_token_ids,
+            do_sample: Some(true),
+            temperature: Some(0.8),
+            top_k: Some(40),
+            top_p: Some(0.95),
+            min_p: Some(0.05),
+            ..GenerationConfig::default()
+        };
         Ok(Self { path: path.to_path_buf(), config, tokenizer, chat_template, generation, tensors: Tensors::Gguf(file) })
     }
 
