@@ -57,18 +57,19 @@ fn perplexity_matches_llama_cpp() {
     }
 }
 
-/// Greedy continuation of [BOS] + 700 GPL-3 tokens (past the 512-token window) equals
-/// llama.cpp's, with llama.cpp keeping its KV cache in f32 as strata does, for all 32 tokens (at
-/// least 16 required). llama.cpp's default f16 KV cache flips the second token — a near tie,
-/// 0.2 apart in the logits — and is reported only.
+/// Greedy continuation of [BOS] + 800 GPL-3 tokens (past the 512-token window) equals
+/// llama.cpp's — with its default f16 KV cache and with an f32 one, which agree on this prompt —
+/// for at least the first 16 tokens (all 32 observed). The prompt was chosen free of near ties:
+/// after 700 tokens the second token is a tie 0.2 apart in the logits that llama.cpp's own KV
+/// precision flips, and so does any change in summation order.
 #[test]
 fn greedy_continuation_matches_llama_cpp() {
     let r = reference();
     let text_ids = r["tokenize"]["gpl3"]["ids"].as_array().unwrap();
-    let prompt_len = r["greedy_f32_kv"]["prompt_len"].as_u64().unwrap() as usize;
+    let prompt_len = r["greedy"]["prompt_len"].as_u64().unwrap() as usize;
     let mut prompt = vec![r["bos"].to_string()];
     prompt.extend(text_ids[..prompt_len - 1].iter().map(|t| t.to_string()));
-    let steps = r["greedy_f32_kv"]["steps"].to_string();
+    let steps = r["greedy"]["steps"].to_string();
     let got = strata_json(&[
         "generate",
         "--model",
@@ -83,12 +84,10 @@ fn greedy_continuation_matches_llama_cpp() {
         "--json",
     ]);
     let got: Vec<u64> = got["tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
-    let same_as = |section: &str| {
+    for section in ["greedy", "greedy_f32_kv"] {
         let want: Vec<u64> = r[section]["generated_ids"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap()).collect();
-        (got.iter().zip(&want).take_while(|(a, b)| a == b).count(), want)
-    };
-    let (same_f16, _) = same_as("greedy");
-    let (same, want) = same_as("greedy_f32_kv");
-    println!("greedy: first {same} of {} tokens equal llama.cpp's (f32 KV); {same_f16} with its default f16 KV", want.len());
-    assert!(same >= 16, "only the first {same} greedy tokens equal llama.cpp's:\n strata {got:?}\n llama  {want:?}");
+        let same = got.iter().zip(&want).take_while(|(a, b)| a == b).count();
+        println!("{section}: the first {same} of {} tokens equal llama.cpp's", want.len());
+        assert!(same >= 16, "{section}: only the first {same} equal llama.cpp's:\n strata {got:?}\n llama  {want:?}");
+    }
 }

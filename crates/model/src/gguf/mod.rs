@@ -290,16 +290,19 @@ impl WeightSource for GgufSource<'_> {
                 q.shape().clone(),
             )?)));
         }
-        // On CPU, Q8_0 goes to strata's kernel, and so does Q5_0 rewritten as the same values in
-        // Q8_0 (candle has no SIMD path for Q5_0; the rewrite costs 1.5x its bytes).
+        // On CPU, strata's kernel takes Q8_0, Q6_K and Q4_K (expanded to bytes) and Q5_0
+        // rewritten as the same values in Q8_0; candle's the other formats.
         let q = match q.dtype() {
             GgmlDType::Q5_0 => q5_0_as_q8_0(&q)?,
             _ => q,
         };
-        Ok(match q.dtype() {
-            GgmlDType::Q8_0 => Matrix::Q8(Arc::new(Q8Matrix::from_blocks(rows, cols, &q.data()?)?)),
-            _ => Matrix::Quantized(Arc::new(q)),
-        })
+        let expanded = match q.dtype() {
+            GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &q.data()?)?,
+            GgmlDType::Q6K => Q8Matrix::from_q6_k(rows, cols, &q.data()?)?,
+            GgmlDType::Q4K => Q8Matrix::from_q4_k(rows, cols, &q.data()?)?,
+            _ => return Ok(Matrix::Quantized(Arc::new(q))),
+        };
+        Ok(Matrix::Q8(Arc::new(expanded)))
     }
 
     fn device(&self) -> &Device {
