@@ -3,8 +3,9 @@
 //! same windows and greedy continuation of a prompt longer than the sliding window. Needs the
 //! model: `scripts/fetch-demo-model.sh` (CI runs it first).
 
+use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
 fn demo_model() -> PathBuf {
     let dir = std::env::var("STRATA_MODELS_DIR")
@@ -90,4 +91,41 @@ fn greedy_continuation_matches_llama_cpp() {
         println!("{section}: the first {same} of {} tokens equal llama.cpp's", want.len());
         assert!(same >= 16, "{section}: only the first {same} equal llama.cpp's:\n strata {got:?}\n llama  {want:?}");
     }
+}
+
+/// The README's path: `strata serve` with no `--model` and nothing in the Hugging Face cache
+/// serves the demo model, and a chat request gets English words back (sampled, seeded).
+#[test]
+fn serve_without_model_answers_chat_on_the_demo_model() {
+    let model = demo_model();
+    let empty_hub = tempfile::tempdir().unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["serve", "--port", "0"])
+        .env("HF_HUB_CACHE", empty_hub.path())
+        .env("STRATA_MODELS_DIR", model.parent().unwrap())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let url = loop {
+        let line = lines.next().expect("the server starts").unwrap();
+        if let Some(rest) = line.split("address=").nth(1) {
+            assert!(line.contains("gemma-3-270m-q4_k_m.gguf"), "{line}");
+            break format!("http://{}", rest.split_whitespace().next().unwrap());
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop));
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "Write one sentence about the sea."}],
+        "max_tokens": 32, "seed": 2, "repetition_penalty": 1.2,
+    });
+    let reply: serde_json::Value =
+        ureq::post(&format!("{url}/v1/chat/completions")).send_json(body).unwrap().into_json().unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    let text = reply["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    println!("demo model says: {text:?}");
+    let words = text.split_whitespace().filter(|w| w.chars().all(|c| c.is_ascii_alphabetic() || ",.;:'".contains(c)));
+    assert!(words.count() >= 10, "expected English text, got {text:?}");
+    assert_eq!(reply["usage"]["completion_tokens"], 32);
 }

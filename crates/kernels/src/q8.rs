@@ -114,10 +114,6 @@ impl Q8Matrix {
         self.rows
     }
 
-    pub fn cols(&self) -> usize {
-        self.cols
-    }
-
     /// Rows `ids` dequantized, `[ids.len(), cols]` f32 (an embedding lookup).
     pub fn gather(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
         let mut out = Vec::with_capacity(ids.len() * self.cols);

@@ -102,11 +102,6 @@ impl ModelFolder {
         Ok(Self { path: path.to_path_buf(), config, tokenizer, chat_template, generation, tensors: Tensors::Gguf(file) })
     }
 
-    /// Whether the weights come from a GGUF file (kept quantized).
-    pub fn is_gguf(&self) -> bool {
-        matches!(self.tensors, Tensors::Gguf(_))
-    }
-
     /// End-of-sequence ids from the config and generation config.
     pub fn eos_token_ids(&self) -> Vec<u32> {
         let mut ids = self.generation.eos_token_ids.clone();

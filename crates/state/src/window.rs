@@ -59,10 +59,6 @@ impl WindowKvStore {
         window - 1 + ROUND_SLACK
     }
 
-    pub fn window(&self) -> usize {
-        self.window
-    }
-
     fn empty_row(&self, slots: usize) -> Result<WindowRow> {
         let shape = (self.kv_heads, slots, self.head_dim);
         Ok(WindowRow {
@@ -83,10 +79,6 @@ impl WindowKvStore {
 
     pub fn len(&self, row: usize) -> usize {
         self.rows[row].len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.rows.iter().all(|r| r.len == 0)
     }
 
     /// Bytes of held positions.
