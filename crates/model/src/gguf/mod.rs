@@ -178,17 +178,7 @@ impl Metadata<'_> {
 
     fn opt_usize(&self, key: &str) -> Result<Option<usize>> {
         let Some(v) = self.raw(key) else { return Ok(None) };
-        let n = match v {
-            Value::U8(n) => *n as i128,
-            Value::I8(n) => *n as i128,
-            Value::U16(n) => *n as i128,
-            Value::I16(n) => *n as i128,
-            Value::U32(n) => *n as i128,
-            Value::I32(n) => *n as i128,
-            Value::U64(n) => *n as i128,
-            Value::I64(n) => *n as i128,
-            other => return Err(self.err(key, format!("expected an integer, found {:?}", other.value_type()))),
-        };
+        let n = integer(v).map_err(|what| self.err(key, what))?;
         usize::try_from(n).map(Some).map_err(|_| self.err(key, format!("{n} is out of range")))
     }
 
@@ -220,6 +210,21 @@ impl Metadata<'_> {
             Some(other) => Err(self.err(key, format!("expected a string, found {:?}", other.value_type()))),
         }
     }
+}
+
+/// A metadata value of any integer type, widened; the error says what it is instead.
+pub(crate) fn integer(v: &Value) -> std::result::Result<i64, String> {
+    Ok(match v {
+        Value::U8(i) => *i as i64,
+        Value::I8(i) => *i as i64,
+        Value::U16(i) => *i as i64,
+        Value::I16(i) => *i as i64,
+        Value::U32(i) => *i as i64,
+        Value::I32(i) => *i as i64,
+        Value::U64(i) => i64::try_from(*i).map_err(|_| format!("{i} is out of range"))?,
+        Value::I64(i) => *i,
+        v => return Err(format!("expected an integer, found {:?}", v.value_type())),
+    })
 }
 
 /// A GGUF file's tensors under Hugging Face names and conventions.

@@ -324,17 +324,7 @@ fn floats(md: &HashMap<String, Value>, key: &str) -> Result<Option<Vec<f32>>> {
 }
 
 fn integer(key: &str, v: &Value) -> Result<i64> {
-    Ok(match v {
-        Value::U8(i) => *i as i64,
-        Value::I8(i) => *i as i64,
-        Value::U16(i) => *i as i64,
-        Value::I16(i) => *i as i64,
-        Value::U32(i) => *i as i64,
-        Value::I32(i) => *i as i64,
-        Value::U64(i) => i64::try_from(*i).map_err(|_| invalid(key, format!("{i} is out of range")))?,
-        Value::I64(i) => *i,
-        v => return Err(invalid(key, format!("expected an integer, found {:?}", v.value_type()))),
-    })
+    super::integer(v).map_err(|what| invalid(key, what))
 }
 
 fn string<'a>(md: &'a HashMap<String, Value>, key: &str) -> Result<Option<&'a str>> {
