@@ -5,13 +5,14 @@
 //! - [`conv1d`]: depthwise causal conv1d + SiLU over a window, carrying the conv state.
 //! - [`attention`]: causal softmax attention with GQA over a row's KV history.
 //! - [`matmul`]: weight-streaming `x W^T` for decode-sized inputs against bf16 weights on CPU.
-//! - [`q8`]: `x W^T` against Q8_0 block-quantized weights on CPU, llama.cpp's arithmetic.
+//! - [`quant`]: `x W^T` against GGUF block-quantized weights (Q8_0, Q5_0, Q4_K, Q6_K) on CPU,
+//!   packed as in the file, llama.cpp's arithmetic.
 
 pub mod attention;
 pub mod conv1d;
 pub mod gated_delta;
 pub mod matmul;
-pub mod q8;
+pub mod quant;
 
 pub use candle_core::{Error, Result};
 

@@ -14,7 +14,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::{DType, Device, Tensor};
 use memmap2::Mmap;
 use serde_json::{json, Map};
-use strata_kernels::q8::Q8Matrix;
+use strata_kernels::quant::{BlockFormat, QuantMatrix};
 
 use crate::error::{ModelError, Result};
 use crate::qwen3_5::layers::Matrix;
@@ -295,19 +295,15 @@ impl WeightSource for GgufSource<'_> {
                 q.shape().clone(),
             )?)));
         }
-        // On CPU, strata's kernel takes Q8_0, Q6_K and Q4_K (expanded to bytes) and Q5_0
-        // rewritten as the same values in Q8_0; candle's the other formats.
-        let q = match q.dtype() {
-            GgmlDType::Q5_0 => q5_0_as_q8_0(&q)?,
-            _ => q,
-        };
-        let expanded = match q.dtype() {
-            GgmlDType::Q8_0 => Q8Matrix::from_q8_0(rows, cols, &q.data()?)?,
-            GgmlDType::Q6K => Q8Matrix::from_q6_k(rows, cols, &q.data()?)?,
-            GgmlDType::Q4K => Q8Matrix::from_q4_k(rows, cols, &q.data()?)?,
+        // On CPU, strata's kernel takes the formats of llama.cpp's common mixes; candle's the rest.
+        let format = match q.dtype() {
+            GgmlDType::Q8_0 => BlockFormat::Q8_0,
+            GgmlDType::Q5_0 => BlockFormat::Q5_0,
+            GgmlDType::Q4K => BlockFormat::Q4K,
+            GgmlDType::Q6K => BlockFormat::Q6K,
             _ => return Ok(Matrix::Quantized(Arc::new(q))),
         };
-        Ok(Matrix::Q8(Arc::new(expanded)))
+        Ok(Matrix::Packed(Arc::new(QuantMatrix::new(format, rows, cols, q.data()?.into_owned())?)))
     }
 
     fn device(&self) -> &Device {
@@ -365,30 +361,6 @@ fn deinterleave_rope_rows(q: &QTensor, heads: usize) -> Result<QTensor> {
     Ok(QTensor::new(QStorage::from_data(out.into(), &Device::Cpu, q.dtype())?, q.shape().clone())?)
 }
 
-/// Rewrites Q5_0 blocks as Q8_0 blocks holding exactly the same values: both are a shared f16
-/// scale times small integers, and Q5_0's `q - 16` (5 bits, split over `qs` nibbles and `qh`
-/// bits) fits Q8_0's 8.
-fn q5_0_as_q8_0(q: &QTensor) -> Result<QTensor> {
-    const Q5_0_BYTES: usize = 22; // f16 scale, 4 bytes of high bits, 16 bytes of nibbles
-    const Q8_0_BYTES: usize = 34; // f16 scale, 32 signed bytes
-    let data = q.data()?;
-    let mut out = Vec::with_capacity(data.len() / Q5_0_BYTES * Q8_0_BYTES);
-    for block in data.chunks_exact(Q5_0_BYTES) {
-        let high = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
-        let nibbles = &block[6..];
-        out.extend_from_slice(&block[..2]);
-        let mut values = [0u8; 32];
-        for j in 0..16 {
-            let low = (nibbles[j] & 0x0F) | ((((high >> j) & 1) as u8) << 4);
-            let up = (nibbles[j] >> 4) | ((((high >> (j + 16)) & 1) as u8) << 4);
-            values[j] = (low as i8 - 16) as u8;
-            values[j + 16] = (up as i8 - 16) as u8;
-        }
-        out.extend_from_slice(&values);
-    }
-    Ok(QTensor::new(QStorage::from_data(out.into(), &Device::Cpu, GgmlDType::Q8_0)?, q.shape().clone())?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -401,18 +373,6 @@ mod tests {
         assert_eq!(gguf_name("qwen2", "layers.12.self_attn.q_proj.bias").unwrap(), "blk.12.attn_q.bias");
         assert_eq!(gguf_name("qwen3", "embed_tokens.weight").unwrap(), "token_embd.weight");
         assert!(gguf_name("qwen3", "layers.1.linear_attn.A_log").is_none());
-    }
-
-    /// Against candle's own Q5_0 dequantization: the Q8_0 rewrite holds the same values.
-    #[test]
-    fn q5_0_rewrite_is_exact() {
-        let values: Vec<f32> = (0..4 * 64).map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.173).collect();
-        let t = Tensor::from_vec(values, (4, 64), &Device::Cpu).unwrap();
-        let q5 = QTensor::quantize(&t, GgmlDType::Q5_0).unwrap();
-        let q8 = q5_0_as_q8_0(&q5).unwrap();
-        assert_eq!(q8.dtype(), GgmlDType::Q8_0);
-        let want = q5.dequantize(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap();
-        assert_eq!(q8.dequantize(&Device::Cpu).unwrap().to_vec2::<f32>().unwrap(), want);
     }
 
     /// Interleaving as llama.cpp's converter does, then de-interleaving, gives the rows back.

@@ -4,17 +4,17 @@ use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
-use strata_kernels::q8::Q8Matrix;
+use strata_kernels::quant::QuantMatrix;
 
 use crate::error::Result;
 use crate::source::WeightSource;
 
 /// A weight matrix `[out, in]`: a plain tensor, or kept block-quantized (GGUF) and multiplied
-/// quantized — Q8_0 by strata's own kernel, the other formats by candle's.
+/// quantized — Q8_0, Q5_0, Q4_K and Q6_K by strata's own kernel, the other formats by candle's.
 #[derive(Clone)]
 pub enum Matrix {
     Dense(Tensor),
-    Q8(Arc<Q8Matrix>),
+    Packed(Arc<QuantMatrix>),
     Quantized(Arc<QTensor>),
 }
 
@@ -22,7 +22,7 @@ impl Matrix {
     pub fn rows(&self) -> Result<usize> {
         Ok(match self {
             Matrix::Dense(w) => w.dim(0)?,
-            Matrix::Q8(w) => w.rows(),
+            Matrix::Packed(w) => w.rows(),
             Matrix::Quantized(w) => w.shape().dims2()?.0,
         })
     }
@@ -31,7 +31,7 @@ impl Matrix {
     fn multiply(&self, x: &Tensor) -> Result<Tensor> {
         match self {
             Matrix::Dense(w) => Ok(strata_kernels::matmul::matmul_t(x, w)?),
-            Matrix::Q8(w) => Ok(w.matmul_t(x)?.to_dtype(x.dtype())?),
+            Matrix::Packed(w) => Ok(w.matmul_t(x)?.to_dtype(x.dtype())?),
             // The quantized kernels take f32 activations and give f32.
             Matrix::Quantized(w) => {
                 let y = QMatMul::QTensor(w.clone()).forward(&x.to_dtype(DType::F32)?)?;
@@ -44,7 +44,7 @@ impl Matrix {
     pub fn rows_at(&self, ids: &Tensor, dtype: DType) -> Result<Tensor> {
         Ok(match self {
             Matrix::Dense(w) => w.index_select(ids, 0)?.to_dtype(dtype)?,
-            Matrix::Q8(w) => w.gather(&ids.to_vec1::<u32>()?, ids.device())?.to_dtype(dtype)?,
+            Matrix::Packed(w) => w.gather(&ids.to_vec1::<u32>()?, ids.device())?.to_dtype(dtype)?,
             Matrix::Quantized(w) => w.embedding(ids)?.to_dtype(dtype)?,
         })
     }
