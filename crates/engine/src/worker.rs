@@ -215,6 +215,18 @@ impl Worker {
         std::thread::Builder::new()
             .name("strata-engine".into())
             .spawn(move || {
+                // The engine thread computes too: as a worker of its own pool, each parallel
+                // kernel runs part of its work here and hands the rest to the pool's other
+                // threads, instead of handing all of it over and sleeping until it is done — a
+                // wake-up on each side of ~130 kernels per decode step.
+                let pool = rayon::ThreadPoolBuilder::new()
+                    .num_threads(rayon::current_num_threads())
+                    .thread_name(|i| format!("strata-compute-{i}"))
+                    .use_current_thread()
+                    .build();
+                if let Err(e) = &pool {
+                    tracing::warn!(error = %e, "could not make the engine thread a compute thread");
+                }
                 Engine::new(model, config, cost, &thread_stats, &thread_cache, speculation.map(Drafter::new)).run(queue)
             })
             .expect("the OS can start a thread");
