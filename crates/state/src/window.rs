@@ -1,28 +1,37 @@
-//! Sliding-window attention KV: per row, a ring that keeps only the most recent positions.
+//! Sliding-window attention KV: per row, a buffer that keeps only the most recent positions.
 //!
 //! A query at position `p` of a window-`W` layer reads keys `p - W + 1 ..= p`, so between
-//! forwards a row needs its last `W - 1` positions. The ring keeps `W - 1 + ROUND_SLACK`: the
-//! slack lets a speculative round that fed up to `ROUND_SLACK` positions be taken back. Once a
-//! row has dropped positions (wrapped), it can only be trimmed back to where its window is still
-//! whole; a row that has not wrapped trims like a full KV store.
+//! forwards a row needs its last `W - 1` positions. The store keeps at least the last
+//! `W - 1 + ROUND_SLACK`: the slack lets the positions of a speculative round (or of several
+//! one-token draft steps, up to `ROUND_SLACK` in all) be taken back. Once a row has dropped
+//! positions, it can only be trimmed back to where its window is still whole; a row that has
+//! dropped none trims like a full KV store.
+//!
+//! Held positions sit in order in one buffer of `W - 1 + 2 * ROUND_SLACK` slots, so the keys
+//! and values a forward needs are a view of it, never a copy. When the buffer is full, the
+//! positions still needed move to its front: `W - 1 + ROUND_SLACK` positions once every
+//! `ROUND_SLACK` appended (a ring would avoid the move but hand out two pieces to join, a copy
+//! of the whole window on every decode step).
 
 use candle_core::{DType, Device, Tensor};
 
 use crate::{Result, StateError};
 
-/// Positions kept beyond the window, so that a round of this many fed positions can be rolled
-/// back after the ring wrapped (a verify forward feeds at most 64).
+/// Positions kept beyond the window, so that this many fed positions can be rolled back after
+/// older ones were dropped (a verify forward feeds at most 64).
 pub const ROUND_SLACK: usize = 64;
 
 #[derive(Clone, Debug)]
 struct WindowRow {
-    /// `[Hkv, slots, D]`; position `p` lives in slot `p % capacity`. `slots` grows by doubling
-    /// up to `capacity`, and while it is smaller no position has wrapped.
+    /// `[Hkv, slots, D]`; position `p` lives in slot `p - start`. `slots` grows by doubling up
+    /// to the store's capacity.
     k: Tensor,
     v: Tensor,
+    /// The position in slot 0.
+    start: usize,
     /// Positions consumed.
     len: usize,
-    /// The oldest position still held.
+    /// The oldest position still held (at or after `start`).
     oldest: usize,
 }
 
@@ -43,29 +52,35 @@ impl WindowKvStore {
         }
         let mut store = Self { rows: Vec::new(), window, kv_heads, head_dim, dtype, device: device.clone() };
         for _ in 0..rows {
-            let row = store.empty_row(0)?;
+            let row = store.empty_row(0, 0)?;
             store.rows.push(row);
         }
         Ok(store)
     }
 
-    /// Slots of a full ring.
+    /// Slots of a full buffer.
     pub fn capacity(&self) -> usize {
         Self::capacity_for(self.window)
     }
 
-    /// Slots of a full ring for a window of `window` positions.
+    /// Slots of a full buffer for a window of `window` positions.
     pub fn capacity_for(window: usize) -> usize {
-        window - 1 + ROUND_SLACK
+        window - 1 + 2 * ROUND_SLACK
     }
 
-    fn empty_row(&self, slots: usize) -> Result<WindowRow> {
+    /// Positions always held (when consumed): the window and the rollback slack.
+    fn kept(&self) -> usize {
+        self.window - 1 + ROUND_SLACK
+    }
+
+    fn empty_row(&self, slots: usize, start: usize) -> Result<WindowRow> {
         let shape = (self.kv_heads, slots, self.head_dim);
         Ok(WindowRow {
             k: Tensor::zeros(shape, self.dtype, &self.device)?,
             v: Tensor::zeros(shape, self.dtype, &self.device)?,
-            len: 0,
-            oldest: 0,
+            start,
+            len: start,
+            oldest: start,
         })
     }
 
@@ -93,71 +108,70 @@ impl WindowKvStore {
     pub fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let (k, v) = (k.to_dtype(self.dtype)?.contiguous()?, v.to_dtype(self.dtype)?.contiguous()?);
         let t = k.dim(1)?;
-        let len = self.rows[row].len;
-        let from = len.saturating_sub(self.window - 1).max(self.rows[row].oldest);
-        let (past_k, past_v) = self.range(row, from, len)?;
-        let keys = Tensor::cat(&[&past_k, &k], 1)?;
-        let values = Tensor::cat(&[&past_v, &v], 1)?;
-        self.store(row, &k, &v)?;
-        debug_assert_eq!(self.rows[row].len, len + t);
-        Ok((keys, values))
+        let (len, oldest) = (self.rows[row].len, self.rows[row].oldest);
+        let end = len + t;
+        let from = len.saturating_sub(self.window - 1).max(oldest);
+        // Keep the slack before the new window too, unless the new positions alone fill it.
+        let keep = from.min(end.saturating_sub(self.kept()).max(oldest));
+        if end - keep > self.capacity() {
+            // A chunk longer than the slack: join it to the window (a copy as large as the
+            // chunk's forward anyway) and hold the last `kept` positions.
+            let r = &self.rows[row];
+            let past = |t: &Tensor| t.narrow(1, from - r.start, len - from);
+            let keys = Tensor::cat(&[&past(&r.k)?, &k], 1)?;
+            let values = Tensor::cat(&[&past(&r.v)?, &v], 1)?;
+            let held = self.kept();
+            let mut fresh = self.empty_row(self.capacity(), end - held)?;
+            fresh.k.slice_set(&keys.narrow(1, keys.dim(1)? - held, held)?.contiguous()?, 1, 0)?;
+            fresh.v.slice_set(&values.narrow(1, values.dim(1)? - held, held)?.contiguous()?, 1, 0)?;
+            fresh.len = end;
+            self.rows[row] = fresh;
+            return Ok((keys, values));
+        }
+        self.make_room(row, keep, end)?;
+        let r = &mut self.rows[row];
+        r.k.slice_set(&k, 1, len - r.start)?;
+        r.v.slice_set(&v, 1, len - r.start)?;
+        r.len = end;
+        Ok((r.k.narrow(1, from - r.start, end - from)?, r.v.narrow(1, from - r.start, end - from)?))
     }
 
-    /// Writes new positions into the ring, growing it while it is below capacity.
-    fn store(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+    /// Makes slots for positions up to `end`, growing the buffer, or once it is full moving the
+    /// positions from `keep` on to its front (`end - keep` fits the capacity).
+    fn make_room(&mut self, row: usize, keep: usize, end: usize) -> Result<()> {
         let capacity = self.capacity();
-        let t = k.dim(1)?;
-        let (len, slots) = (self.rows[row].len, self.rows[row].k.dim(1)?);
-        if slots < capacity && len + t > slots {
-            let grown_slots = (len + t).max(2 * slots).max(16).min(capacity);
-            let mut grown = self.empty_row(grown_slots)?;
-            let old = &self.rows[row];
-            // Not wrapped yet: positions 0..len sit in slots 0..len.
-            if len > 0 {
-                grown.k.slice_set(&old.k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-                grown.v.slice_set(&old.v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
-            }
-            grown.len = len;
-            self.rows[row] = grown;
+        let r = &self.rows[row];
+        let slots = r.k.dim(1)?;
+        if end - r.start <= slots {
+            return Ok(());
         }
-        let slots = self.rows[row].k.dim(1)?;
-        // Only the last `slots` new positions can be held.
-        let skip = t.saturating_sub(slots);
-        let mut p = len + skip;
-        while p < len + t {
-            let slot = p % capacity;
-            let n = (slots - slot).min(len + t - p);
-            let r = &mut self.rows[row];
-            r.k.slice_set(&k.narrow(1, p - len, n)?.contiguous()?, 1, slot)?;
-            r.v.slice_set(&v.narrow(1, p - len, n)?.contiguous()?, 1, slot)?;
-            p += n;
+        let (start, grown) = if end - r.start <= capacity {
+            (r.start, (end - r.start).max(2 * slots).max(16).min(capacity))
+        } else {
+            (keep, if slots == capacity { 0 } else { capacity })
+        };
+        let (held_from, held) = (r.oldest.max(start), r.len - r.oldest.max(start));
+        // Copies: the move may overlap its source.
+        let (k, v) = (
+            r.k.narrow(1, held_from - r.start, held)?.force_contiguous()?,
+            r.v.narrow(1, held_from - r.start, held)?.force_contiguous()?,
+        );
+        let len = r.len;
+        if grown > 0 {
+            self.rows[row] = self.empty_row(grown, start)?;
         }
         let r = &mut self.rows[row];
-        r.len = len + t;
-        r.oldest = r.oldest.max(r.len.saturating_sub(capacity));
+        (r.start, r.len, r.oldest) = (start, len, held_from);
+        r.k.slice_set(&k, 1, held_from - start)?;
+        r.v.slice_set(&v, 1, held_from - start)?;
         Ok(())
     }
 
-    /// Keys and values of positions `from..to` of `row` (all held), in order.
-    fn range(&self, row: usize, from: usize, to: usize) -> Result<(Tensor, Tensor)> {
+    /// Keys and values of `row`'s held positions, in order (views of the buffer).
+    fn held_views(&self, row: usize) -> Result<(Tensor, Tensor)> {
         let r = &self.rows[row];
-        debug_assert!(r.oldest <= from && to <= r.len);
-        let capacity = self.capacity();
-        let mut ks = Vec::new();
-        let mut vs = Vec::new();
-        let mut p = from;
-        while p < to {
-            let slot = p % capacity;
-            let n = (r.k.dim(1)? - slot).min(to - p);
-            ks.push(r.k.narrow(1, slot, n)?);
-            vs.push(r.v.narrow(1, slot, n)?);
-            p += n;
-        }
-        if ks.is_empty() {
-            let empty = Tensor::zeros((self.kv_heads, 0, self.head_dim), self.dtype, &self.device)?;
-            return Ok((empty.clone(), empty));
-        }
-        Ok((Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?))
+        let (at, n) = (r.oldest - r.start, r.len - r.oldest);
+        Ok((r.k.narrow(1, at, n)?, r.v.narrow(1, at, n)?))
     }
 
     /// Whether `row` can be cut back to `len`: its window there must still be held.
@@ -166,7 +180,7 @@ impl WindowKvStore {
         len <= r.len && len.saturating_sub(self.window - 1) >= r.oldest
     }
 
-    /// Whether every row can be cut back to any earlier position (none has wrapped).
+    /// Whether every row can be cut back to any earlier position (none has dropped any).
     pub fn can_trim(&self) -> bool {
         self.rows.iter().all(|r| r.oldest == 0)
     }
@@ -200,14 +214,13 @@ impl WindowKvStore {
     pub fn extract(&self, row: usize) -> Result<WindowKvStore> {
         let n = self.rows.len();
         let src = self.rows.get(row).ok_or(StateError::RowOutOfRange { row, rows: n })?;
-        let copy = WindowRow { k: src.k.copy()?, v: src.v.copy()?, len: src.len, oldest: src.oldest };
+        let copy = WindowRow { k: src.k.copy()?, v: src.v.copy()?, ..src.clone() };
         Ok(WindowKvStore { rows: vec![copy], ..self.clone_empty() })
     }
 
     /// The held positions of `row` in order (`[Hkv, n, D]` each): what persistence stores.
     pub fn held(&self, row: usize) -> Result<(Tensor, Tensor)> {
-        let r = &self.rows[row];
-        let (k, v) = self.range(row, r.oldest, r.len)?;
+        let (k, v) = self.held_views(row)?;
         Ok((k.force_contiguous()?, v.force_contiguous()?))
     }
 
@@ -238,16 +251,12 @@ impl WindowKvStore {
                 position.min(self.capacity())
             )));
         }
-        let mut store = WindowKvStore { rows: vec![self.empty_row(0)?], ..self.clone_empty() };
         let oldest = position - held;
-        store.rows[0].len = oldest;
-        store.rows[0].oldest = oldest;
-        if oldest > 0 {
-            // Positions before `oldest` are gone: start from a full ring so slots line up.
-            store.rows[0] = WindowRow { len: oldest, oldest, ..self.empty_row(self.capacity())? };
-        }
-        store.store(0, &k.to_device(&self.device)?, &v.to_device(&self.device)?)?;
-        Ok(store)
+        let mut row = self.empty_row(held.max(16).min(self.capacity()), oldest)?;
+        row.k.slice_set(&k.to_device(&self.device)?, 1, 0)?;
+        row.v.slice_set(&v.to_device(&self.device)?, 1, 0)?;
+        row.len = position;
+        Ok(WindowKvStore { rows: vec![row], ..self.clone_empty() })
     }
 
     fn clone_empty(&self) -> WindowKvStore {
@@ -276,22 +285,29 @@ mod tests {
         t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(|x| x as usize).collect()
     }
 
-    /// Against the definition: after any sequence of chunk sizes, `append` hands out exactly the
-    /// positions `max(0, first query - W + 1) .. end`, and the ring holds the last `capacity`.
+    /// Against the definition: after any sequence of chunk sizes (runs of single positions
+    /// move the held ones to the front of the buffer many times), `append` hands out exactly
+    /// the positions `max(0, first query - W + 1) .. end`, and the store holds at least the last
+    /// `W - 1 + ROUND_SLACK` of them, at most `capacity`.
     #[test]
     fn appends_hand_out_each_window_in_order() {
         let window = 5;
         let mut kv = WindowKvStore::new(2, window, 1, 1, DType::F32, &Device::Cpu).unwrap();
-        let capacity = kv.capacity();
+        let (capacity, kept) = (kv.capacity(), window - 1 + ROUND_SLACK);
+        let mut chunks = vec![1, 3, 2, 7, 1, 1, 40, 1, 70, 2, 1, 130, 1];
+        chunks.extend([1; 300]);
+        chunks.extend([64, 1, 65, 3, 200]);
+        chunks.extend([1; 100]);
         let mut len = 0;
-        for t in [1, 3, 2, 7, 1, 1, 40, 1, 70, 2, 1, 130, 1] {
+        for t in chunks {
             let (k, v) = kv.append(1, &positions(len, t), &positions(len, t)).unwrap();
             let first = len.saturating_sub(window - 1);
             assert_eq!(values(&k), (first..len + t).collect::<Vec<_>>(), "chunk of {t} at {len}");
             assert_eq!(values(&k), values(&v));
             len += t;
-            let (held, _) = kv.held(1).unwrap();
-            assert_eq!(values(&held), (len.saturating_sub(capacity)..len).collect::<Vec<_>>());
+            let held = values(&kv.held(1).unwrap().0);
+            assert!(held.len() <= capacity && held.len() >= len.min(kept), "{} held at {len}", held.len());
+            assert_eq!(held, (len - held.len()..len).collect::<Vec<_>>());
         }
         assert_eq!((kv.len(0), kv.len(1)), (0, len));
     }
@@ -308,17 +324,23 @@ mod tests {
         let (held, _) = kv.held(0).unwrap();
         assert_eq!(values(&held), (0..5).collect::<Vec<_>>());
 
-        // Wrap: now only trims that keep the window whole are possible.
+        // Drop positions: now only trims that keep the window whole are possible.
         kv.append(0, &positions(5, capacity), &positions(5, capacity)).unwrap();
         let len = 5 + capacity;
         assert!(!kv.can_trim());
-        let oldest = len - capacity;
+        let oldest = len - (window - 1 + ROUND_SLACK);
         assert!(kv.can_trim_to(0, oldest + window - 1));
         assert!(!kv.can_trim_to(0, oldest + window - 2));
         assert!(kv.trim(0, oldest + window - 2).is_err());
-        // A round of ROUND_SLACK positions fed after the wrap can be taken back to one kept.
-        let before = len;
-        kv.append(0, &positions(before, ROUND_SLACK), &positions(before, ROUND_SLACK)).unwrap();
+        // ROUND_SLACK positions fed one at a time (draft steps) can be taken back to one kept,
+        // also when the held positions moved to the buffer's front on the way.
+        for p in len..len + 37 {
+            kv.append(0, &positions(p, 1), &positions(p, 1)).unwrap();
+        }
+        let before = len + 37;
+        for p in before..before + ROUND_SLACK {
+            kv.append(0, &positions(p, 1), &positions(p, 1)).unwrap();
+        }
         kv.trim(0, before + 1).unwrap();
         let (k, _) = kv.append(0, &positions(before + 1, 1), &positions(before + 1, 1)).unwrap();
         assert_eq!(values(&k), (before + 2 - window..before + 2).collect::<Vec<_>>());
