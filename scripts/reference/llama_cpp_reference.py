@@ -9,8 +9,12 @@ Sections of the JSON:
                 plus the ids of the whole GPL-3 text (no BOS, no special parsing).
   perplexity    windowed perplexity over GPL-3, with exactly the definition in `perplexity()`
                 below (strata implements the same one).
-  greedy        32 greedy tokens after [BOS] + the first 800 GPL-3 tokens (longer than the
-                512-token sliding window), with llama.cpp's default f16 KV cache.
+  greedy        32 greedy tokens after [BOS] + the first N GPL-3 tokens (longer than the
+                512-token sliding window), with llama.cpp's default f16 KV cache, and the gap
+                between the best and second-best logit at each step. N is the first of
+                600, 625, 650, ... whose first 16 steps all have a gap of at least 0.3 with both KV caches: where
+                two tokens are closer than that, rounding (llama.cpp's own KV precision, or any
+                summation order) decides, and the comparison would test the rounding.
   greedy_f32_kv the same with an f32 KV cache: the precision strata keeps its KV in, so the
                 two compute the same thing up to summation order.
   decode_speed  decode tokens/s with 2 threads after [BOS] + 64 GPL-3 tokens (prompt excluded).
@@ -81,8 +85,10 @@ PERPLEXITY_CONFIGS = [
 # 800: past the 512-token window, and a prompt whose continuation has no near ties — llama.cpp's
 # f16 and f32 KV caches agree on all 32 tokens (after 700 tokens the second token is a tie
 # 0.2 apart in the logits that the KV precision alone flips).
-GREEDY_PROMPT_TOKENS = 800
+GREEDY_PROMPT_CANDIDATES = range(600, 2000, 25)
 GREEDY_STEPS = 32
+GREEDY_CHECKED_STEPS = 16
+GREEDY_MIN_GAP = 0.3
 SPEED_PROMPT_TOKENS = 64
 SPEED_STEPS = 128
 
@@ -210,27 +216,47 @@ def perplexity(model, tokens, bos, ctx, stride, max_tokens, threads):
     }
 
 
-def greedy(model, tokens, bos, threads, kv_f32=False):
-    prompt = [bos] + tokens[:GREEDY_PROMPT_TOKENS]
-    llm = load(model, 1024, threads, logits_all=False, kv_f32=kv_f32)
+def greedy(model, tokens, bos, threads, prompt_tokens, kv_f32=False):
+    prompt = [bos] + tokens[:prompt_tokens]
+    llm = load(model, 2048, threads, logits_all=False, kv_f32=kv_f32)
     clear(llm)
     llm.eval(prompt)
-    out = []
+    out, gaps = [], []
     for _ in range(GREEDY_STEPS):
-        tok = int(np.argmax(last_logits(llm)))
-        out.append(tok)
-        llm.eval([tok])
+        logits = last_logits(llm)
+        first, second = np.argsort(logits)[::-1][:2]
+        out.append(int(first))
+        gaps.append(round(float(logits[first] - logits[second]), 4))
+        llm.eval([int(first)])
     text = llm.detokenize(out).decode("utf-8", errors="replace")
     del llm
     gc.collect()
     return {
-        "prompt": f"[BOS] + first {GREEDY_PROMPT_TOKENS} GPL-3 tokens",
+        "prompt": f"[BOS] + first {prompt_tokens} GPL-3 tokens",
         "prompt_len": len(prompt),
         "kv_cache": "f32" if kv_f32 else "f16",
         "steps": GREEDY_STEPS,
         "generated_ids": out,
+        "top2_gaps": gaps,
         "generated_text": text,
     }
+
+
+def greedy_sections(model, tokens, bos, threads):
+    """`greedy` and `greedy_f32_kv` for the first candidate prompt free of near ties in both."""
+    for n in GREEDY_PROMPT_CANDIDATES:
+        runs = [greedy(model, tokens, bos, threads, n, kv_f32=f32) for f32 in (False, True)]
+        gaps = [min(r["top2_gaps"][:GREEDY_CHECKED_STEPS]) for r in runs]
+        if min(gaps) >= GREEDY_MIN_GAP:
+            for r in runs:
+                r["chosen_by"] = (
+                    f"first of {GREEDY_PROMPT_CANDIDATES.start}, {GREEDY_PROMPT_CANDIDATES.start + GREEDY_PROMPT_CANDIDATES.step}, ... "
+                    f"GPL-3 tokens whose first {GREEDY_CHECKED_STEPS} greedy steps have top-2 logit gaps >= {GREEDY_MIN_GAP} "
+                    "with both the f16 and the f32 KV cache"
+                )
+            return runs
+        print(f"greedy prompt of {n} tokens has a near tie (smallest gaps f16 KV {gaps[0]}, f32 KV {gaps[1]})", file=sys.stderr)
+    raise SystemExit("no candidate greedy prompt is free of near ties")
 
 
 def decode_speed(model, tokens, bos, threads):
@@ -308,8 +334,7 @@ def main():
     if args.greedy_only:
         with open(args.out) as f:
             ref = json.load(f)
-        ref["greedy"] = greedy(args.model, text_tokens, bos, args.threads)
-        ref["greedy_f32_kv"] = greedy(args.model, text_tokens, bos, args.threads, kv_f32=True)
+        ref["greedy"], ref["greedy_f32_kv"] = greedy_sections(args.model, text_tokens, bos, args.threads)
         with open(args.out, "w") as f:
             f.write(dumps_compact(ref))
         print(f"updated the greedy sections of {args.out}", file=sys.stderr)
@@ -332,8 +357,7 @@ def main():
         print(json.dumps(r), file=sys.stderr, flush=True)
         ref["perplexity"].append(r)
 
-    ref["greedy"] = greedy(args.model, text_tokens, bos, args.threads)
-    ref["greedy_f32_kv"] = greedy(args.model, text_tokens, bos, args.threads, kv_f32=True)
+    ref["greedy"], ref["greedy_f32_kv"] = greedy_sections(args.model, text_tokens, bos, args.threads)
     print(json.dumps(ref["greedy"]), json.dumps(ref["greedy_f32_kv"]), file=sys.stderr, flush=True)
     ref["decode_speed"] = decode_speed(args.model, text_tokens, bos, args.threads)
     print(json.dumps(ref["decode_speed"]), file=sys.stderr, flush=True)
