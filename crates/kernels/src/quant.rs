@@ -440,37 +440,24 @@ mod avx2 {
             // SAFETY: a 210-byte block.
             let d = unsafe { f16_at(p.add(208)) };
             let sc = &block[192..208];
-            for half in 0..2 {
+            for local in 0..8 {
+                // 32 values: low four bits from `ql` (nibble `local / 2 % 2` of bytes
+                // 64 * half + 32 * (local % 2) ..), high two from bits 2 * (local % 4) of `qh`.
+                let (half, quarter) = (local / 4, local % 4);
                 // SAFETY: ql (0..128) and qh (128..192) lie in the block.
-                let (ql0, ql1, qh) =
-                    unsafe { (load(p.add(64 * half)), load(p.add(64 * half + 32)), load(p.add(128 + 32 * half))) };
-                let high = |shift: i32| {
-                    let bits = match shift {
-                        0 => qh,
-                        2 => _mm256_srli_epi16(qh, 2),
-                        4 => _mm256_srli_epi16(qh, 4),
-                        _ => _mm256_srli_epi16(qh, 6),
-                    };
-                    _mm256_slli_epi16(_mm256_and_si256(bits, two_bits), 4)
-                };
-                let values = [
-                    _mm256_or_si256(_mm256_and_si256(ql0, nibble), high(0)),
-                    _mm256_or_si256(_mm256_and_si256(ql1, nibble), high(2)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql0, 4), nibble), high(4)),
-                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql1, 4), nibble), high(6)),
-                ];
-                for (k, w) in values.into_iter().enumerate() {
-                    let local = 4 * half + k;
-                    let (b, g) = (8 * s + local, 2 * local);
-                    let (s0, s1) = (sc[g] as i8 as i16, sc[g + 1] as i8 as i16);
-                    let scales = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
-                    // SAFETY: block b lies inside the input (asserted lengths).
-                    let ints = products(w, unsafe { input(x, b) }, scales);
-                    let dx = _mm256_mul_ps(d, _mm256_set1_ps(x.scales[b]));
-                    acc = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(ints), acc);
-                    let sum = s0 as f32 * x.sums16[2 * b] + s1 as f32 * x.sums16[2 * b + 1];
-                    offset = _mm256_fmadd_ps(dx, _mm256_set1_ps(sum), offset);
-                }
+                let (ql, qh) = unsafe { (load(p.add(64 * half + 32 * (quarter % 2))), load(p.add(128 + 32 * half))) };
+                let low = _mm256_and_si256(_mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (quarter / 2) as i32)), nibble);
+                let high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * quarter as i32)), two_bits);
+                let w = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+                let (b, g) = (8 * s + local, 2 * local);
+                let (s0, s1) = (sc[g] as i8 as i16, sc[g + 1] as i8 as i16);
+                let scales = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
+                // SAFETY: block b lies inside the input (asserted lengths).
+                let ints = products(w, unsafe { input(x, b) }, scales);
+                let dx = _mm256_mul_ps(d, _mm256_set1_ps(x.scales[b]));
+                acc = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(ints), acc);
+                let sum = s0 as f32 * x.sums16[2 * b] + s1 as f32 * x.sums16[2 * b + 1];
+                offset = _mm256_fmadd_ps(dx, _mm256_set1_ps(sum), offset);
             }
         }
         // Every lane of `offset` holds the same sum.
