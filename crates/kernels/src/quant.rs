@@ -110,14 +110,17 @@ impl QuantMatrix {
         // tasks per thread: enough to balance, few enough that scheduling costs nothing.
         let mut out_t = vec![0f32; self.rows * m];
         let rows_per_task = (self.rows / (8 * rayon::current_num_threads())).max(16);
-        let kernel = kernel();
+        let kernel = kernel(self.format);
         out_t.par_chunks_mut(rows_per_task * m).enumerate().for_each(|(task, out)| {
             let first = task * rows_per_task;
             // A tile of inputs at a time stays in cache while the task's rows pass over it.
             for tile in (0..m).step_by(INPUT_TILE) {
                 let inputs = &inputs[tile..(tile + INPUT_TILE).min(m)];
                 for (i, o) in out.chunks_exact_mut(m).enumerate() {
-                    kernel(self.format, self.row(first + i), inputs, &mut o[tile..tile + inputs.len()]);
+                    let row = self.row(first + i);
+                    for (o, input) in o[tile..].iter_mut().zip(inputs) {
+                        *o = kernel(row, input);
+                    }
                 }
             }
         });
@@ -239,24 +242,30 @@ impl Decoded {
     }
 }
 
-/// For one weight row in `format` and each quantized input row, into `out`:
-/// `Σ_groups w_scale * x_scale * (w_bytes · x_bytes) - w_min * x_scale * Σ x_bytes`.
-type RowKernel = fn(BlockFormat, &[u8], &[Quantized], &mut [f32]);
+/// `Σ_groups w_scale * x_scale * (w_bytes · x_bytes) - w_min * x_scale * Σ x_bytes` over one
+/// weight row's blocks and one quantized input row.
+type DotKernel = fn(&[u8], &Quantized) -> f32;
 
-/// The fastest dot products this CPU runs.
-fn kernel() -> RowKernel {
+/// The fastest dot product this CPU runs for `format`.
+fn kernel(format: BlockFormat) -> DotKernel {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
         {
-            // SAFETY: the features the function is compiled for were detected above.
-            return |format, row, xs, out| unsafe { avx2::dots(format, row, xs, out) };
+            // SAFETY (each closure): the features the functions are compiled for were detected above.
+            return match format {
+                BlockFormat::Q8_0 => |w, x| unsafe { avx2::dot_q8_0(w, x) },
+                BlockFormat::Q5_0 => |w, x| unsafe { avx2::dot_q5_0(w, x) },
+                BlockFormat::Q4K => |w, x| unsafe { avx2::dot_q4_k(w, x) },
+                BlockFormat::Q6K => |w, x| unsafe { avx2::dot_q6_k(w, x) },
+            };
         }
     }
-    |format, row, xs, out| {
-        for (o, x) in out.iter_mut().zip(xs) {
-            *o = dot_scalar(format, row, x);
-        }
+    match format {
+        BlockFormat::Q8_0 => |w, x| dot_scalar(BlockFormat::Q8_0, w, x),
+        BlockFormat::Q5_0 => |w, x| dot_scalar(BlockFormat::Q5_0, w, x),
+        BlockFormat::Q4K => |w, x| dot_scalar(BlockFormat::Q4K, w, x),
+        BlockFormat::Q6K => |w, x| dot_scalar(BlockFormat::Q6K, w, x),
     }
 }
 
@@ -284,7 +293,7 @@ mod avx2 {
     //! the last bits can differ from the scalar order.
     use std::arch::x86_64::*;
 
-    use super::{BlockFormat, Quantized, BLOCK};
+    use super::{Quantized, BLOCK};
 
     /// How far ahead of the block being multiplied to ask for weight bytes. Decode is bound by
     /// the weight stream, and each task's run of rows is short (a few KB for small matrices),
@@ -345,71 +354,40 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
     }
 
-    /// Dots of one weight row with every input: four inputs per pass over the row's blocks
-    /// (each block unpacked once for the four), then one at a time. Each input's sums are
-    /// formed in the same order either way.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dots(format: BlockFormat, row: &[u8], xs: &[Quantized], out: &mut [f32]) {
-        // SAFETY (every call): this function's features are the kernels' features.
-        fn each<const N: usize>(format: BlockFormat, row: &[u8], xs: [&Quantized; N]) -> [f32; N] {
-            unsafe {
-                match format {
-                    BlockFormat::Q8_0 => dot_q8_0(row, xs),
-                    BlockFormat::Q5_0 => dot_q5_0(row, xs),
-                    BlockFormat::Q4K => dot_q4_k(row, xs),
-                    BlockFormat::Q6K => dot_q6_k(row, xs),
-                }
-            }
-        }
-        let (fours, rest) = xs.split_at(xs.len() / 4 * 4);
-        for (x, o) in fours.chunks_exact(4).zip(out.chunks_exact_mut(4)) {
-            o.copy_from_slice(&each(format, row, [&x[0], &x[1], &x[2], &x[3]]));
-        }
-        for (x, o) in rest.iter().zip(&mut out[fours.len()..]) {
-            *o = each(format, row, [x])[0];
-        }
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q8_0<const N: usize>(row: &[u8], xs: [&Quantized; N]) -> [f32; N] {
-        let blocks = row.len() / 34;
-        assert!(xs.iter().all(|x| x.scales.len() == blocks) && row.len() == blocks * 34);
+    pub unsafe fn dot_q8_0(row: &[u8], x: &Quantized) -> f32 {
+        assert_eq!(row.len(), x.scales.len() * 34);
         let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); N];
-        for b in 0..blocks {
-            // SAFETY: block b lies inside the row (asserted length).
-            let block = unsafe { row.as_ptr().add(b * 34) };
+        let mut acc = _mm256_setzero_ps();
+        for (b, &xs) in x.scales.iter().enumerate() {
+            // SAFETY: block b lies inside both rows (asserted lengths).
+            let (block, y) = unsafe { (row.as_ptr().add(b * 34), input(x, b)) };
             prefetch(block, 34);
             let (d, w) = unsafe { (f16_at(block), load(block.add(2))) };
             // Signed weights: move w's sign onto x.
-            let magnitudes = _mm256_sign_epi8(w, w);
-            for (acc, x) in acc.iter_mut().zip(xs) {
-                // SAFETY: block b lies inside the input (asserted lengths).
-                let ints = products(magnitudes, _mm256_sign_epi8(unsafe { input(x, b) }, w), ones);
-                *acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(x.scales[b])), _mm256_cvtepi32_ps(ints), *acc);
-            }
+            let ints = products(_mm256_sign_epi8(w, w), _mm256_sign_epi8(y, w), ones);
+            acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(xs)), _mm256_cvtepi32_ps(ints), acc);
         }
-        acc.map(|a| hsum(a))
+        hsum(acc)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q5_0<const N: usize>(row: &[u8], xs: [&Quantized; N]) -> [f32; N] {
-        let blocks = row.len() / 22;
-        assert!(xs.iter().all(|x| x.scales.len() == blocks) && row.len() == blocks * 22);
+    pub unsafe fn dot_q5_0(row: &[u8], x: &Quantized) -> f32 {
+        assert_eq!(row.len(), x.scales.len() * 22);
         let ones = _mm256_set1_epi16(1);
         let nibble = _mm256_set1_epi8(0xF);
         // Byte i of the fifth-bit mask takes bit i % 8 of byte i / 8 of `qh`.
         let spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
         let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
         let sixteen = _mm256_set1_epi8(0x10);
-        let (mut acc, mut offset) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
-        for b in 0..blocks {
-            // SAFETY: block b lies inside the row (asserted length).
-            let block = unsafe { row.as_ptr().add(b * 22) };
+        let (mut acc, mut offset) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        for (b, &xs) in x.scales.iter().enumerate() {
+            // SAFETY: block b lies inside both rows (asserted lengths).
+            let (block, y) = unsafe { (row.as_ptr().add(b * 22), input(x, b)) };
             prefetch(block, 22);
             let (d, high, low) = unsafe {
                 (
-                    f16_at(block),
+                    _mm256_mul_ps(f16_at(block), _mm256_set1_ps(xs)),
                     std::ptr::read_unaligned(block.add(2) as *const i32),
                     _mm_loadu_si128(block.add(6) as *const __m128i),
                 )
@@ -417,25 +395,20 @@ mod avx2 {
             let fifth = _mm256_shuffle_epi8(_mm256_set1_epi32(high), spread);
             let fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(fifth, bit), bit), sixteen);
             let low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(low, 4), low), nibble);
-            let w = _mm256_or_si256(low, fifth);
-            for ((acc, offset), x) in acc.iter_mut().zip(&mut offset).zip(xs) {
-                // SAFETY: block b lies inside the input (asserted lengths).
-                let ints = products(w, unsafe { input(x, b) }, ones);
-                let dx = _mm256_mul_ps(d, _mm256_set1_ps(x.scales[b]));
-                *acc = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(ints), *acc);
-                *offset = _mm256_fmadd_ps(dx, _mm256_set1_ps(x.sums16[2 * b] + x.sums16[2 * b + 1]), *offset);
-            }
+            let ints = products(_mm256_or_si256(low, fifth), y, ones);
+            acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(ints), acc);
+            offset = _mm256_fmadd_ps(d, _mm256_set1_ps(x.sums16[2 * b] + x.sums16[2 * b + 1]), offset);
         }
-        // Every lane of an `offset` holds the same sum.
-        std::array::from_fn(|n| hsum(acc[n]) - 16.0 * _mm256_cvtss_f32(offset[n]))
+        // Every lane of `offset` holds the same sum.
+        hsum(acc) - 16.0 * _mm256_cvtss_f32(offset)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q4_k<const N: usize>(row: &[u8], xs: [&Quantized; N]) -> [f32; N] {
-        assert!(xs.iter().all(|x| x.scales.len() == row.len() / 144 * 8) && row.len() % 144 == 0);
+    pub unsafe fn dot_q4_k(row: &[u8], x: &Quantized) -> f32 {
+        assert_eq!(row.len() / 144 * 8, x.scales.len());
         let ones = _mm256_set1_epi16(1);
         let nibble = _mm256_set1_epi8(0xF);
-        let (mut acc, mut mins) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
+        let (mut acc, mut mins) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (s, block) in row.chunks_exact(144).enumerate() {
             let p = block.as_ptr();
             prefetch(p, 144);
@@ -449,29 +422,25 @@ mod avx2 {
                 for (k, w) in halves.into_iter().enumerate() {
                     let sub = 2 * j + k;
                     let b = 8 * s + sub;
-                    let (scale, min) =
-                        (_mm256_mul_ps(d, _mm256_set1_ps(sc[sub] as f32)), _mm256_mul_ps(dmin, _mm256_set1_ps(m[sub] as f32)));
-                    for ((acc, mins), x) in acc.iter_mut().zip(&mut mins).zip(xs) {
-                        let xs = _mm256_set1_ps(x.scales[b]);
-                        // SAFETY: block b lies inside the input (asserted lengths).
-                        let ints = products(w, unsafe { input(x, b) }, ones);
-                        *acc = _mm256_fmadd_ps(_mm256_mul_ps(scale, xs), _mm256_cvtepi32_ps(ints), *acc);
-                        let sum = _mm256_set1_ps(x.sums16[2 * b] + x.sums16[2 * b + 1]);
-                        *mins = _mm256_fmadd_ps(_mm256_mul_ps(min, xs), sum, *mins);
-                    }
+                    let xs = x.scales[b];
+                    // SAFETY: block b lies inside the input (asserted lengths).
+                    let ints = products(w, unsafe { input(x, b) }, ones);
+                    acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(sc[sub] as f32 * xs)), _mm256_cvtepi32_ps(ints), acc);
+                    let sum = m[sub] as f32 * xs * (x.sums16[2 * b] + x.sums16[2 * b + 1]);
+                    mins = _mm256_fmadd_ps(dmin, _mm256_set1_ps(sum), mins);
                 }
             }
         }
-        // Every lane of a `mins` holds the same sum.
-        std::array::from_fn(|n| hsum(acc[n]) - _mm256_cvtss_f32(mins[n]))
+        // Every lane of `mins` holds the same sum.
+        hsum(acc) - _mm256_cvtss_f32(mins)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn dot_q6_k<const N: usize>(row: &[u8], xs: [&Quantized; N]) -> [f32; N] {
-        assert!(xs.iter().all(|x| x.scales.len() == row.len() / 210 * 8) && row.len() % 210 == 0);
+    pub unsafe fn dot_q6_k(row: &[u8], x: &Quantized) -> f32 {
+        assert_eq!(row.len() / 210 * 8, x.scales.len());
         let nibble = _mm256_set1_epi8(0xF);
         let two_bits = _mm256_set1_epi8(3);
-        let (mut acc, mut offset) = ([_mm256_setzero_ps(); N], [_mm256_setzero_ps(); N]);
+        let (mut acc, mut offset) = (_mm256_setzero_ps(), _mm256_setzero_ps());
         for (s, block) in row.chunks_exact(210).enumerate() {
             let p = block.as_ptr();
             prefetch(p, 210);
@@ -490,18 +459,16 @@ mod avx2 {
                 let (b, g) = (8 * s + local, 2 * local);
                 let (s0, s1) = (sc[g] as i8 as i16, sc[g + 1] as i8 as i16);
                 let scales = _mm256_set_m128i(_mm_set1_epi16(s1), _mm_set1_epi16(s0));
-                for ((acc, offset), x) in acc.iter_mut().zip(&mut offset).zip(xs) {
-                    // SAFETY: block b lies inside the input (asserted lengths).
-                    let ints = products(w, unsafe { input(x, b) }, scales);
-                    let dx = _mm256_mul_ps(d, _mm256_set1_ps(x.scales[b]));
-                    *acc = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(ints), *acc);
-                    let sum = s0 as f32 * x.sums16[2 * b] + s1 as f32 * x.sums16[2 * b + 1];
-                    *offset = _mm256_fmadd_ps(dx, _mm256_set1_ps(sum), *offset);
-                }
+                // SAFETY: block b lies inside the input (asserted lengths).
+                let ints = products(w, unsafe { input(x, b) }, scales);
+                let dx = _mm256_mul_ps(d, _mm256_set1_ps(x.scales[b]));
+                acc = _mm256_fmadd_ps(dx, _mm256_cvtepi32_ps(ints), acc);
+                let sum = s0 as f32 * x.sums16[2 * b] + s1 as f32 * x.sums16[2 * b + 1];
+                offset = _mm256_fmadd_ps(dx, _mm256_set1_ps(sum), offset);
             }
         }
-        // Every lane of an `offset` holds the same sum.
-        std::array::from_fn(|n| hsum(acc[n]) - 32.0 * _mm256_cvtss_f32(offset[n]))
+        // Every lane of `offset` holds the same sum.
+        hsum(acc) - 32.0 * _mm256_cvtss_f32(offset)
     }
 }
 
@@ -607,30 +574,31 @@ mod tests {
         }
     }
 
-    /// The SIMD kernels unpack blocks in registers (once for four inputs); on arbitrary block
-    /// bytes they form the same sums as decoding each block and a scalar loop.
+    /// The SIMD kernels unpack blocks in registers; on arbitrary block bytes they form the same
+    /// sums as decoding each block and a scalar loop.
     #[test]
     fn scalar_and_simd_agree_on_any_block_bytes() {
         let cols = 1024;
-        let xs: Vec<Quantized> = (0..5).map(|i| quantize(&data(cols, 1.1 + i as f32))).collect();
+        let x = quantize(&data(cols, 1.1));
         for (format, _) in FORMATS {
             let (values, _) = format.block();
             for seed in 0..8 {
                 let row = random_blocks(format, cols / values, seed);
-                let weights = QuantMatrix::new(format, 1, cols, row.clone()).unwrap().gather(&[0], &Device::Cpu).unwrap();
-                let weights = weights.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-                let mut fast = vec![0f32; xs.len()];
-                kernel()(format, &row, &xs, &mut fast);
-                for (x, fast) in xs.iter().zip(fast) {
-                    let scalar = dot_scalar(format, &row, x);
-                    let size: f32 = weights
-                        .iter()
-                        .zip(&x.quants)
-                        .enumerate()
-                        .map(|(i, (w, &q))| (w * q as f32 * x.scales[i / BLOCK]).abs())
-                        .sum();
-                    assert!((scalar - fast).abs() <= 1e-5 * size, "{format:?} seed {seed}: {scalar} vs {fast}");
-                }
+                let (scalar, fast) = (dot_scalar(format, &row, &x), kernel(format)(&row, &x));
+                let size: f32 = QuantMatrix::new(format, 1, cols, row.clone())
+                    .unwrap()
+                    .gather(&[0], &Device::Cpu)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .iter()
+                    .zip(&x.quants)
+                    .enumerate()
+                    .map(|(i, (w, &q))| (w * q as f32 * x.scales[i / BLOCK]).abs())
+                    .sum();
+                assert!((scalar - fast).abs() <= 1e-5 * size, "{format:?} seed {seed}: {scalar} vs {fast}");
             }
         }
     }
