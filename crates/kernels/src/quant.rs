@@ -100,41 +100,60 @@ impl QuantMatrix {
 
     /// `x W^T` for `x` `[M, cols]` (any float dtype, CPU) → `[M, rows]` f32.
     pub fn matmul_t(&self, x: &Tensor) -> Result<Tensor> {
+        let mut out = Self::matmul_t_many(&[self], x)?;
+        Ok(out.remove(0))
+    }
+
+    /// `x W_i^T` for several matrices of `x`'s width (projections of one input): `x` is
+    /// quantized once and one parallel pass covers all their rows — one fork-join of the
+    /// threads instead of one per matrix, which on a decode step costs as much as a small
+    /// matrix's arithmetic.
+    pub fn matmul_t_many(matrices: &[&QuantMatrix], x: &Tensor) -> Result<Vec<Tensor>> {
         let (m, k) = x.dims2()?;
-        if k != self.cols {
-            candle_core::bail!("quantized matmul: input has {k} columns, the matrix {}", self.cols);
+        if let Some(w) = matrices.iter().find(|w| w.cols != k) {
+            candle_core::bail!("quantized matmul: input has {k} columns, the matrix {}", w.cols);
         }
         let xs = crate::cpu_f32(x)?;
         let inputs: Vec<Quantized> = xs.chunks_exact(k).map(quantize).collect();
-        // Output transposed, `[rows, M]`, so that each task owns a contiguous run of it. A few
-        // tasks per thread: enough to balance, few enough that scheduling costs nothing.
-        let mut out_t = vec![0f32; self.rows * m];
-        let rows_per_task = (self.rows / (8 * rayon::current_num_threads())).max(16);
-        let kernel = kernel(self.format);
+        // The matrices' rows one after another; output transposed, `[rows, M]`, so that each
+        // task owns a contiguous run of it. A few tasks per thread: enough to balance, few
+        // enough that scheduling costs nothing.
+        let starts: Vec<usize> = matrices.iter().scan(0, |at, w| Some(std::mem::replace(at, *at + w.rows))).collect();
+        let rows: usize = matrices.iter().map(|w| w.rows).sum();
+        let mut out_t = vec![0f32; rows * m];
+        let rows_per_task = (rows / (8 * rayon::current_num_threads())).max(16);
+        let kernels: Vec<DotKernel> = matrices.iter().map(|w| kernel(w.format)).collect();
         out_t.par_chunks_mut(rows_per_task * m).enumerate().for_each(|(task, out)| {
             let first = task * rows_per_task;
             // A tile of inputs at a time stays in cache while the task's rows pass over it.
             for tile in (0..m).step_by(INPUT_TILE) {
                 let inputs = &inputs[tile..(tile + INPUT_TILE).min(m)];
                 for (i, o) in out.chunks_exact_mut(m).enumerate() {
-                    let row = self.row(first + i);
+                    let r = first + i;
+                    let w = starts.partition_point(|&s| s <= r) - 1;
+                    let (row, kernel) = (matrices[w].row(r - starts[w]), kernels[w]);
                     for (o, input) in o[tile..].iter_mut().zip(inputs) {
                         *o = kernel(row, input);
                     }
                 }
             }
         });
-        let t = Tensor::from_vec(out_t, (self.rows, m), &Device::Cpu)?;
-        t.t()?.contiguous()?.to_device(x.device())
+        let t = Tensor::from_vec(out_t, (rows, m), &Device::Cpu)?;
+        matrices
+            .iter()
+            .zip(&starts)
+            .map(|(w, &start)| t.narrow(0, start, w.rows)?.t()?.contiguous()?.to_device(x.device()))
+            .collect()
     }
 }
 
-/// One input row in 8-bit blocks of 32: bytes, a scale per block, and the byte sum of every 16
-/// (what a weight group's offset or minimum multiplies).
+/// One input row in 8-bit blocks of 32: bytes, a scale per block, and the byte sums of every 16
+/// and every 32 (what a weight group's offset or minimum multiplies).
 struct Quantized {
     quants: Vec<i8>,
     scales: Vec<f32>,
     sums16: Vec<f32>,
+    sums32: Vec<i32>,
 }
 
 /// ggml's Q8_0 quantization of a row: per block, scale `max|x| / 127` rounded to f16 for the
@@ -149,8 +168,9 @@ fn quantize(x: &[f32]) -> Quantized {
         quants.extend(block.iter().map(|v| (v * inv).round() as i8));
         scales.push(f16::from_f32(d).to_f32());
     }
-    let sums16 = quants.chunks_exact(GROUP).map(|c| c.iter().map(|&q| q as i32).sum::<i32>() as f32).collect();
-    Quantized { quants, scales, sums16 }
+    let sums16: Vec<f32> = quants.chunks_exact(GROUP).map(|c| c.iter().map(|&q| q as i32).sum::<i32>() as f32).collect();
+    let sums32 = sums16.chunks_exact(2).map(|p| (p[0] + p[1]) as i32).collect();
+    Quantized { quants, scales, sums16, sums32 }
 }
 
 /// One block decoded: `value = scales[g] * quants[i] - mins[g]` for i in group g (16 values).
@@ -380,8 +400,8 @@ mod avx2 {
         let spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
         let bit = _mm256_set1_epi64x(0x8040201008040201u64 as i64);
         let sixteen = _mm256_set1_epi8(0x10);
-        let (mut acc, mut offset) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        for (b, &xs) in x.scales.iter().enumerate() {
+        let mut acc = _mm256_setzero_ps();
+        for (b, (&xs, &sum)) in x.scales.iter().zip(&x.sums32).enumerate() {
             // SAFETY: block b lies inside both rows (asserted lengths).
             let (block, y) = unsafe { (row.as_ptr().add(b * 22), input(x, b)) };
             prefetch(block, 22);
@@ -395,12 +415,12 @@ mod avx2 {
             let fifth = _mm256_shuffle_epi8(_mm256_set1_epi32(high), spread);
             let fifth = _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(fifth, bit), bit), sixteen);
             let low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(low, 4), low), nibble);
-            let ints = products(_mm256_or_si256(low, fifth), y, ones);
+            // The values are `q - 16`: take 16 * (the block's byte sum) off the eight lanes'
+            // total in integers, 2 * sum from each lane.
+            let ints = _mm256_sub_epi32(products(_mm256_or_si256(low, fifth), y, ones), _mm256_set1_epi32(2 * sum));
             acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(ints), acc);
-            offset = _mm256_fmadd_ps(d, _mm256_set1_ps(x.sums16[2 * b] + x.sums16[2 * b + 1]), offset);
         }
-        // Every lane of `offset` holds the same sum.
-        hsum(acc) - 16.0 * _mm256_cvtss_f32(offset)
+        hsum(acc)
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -571,6 +591,27 @@ mod tests {
             let all = matrix.matmul_t(&x).unwrap();
             let one = matrix.matmul_t(&x.narrow(0, 3, 1).unwrap()).unwrap();
             assert_eq!(one.to_vec2::<f32>().unwrap()[0], all.to_vec2::<f32>().unwrap()[3], "{format:?}");
+        }
+    }
+
+    /// Several matrices in one pass give each matrix's own product, bit for bit.
+    #[test]
+    fn many_matrices_in_one_pass_equal_each_alone() {
+        let cols = 512;
+        let x = Tensor::from_vec(data(3 * cols, 0.7), (3, cols), &Device::Cpu).unwrap();
+        let matrices: Vec<QuantMatrix> = FORMATS
+            .iter()
+            .enumerate()
+            .map(|(i, &(format, dtype))| {
+                let rows = 17 + 40 * i;
+                let w = Tensor::from_vec(data(rows * cols, i as f32), (rows, cols), &Device::Cpu).unwrap();
+                quantized(&w, format, dtype).1
+            })
+            .collect();
+        let all = QuantMatrix::matmul_t_many(&matrices.iter().collect::<Vec<_>>(), &x).unwrap();
+        for (matrix, together) in matrices.iter().zip(all) {
+            let alone = matrix.matmul_t(&x).unwrap().to_vec2::<f32>().unwrap();
+            assert_eq!(together.to_vec2::<f32>().unwrap(), alone, "{:?}", matrix.format);
         }
     }
 
