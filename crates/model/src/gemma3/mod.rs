@@ -35,8 +35,8 @@ struct Mlp {
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         // transformers' `gelu_pytorch_tanh`: candle's `gelu` is the tanh approximation.
-        let h = (self.gate.forward(x)?.gelu()? * self.up.forward(x)?)?;
-        self.down.forward(&h)
+        let [gate, up] = Linear::forward_many([&self.gate, &self.up], x)?;
+        self.down.forward(&(gate.gelu()? * up)?)
     }
 }
 
@@ -226,9 +226,10 @@ impl Gemma3 {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
         let a = &layer.attn;
-        let q = a.q_norm.forward(&a.q_proj.forward(x)?.reshape((b, t, h, d))?)?.transpose(1, 2)?;
-        let k = a.k_norm.forward(&a.k_proj.forward(x)?.reshape((b, t, kv, d))?)?.transpose(1, 2)?;
-        let v = a.v_proj.forward(x)?.reshape((b, t, kv, d))?.transpose(1, 2)?;
+        let [q, k, v] = Linear::forward_many([&a.q_proj, &a.k_proj, &a.v_proj], x)?;
+        let q = a.q_norm.forward(&q.reshape((b, t, h, d))?)?.transpose(1, 2)?;
+        let k = a.k_norm.forward(&k.reshape((b, t, kv, d))?)?.transpose(1, 2)?;
+        let v = v.reshape((b, t, kv, d))?.transpose(1, 2)?;
         let q = rotary.apply(&q, &rope.0, &rope.1)?;
         let k = rotary.apply(&k, &rope.0, &rope.1)?;
         let scoring = Scoring {

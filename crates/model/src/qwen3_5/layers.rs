@@ -68,15 +68,39 @@ impl Linear {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let dims = x.dims();
-        let in_dim = dims[dims.len() - 1];
-        let rows = x.elem_count() / in_dim;
-        let y = self.weight.multiply(&x.reshape((rows, in_dim))?)?;
+        let (rows, in_dim) = Self::rows_of(x);
+        self.finish(self.weight.multiply(&x.reshape((rows, in_dim))?)?, x.dims())
+    }
+
+    /// `forward` of several projections of one input. Block-quantized weights share one pass
+    /// over the input (one fork-join of the threads instead of one per projection).
+    pub fn forward_many<const N: usize>(linears: [&Linear; N], x: &Tensor) -> Result<[Tensor; N]> {
+        let packed: Option<Vec<&QuantMatrix>> =
+            linears.iter().map(|l| if let Matrix::Packed(w) = &l.weight { Some(&**w) } else { None }).collect();
+        let outputs: Vec<Tensor> = match packed {
+            Some(packed) => {
+                let (rows, in_dim) = Self::rows_of(x);
+                let ys = QuantMatrix::matmul_t_many(&packed, &x.reshape((rows, in_dim))?)?;
+                linears.iter().zip(ys).map(|(l, y)| l.finish(y.to_dtype(x.dtype())?, x.dims())).collect::<Result<_>>()?
+            }
+            None => linears.iter().map(|l| l.forward(x)).collect::<Result<_>>()?,
+        };
+        Ok(outputs.try_into().unwrap_or_else(|_| unreachable!("one output per projection")))
+    }
+
+    /// `x` as `[rows, in]`.
+    fn rows_of(x: &Tensor) -> (usize, usize) {
+        let in_dim = x.dims()[x.rank() - 1];
+        (x.elem_count() / in_dim, in_dim)
+    }
+
+    /// Adds the bias to `y` `[rows, out]` and gives it `x`'s leading dims.
+    fn finish(&self, y: Tensor, x_dims: &[usize]) -> Result<Tensor> {
         let y = match &self.bias {
             Some(b) => y.broadcast_add(b)?,
             None => y,
         };
-        let mut out_shape = dims.to_vec();
+        let mut out_shape = x_dims.to_vec();
         *out_shape.last_mut().expect("input has at least one dim") = self.weight.rows()?;
         Ok(y.reshape(out_shape)?)
     }
@@ -141,8 +165,8 @@ impl Mlp {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = (candle_nn::ops::silu(&self.gate.forward(x)?)? * self.up.forward(x)?)?;
-        self.down.forward(&h)
+        let [gate, up] = Linear::forward_many([&self.gate, &self.up], x)?;
+        self.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)
     }
 }
 
