@@ -3,9 +3,10 @@
 //! same windows and greedy continuation of a prompt longer than the sliding window. Needs the
 //! model: `scripts/fetch-demo-model.sh` (CI runs it first).
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 
 fn demo_model() -> PathBuf {
     let dir = std::env::var("STRATA_MODELS_DIR")
@@ -100,22 +101,13 @@ fn greedy_continuation_matches_llama_cpp() {
 fn serve_without_model_answers_chat_on_the_demo_model() {
     let model = demo_model();
     let empty_hub = tempfile::tempdir().unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["serve", "--port", "0"])
-        .env("HF_HUB_CACHE", empty_hub.path())
-        .env("STRATA_MODELS_DIR", model.parent().unwrap())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let url = loop {
-        let line = lines.next().expect("the server starts").unwrap();
-        if let Some(rest) = line.split("address=").nth(1) {
-            assert!(line.contains("gemma-3-270m-q4_k_m.gguf"), "{line}");
-            break format!("http://{}", rest.split_whitespace().next().unwrap());
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
+    let (mut child, url, listening) = common::start_server(
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["serve", "--port", "0"])
+            .env("HF_HUB_CACHE", empty_hub.path())
+            .env("STRATA_MODELS_DIR", model.parent().unwrap()),
+    );
+    assert!(listening.contains("gemma-3-270m-q4_k_m.gguf"), "{listening}");
     let body = serde_json::json!({
         "messages": [{"role": "user", "content": "Write one sentence about the sea."}],
         "max_tokens": 32, "seed": 2, "repetition_penalty": 1.2,

@@ -2,9 +2,10 @@
 //! are being written, with debris planted in its cache folder, it starts again, serves the
 //! same output as a cold server, keeps another model's files, and reports what it dropped.
 
-use std::io::{BufRead, BufReader};
+mod common;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use serde_json::{json, Value};
@@ -21,24 +22,14 @@ struct Server {
 impl Server {
     /// Starts the server on a free port and waits until it listens.
     fn start(ssd: &Path) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
-            .args(["serve", "--port", "0", "--cache-stride", "8", "--prefill-chunk", "8", "--checkpoint-every", "2"])
-            .arg("--model")
-            .arg(fixture())
-            .arg("--ssd-cache")
-            .arg(ssd)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-        let url = loop {
-            let line = lines.next().expect("the server starts").unwrap();
-            if let Some(rest) = line.split("address=").nth(1) {
-                break format!("http://{}", rest.split_whitespace().next().unwrap());
-            }
-        };
-        // Keep draining the log so the server never blocks on a full pipe.
-        std::thread::spawn(move || lines.for_each(drop));
+        let (child, url, _) = common::start_server(
+            Command::new(env!("CARGO_BIN_EXE_strata"))
+                .args(["serve", "--port", "0", "--cache-stride", "8", "--prefill-chunk", "8", "--checkpoint-every", "2"])
+                .arg("--model")
+                .arg(fixture())
+                .arg("--ssd-cache")
+                .arg(ssd),
+        );
         Server { child, url }
     }
 
