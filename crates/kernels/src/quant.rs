@@ -446,7 +446,7 @@ mod avx2 {
                     // SAFETY: block b lies inside the input (asserted lengths).
                     let ints = products(w, unsafe { input(x, b) }, ones);
                     acc = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(sc[sub] as f32 * xs)), _mm256_cvtepi32_ps(ints), acc);
-                    let sum = m[sub] as f32 * xs * (x.sums16[2 * b] + x.sums16[2 * b + 1]);
+                    let sum = m[sub] as f32 * xs * x.sums32[b] as f32;
                     mins = _mm256_fmadd_ps(dmin, _mm256_set1_ps(sum), mins);
                 }
             }

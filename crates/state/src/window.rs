@@ -145,10 +145,11 @@ impl WindowKvStore {
         if end - r.start <= slots {
             return Ok(());
         }
+        // Where slot 0 will be, and the size of a new buffer if this one is too small.
         let (start, grown) = if end - r.start <= capacity {
-            (r.start, (end - r.start).max(2 * slots).max(16).min(capacity))
+            (r.start, Some((end - r.start).max(2 * slots).max(16).min(capacity)))
         } else {
-            (keep, if slots == capacity { 0 } else { capacity })
+            (keep, (slots < capacity).then_some(capacity))
         };
         let (held_from, held) = (r.oldest.max(start), r.len - r.oldest.max(start));
         // Copies: the move may overlap its source.
@@ -157,8 +158,8 @@ impl WindowKvStore {
             r.v.narrow(1, held_from - r.start, held)?.force_contiguous()?,
         );
         let len = r.len;
-        if grown > 0 {
-            self.rows[row] = self.empty_row(grown, start)?;
+        if let Some(slots) = grown {
+            self.rows[row] = self.empty_row(slots, start)?;
         }
         let r = &mut self.rows[row];
         (r.start, r.len, r.oldest) = (start, len, held_from);
