@@ -5,7 +5,8 @@ Each fixture is a tiny, randomly initialised Qwen3.5 model folder laid out exact
 releases are (config.json, safetensors weights, tokenizer.json, chat template,
 generation_config.json) plus `reference.safetensors` / `reference.json` holding what transformers
 computes for it: one-shot logits, incremental logits (prefill then one token at a time through
-its cache), 24 greedy tokens, and rendered chat templates.
+its cache), 24 greedy tokens, and rendered chat templates; then each gets a multi-token-prediction
+head and its reference (add_mtp_head.py).
 
 Needs torch and transformers >= 5 with the qwen3_5 classes (the GPU machine has both).
 Run:  python3 scripts/oracle/make_fixtures.py OUT_DIR
@@ -19,6 +20,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 import transformers
+
+import add_mtp_head
 from transformers import (
     PreTrainedTokenizerFast,
     Qwen3_5Config,
@@ -144,11 +147,10 @@ def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, temp
     model.save_pretrained(path, max_shard_size=shard or "1GB")
     if disk_dtype != torch.float32:
         rewrite_dtype(path, disk_dtype)
-    if nested:
-        add_mtp_tensors(path, text_cfg["hidden_size"], disk_dtype)
 
     tok, fast = write_tokenizer_files(path, template_in_config)
     write_reference(path, name, type(model), tok, fast, seed)
+    add_mtp_head.add_head(path)
 
 
 def write_tokenizer_files(path, template_in_config):
@@ -220,30 +222,6 @@ def rewrite_dtype(path, dtype):
             full = os.path.join(path, fname)
             tensors = {k: v.to(dtype).contiguous() for k, v in load_file(full).items()}
             save_file(tensors, full, metadata={"format": "pt"})
-
-
-def add_mtp_tensors(path, hidden, dtype):
-    """Real releases ship a multi-token-prediction head under `mtp.*` that transformers ignores;
-    the loader must accept (and for now skip) it."""
-    extra = {"mtp.fc.weight": torch.randn(hidden, 2 * hidden),
-             "mtp.norm.weight": torch.randn(hidden),
-             "mtp.layers.0.mlp.up_proj.weight": torch.randn(2 * hidden, hidden)}
-    extra = {k: v.to(dtype).contiguous() for k, v in extra.items()}
-    index = os.path.join(path, "model.safetensors.index.json")
-    fname = "model-mtp.safetensors"
-    save_file(extra, os.path.join(path, fname), metadata={"format": "pt"})
-    if os.path.exists(index):
-        data = json.load(open(index))
-        data["weight_map"].update({k: fname for k in extra})
-        json.dump(data, open(index, "w"), indent=2)
-    else:
-        # Single-file checkpoint: fold the extra tensors into it.
-        from safetensors.torch import load_file
-        main = os.path.join(path, "model.safetensors")
-        tensors = load_file(main)
-        tensors.update(extra)
-        save_file(tensors, main, metadata={"format": "pt"})
-        os.remove(os.path.join(path, fname))
 
 
 def main():

@@ -10,6 +10,7 @@ use crate::error::{ModelError, Result};
 use crate::generation_config::GenerationConfig;
 use crate::gguf::GgufFile;
 use crate::model::{ArchConfig, Model, ModelConfig};
+use crate::qwen3_5::MtpHead;
 use crate::source::FileSource;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
@@ -130,6 +131,24 @@ impl ModelFolder {
         match &self.tensors {
             Tensors::Safetensors(_) => self.load(dtype, device),
             Tensors::Gguf(file) => Model::load(&self.config.arch, &file.source(device, true)?, dtype),
+        }
+    }
+
+    /// The multi-token-prediction head shipped beside `target` (loaded from this folder), in
+    /// `target`'s dtype and device: a draft source that needs no second model.
+    pub fn load_mtp(&self, target: &Model) -> Result<MtpHead> {
+        match &self.tensors {
+            Tensors::Safetensors(weights) if weights.contains("mtp.fc.weight") || !matches!(target, Model::Qwen35(_)) => {
+                target.mtp_head(&self.source(weights, target.device())).map_err(|e| ModelError::file(&self.path, e))
+            }
+            Tensors::Safetensors(_) => Err(ModelError::file(
+                &self.path,
+                "holds no multi-token-prediction head (no mtp.* tensors; some conversions drop them)",
+            )),
+            Tensors::Gguf(_) => Err(ModelError::file(
+                &self.path,
+                "is a GGUF file; strata reads a multi-token-prediction head only from safetensors",
+            )),
         }
     }
 

@@ -11,7 +11,7 @@ use crate::config::Qwen35Config;
 use crate::dense::{Dense, DenseConfig};
 use crate::error::{ModelError, Result};
 use crate::gemma3::{Gemma3, Gemma3Config};
-use crate::qwen3_5::{Logits, Qwen35, Round, StateCost};
+use crate::qwen3_5::{Logits, MtpHead, Qwen35, Round, StateCost};
 use crate::source::WeightSource;
 
 /// A parsed `config.json`, by family.
@@ -91,6 +91,32 @@ impl Model {
             Model::Dense(m) => m.forward(tokens, state, logits),
             Model::Gemma3(m) => m.forward(tokens, state, logits),
         }
+    }
+
+    /// [`Model::forward`], also returning every position's final normed hidden state `[B, T,
+    /// hidden]`, for a multi-token-prediction head (Qwen3.5 only).
+    pub fn forward_with_hidden(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<(Tensor, Tensor)> {
+        match self {
+            Model::Qwen35(m) => m.forward_with_hidden(tokens, state, logits),
+            Model::Dense(_) | Model::Gemma3(_) => Err(self.no_mtp_head()),
+        }
+    }
+
+    /// The model's multi-token-prediction head, read from `src`.
+    pub fn mtp_head(&self, src: &dyn WeightSource) -> Result<MtpHead> {
+        match self {
+            Model::Qwen35(m) => m.mtp_head(src),
+            Model::Dense(_) | Model::Gemma3(_) => Err(self.no_mtp_head()),
+        }
+    }
+
+    fn no_mtp_head(&self) -> ModelError {
+        let family = match self {
+            Model::Qwen35(_) => "qwen3_5",
+            Model::Dense(_) => "dense (llama / qwen2 / qwen3)",
+            Model::Gemma3(_) => "gemma3",
+        };
+        ModelError::Invalid(format!("a multi-token-prediction head needs a Qwen3.5 model; this one is {family}"))
     }
 
     pub fn new_state(&self, rows: usize) -> Result<BatchState> {

@@ -32,7 +32,9 @@ pub struct FileSource<'a> {
 
 impl WeightSource for FileSource<'_> {
     fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let full = if name == "lm_head.weight" { name.to_string() } else { format!("{}{name}", self.prefix) };
+        // The output head and the multi-token-prediction head sit beside the text model.
+        let beside = name == "lm_head.weight" || name.starts_with("mtp.");
+        let full = if beside { name.to_string() } else { format!("{}{name}", self.prefix) };
         self.weights.get(&full, shape, dtype, &self.device)
     }
 

@@ -6,7 +6,7 @@ use candle_core::{DType, Device};
 use crate::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::model::Model;
-use crate::qwen3_5::Qwen35;
+use crate::qwen3_5::{MtpHead, Qwen35};
 use crate::source::RandomSource;
 
 pub const NAMES: [&str; 4] = ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"];
@@ -49,4 +49,10 @@ pub fn config(name: &str) -> Result<Qwen35Config> {
 pub fn build(name: &str, dtype: DType, device: &Device) -> Result<Model> {
     let cfg = config(name)?;
     Ok(Model::Qwen35(Qwen35::load(&cfg, &RandomSource::new(device.clone(), 0x5EED), dtype)?))
+}
+
+/// A random multi-token-prediction head for a synthetic `target` (for benchmarks of `--draft mtp`:
+/// its drafts are as good as chance, so it measures the head's cost, not its acceptance).
+pub fn build_mtp(target: &Model) -> Result<MtpHead> {
+    target.mtp_head(&RandomSource::new(target.device().clone(), 0x3779))
 }

@@ -50,7 +50,8 @@ impl Matrix {
     }
 }
 
-/// A linear projection `x W^T (+ b)`.
+/// A linear projection `x W^T (+ b)`. Clones share the weights.
+#[derive(Clone)]
 pub struct Linear {
     weight: Matrix,
     bias: Option<Tensor>,

@@ -4,6 +4,7 @@
 mod attention;
 mod deltanet;
 pub mod layers;
+mod mtp;
 
 use candle_core::{DType, Device, Tensor};
 use strata_state::{BatchState, KvStore, LayerState, RecurrentState};
@@ -11,6 +12,7 @@ use strata_state::{BatchState, KvStore, LayerState, RecurrentState};
 use self::attention::Attention;
 use self::deltanet::GatedDeltaNet;
 use self::layers::{Linear, Matrix, Mlp, RmsNorm, Rotary};
+pub use self::mtp::MtpHead;
 use crate::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
@@ -25,6 +27,33 @@ struct DecoderLayer {
     mixer: Mixer,
     post_norm: RmsNorm,
     mlp: Mlp,
+}
+
+impl DecoderLayer {
+    fn load(src: &dyn WeightSource, prefix: &str, kind: LayerKind, cfg: &Qwen35Config, dtype: DType) -> Result<Self> {
+        let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        Ok(Self {
+            input_norm: RmsNorm::load(src, &format!("{prefix}.input_layernorm"), hidden, eps)?,
+            mixer: match kind {
+                LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(src, &format!("{prefix}.linear_attn"), cfg, dtype)?),
+                LayerKind::Full => Mixer::Full(Attention::load(src, &format!("{prefix}.self_attn"), cfg, dtype)?),
+            },
+            post_norm: RmsNorm::load(src, &format!("{prefix}.post_attention_layernorm"), hidden, eps)?,
+            mlp: Mlp::load(src, &format!("{prefix}.mlp"), hidden, cfg.intermediate_size, dtype)?,
+        })
+    }
+
+    /// `x + mixer(norm(x))`, then `+ mlp(norm(.))`.
+    fn forward(&self, x: &Tensor, state: &mut LayerState, rotary: &Rotary, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+        let h = self.input_norm.forward(x)?;
+        let h = match (&self.mixer, state) {
+            (Mixer::Linear(m), LayerState::Recurrent(s)) => m.forward(&h, s)?,
+            (Mixer::Full(m), LayerState::Attention(s)) => m.forward(&h, s, rotary, rope)?,
+            (_, s) => return Err(ModelError::Invalid(format!("layer state of kind {} does not match its layer", s.kind()))),
+        };
+        let x = (x + h)?;
+        Ok((&x + self.mlp.forward(&self.post_norm.forward(&x)?)?)?)
+    }
 }
 
 /// An open speculative round: each row's position when it opened.
@@ -82,18 +111,7 @@ impl Qwen35 {
             .layer_types
             .iter()
             .enumerate()
-            .map(|(i, kind)| {
-                let p = format!("layers.{i}");
-                Ok(DecoderLayer {
-                    input_norm: RmsNorm::load(src, &format!("{p}.input_layernorm"), hidden, eps)?,
-                    mixer: match kind {
-                        LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(src, &format!("{p}.linear_attn"), cfg, dtype)?),
-                        LayerKind::Full => Mixer::Full(Attention::load(src, &format!("{p}.self_attn"), cfg, dtype)?),
-                    },
-                    post_norm: RmsNorm::load(src, &format!("{p}.post_attention_layernorm"), hidden, eps)?,
-                    mlp: Mlp::load(src, &format!("{p}.mlp"), hidden, cfg.intermediate_size, dtype)?,
-                })
-            })
+            .map(|(i, &kind)| DecoderLayer::load(src, &format!("layers.{i}"), kind, cfg, dtype))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings {
             Linear::from_weight(embed.clone())
@@ -207,32 +225,55 @@ impl Qwen35 {
     /// Runs `tokens` (`[B, T]`, u32) through the model, each row continuing from its own
     /// position in `state`, and advances the state. Returns f32 logits.
     pub fn forward(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<Tensor> {
+        let x = self.decode_layers(tokens, state)?;
+        let x = match logits {
+            Logits::All => x,
+            Logits::Last => x.narrow(1, x.dim(1)? - 1, 1)?.squeeze(1)?,
+        };
+        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?)
+    }
+
+    /// [`Qwen35::forward`], also returning every position's final normed hidden state
+    /// `[B, T, hidden]` (what the multi-token-prediction head reads). The logits are the same.
+    pub fn forward_with_hidden(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<(Tensor, Tensor)> {
+        let hidden = self.norm.forward(&self.decode_layers(tokens, state)?)?;
+        let x = match logits {
+            Logits::All => hidden.clone(),
+            Logits::Last => hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?,
+        };
+        Ok((self.lm_head.forward(&x)?.to_dtype(DType::F32)?, hidden))
+    }
+
+    /// The multi-token-prediction head shipped beside the model (`mtp.*` in `src`), sharing
+    /// its embedding and output head.
+    pub fn mtp_head(&self, src: &dyn WeightSource) -> Result<MtpHead> {
+        MtpHead::load(self, src)
+    }
+
+    /// Embedding and decoder layers: the pre-norm hidden states `[B, T, hidden]`.
+    fn decode_layers(&self, tokens: &Tensor, state: &mut BatchState) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         if b != state.rows() {
             return Err(ModelError::Invalid(format!("forward got {b} rows of tokens for a state of {} rows", state.rows())));
         }
-        if let Some(&bad) = tokens.flatten_all()?.to_vec1::<u32>()?.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
-            return Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)));
-        }
-        let mut x = self.embed.rows_at(&tokens.flatten_all()?, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?;
+        let mut x = self.embed_tokens(tokens)?;
         let rope = self.rotary.tables(&state.positions, t, &self.device)?;
         for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
-            let h = layer.input_norm.forward(&x)?;
-            let h = match (&layer.mixer, layer_state) {
-                (Mixer::Linear(m), LayerState::Recurrent(s)) => m.forward(&h, s)?,
-                (Mixer::Full(m), LayerState::Attention(s)) => m.forward(&h, s, &self.rotary, &rope)?,
-                (_, s) => return Err(ModelError::Invalid(format!("layer state of kind {} does not match its layer", s.kind()))),
-            };
-            x = (x + h)?;
-            x = (&x + layer.mlp.forward(&layer.post_norm.forward(&x)?)?)?;
+            x = layer.forward(&x, layer_state, &self.rotary, &rope)?;
         }
         for p in &mut state.positions {
             *p += t;
         }
-        let x = match logits {
-            Logits::All => x,
-            Logits::Last => x.narrow(1, t - 1, 1)?.squeeze(1)?,
-        };
-        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?)
+        Ok(x)
+    }
+
+    /// `[B, T]` token ids as `[B, T, hidden]` embeddings, refusing ids outside the vocabulary.
+    fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        let ids = tokens.flatten_all()?;
+        if let Some(&bad) = ids.to_vec1::<u32>()?.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
+            return Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)));
+        }
+        Ok(self.embed.rows_at(&ids, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?)
     }
 }

@@ -1,0 +1,127 @@
+//! Qwen3.5's multi-token-prediction head (`mtp.*`, config `mtp_num_hidden_layers`): a draft
+//! source that ships with the model. For position `i`, given the target's final normed hidden
+//! state `h_i` and the next token `x_{i+1}`, it predicts `x_{i+2}`:
+//!
+//! ```text
+//! y_i = norm(layer(fc([norm_e(embed(x_{i+1})) ; norm_h(h_i)])))     logits = lm_head(y_i)
+//! ```
+//!
+//! `layer` is one full-attention Qwen3.5 decoder layer with its own KV history; `embed` and
+//! `lm_head` are the target's. A further draft step feeds the head's own `y` where `h` would be
+//! (the public definition as vLLM and SGLang serve it; transformers does not run the head).
+
+use candle_core::{DType, Device, Tensor};
+use strata_state::{BatchState, KvStore, LayerState};
+
+use super::layers::{Linear, Matrix, RmsNorm, Rotary};
+use super::{DecoderLayer, Qwen35, Round};
+use crate::config::LayerKind;
+use crate::error::{ModelError, Result};
+use crate::source::WeightSource;
+
+pub struct MtpHead {
+    embed: Matrix,
+    lm_head: Linear,
+    embed_norm: RmsNorm,
+    hidden_norm: RmsNorm,
+    fc: Linear,
+    layer: DecoderLayer,
+    norm: RmsNorm,
+    rotary: Rotary,
+    hidden: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    dtype: DType,
+    device: Device,
+}
+
+impl MtpHead {
+    /// Loads `mtp.*` from `src` for `target`, whose embedding and output head it shares.
+    pub(super) fn load(target: &Qwen35, src: &dyn WeightSource) -> Result<Self> {
+        let cfg = &target.cfg;
+        match cfg.mtp_num_hidden_layers {
+            0 => {
+                return Err(ModelError::Invalid(
+                    "the model has no multi-token-prediction head (mtp_num_hidden_layers is 0)".into(),
+                ))
+            }
+            1 => {}
+            n => {
+                return Err(ModelError::Invalid(format!(
+                    "multi-token-prediction heads of {n} layers are not supported (Qwen3.5 releases have 1)"
+                )))
+            }
+        }
+        let (hidden, eps, dtype) = (cfg.hidden_size, cfg.rms_norm_eps, target.dtype);
+        Ok(Self {
+            embed: target.embed.clone(),
+            lm_head: target.lm_head.clone(),
+            embed_norm: RmsNorm::load(src, "mtp.pre_fc_norm_embedding", hidden, eps)?,
+            hidden_norm: RmsNorm::load(src, "mtp.pre_fc_norm_hidden", hidden, eps)?,
+            fc: Linear::load(src, "mtp.fc", hidden, 2 * hidden, false, dtype)?,
+            layer: DecoderLayer::load(src, "mtp.layers.0", LayerKind::Full, cfg, dtype)?,
+            norm: RmsNorm::load(src, "mtp.norm", hidden, eps)?,
+            rotary: Rotary::new(cfg.rotary_dim(), cfg.rope_theta),
+            hidden,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim,
+            dtype,
+            device: target.device.clone(),
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Fresh (empty) KV history for `rows` sequences.
+    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
+        let kv = KvStore::new(rows, self.kv_heads, self.head_dim, self.dtype, &self.device)?;
+        Ok(BatchState { layers: vec![LayerState::Attention(kv)], positions: vec![0; rows] })
+    }
+
+    /// Runs the head over `tokens` `[B, T]` (each position's next token) and `hidden`
+    /// `[B, T, hidden]` (the target's final normed hidden states, or the head's own output for a
+    /// further draft step), each row continuing its history in `state`. Returns `y`
+    /// `[B, T, hidden]`; [`MtpHead::logits`] turns rows of it into draft logits.
+    pub fn forward(&self, tokens: &Tensor, hidden: &Tensor, state: &mut BatchState) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        if b != state.rows() || hidden.dims() != [b, t, self.hidden] {
+            return Err(ModelError::Invalid(format!(
+                "MTP head got tokens {:?} and hidden states {:?} for {} rows of width {}",
+                tokens.dims(),
+                hidden.dims(),
+                state.rows(),
+                self.hidden
+            )));
+        }
+        let embedded = self.embed.rows_at(&tokens.flatten_all()?, self.dtype)?.reshape((b, t, self.hidden))?;
+        let joined =
+            Tensor::cat(&[self.embed_norm.forward(&embedded)?, self.hidden_norm.forward(&hidden.to_dtype(self.dtype)?)?], 2)?;
+        let x = self.fc.forward(&joined)?;
+        let rope = self.rotary.tables(&state.positions, t, &self.device)?;
+        let x = self.layer.forward(&x, &mut state.layers[0], &self.rotary, &rope)?;
+        for p in &mut state.positions {
+            *p += t;
+        }
+        self.norm.forward(&x)
+    }
+
+    /// f32 logits for `y` `[.., hidden]`.
+    pub fn logits(&self, y: &Tensor) -> Result<Tensor> {
+        Ok(self.lm_head.forward(y)?.to_dtype(DType::F32)?)
+    }
+
+    /// Opens a round: positions fed from here on can be dropped by [`MtpHead::close_round`].
+    pub fn open_round(&self, state: &BatchState) -> Round {
+        Round { start: state.positions.clone() }
+    }
+
+    /// Keeps the first `keep[r]` positions row `r` was fed since `round` opened.
+    pub fn close_round(&self, state: &mut BatchState, round: Round, keep: &[usize]) -> Result<()> {
+        for (r, (&start, &kept)) in round.start.iter().zip(keep).enumerate() {
+            state.trim(r, start + kept)?;
+        }
+        Ok(())
+    }
+}
