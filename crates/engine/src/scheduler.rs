@@ -152,6 +152,9 @@ impl<'a> Engine<'a> {
                     let (state, cached) = self.restore_prompt(&job.prompt, restored)?;
                     let mut job = job;
                     job.sink.send(Event::Started { cached_tokens: cached });
+                    if let Some(drafter) = &mut self.drafter {
+                        drafter.start_joiner();
+                    }
                     self.joiner = Some(Joiner { job, state, fed: cached, reserved: need, started: Instant::now() });
                 }
             }
@@ -288,7 +291,11 @@ impl<'a> Engine<'a> {
             end = end.min((fed / stride + 1) * stride);
         }
         let input = Tensor::new(&prompt[joiner.fed..end], self.model.device())?.unsqueeze(0)?;
-        let logits = self.model.forward(&input, &mut joiner.state, Logits::Last)?;
+        let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
+        let (logits, hidden) = forward(&self.model, &input, &mut joiner.state, Logits::Last, hidden)?;
+        if let (Some(drafter), Some(hidden)) = (&mut self.drafter, hidden) {
+            drafter.prefilled(prompt, joiner.fed, &hidden.squeeze(0)?)?;
+        }
         joiner.fed = end;
         self.stats.prefill_chunks.fetch_add(1, Ordering::Relaxed);
         if end < len {
@@ -375,7 +382,8 @@ impl<'a> Engine<'a> {
             .collect();
         let round = (width > 1).then(|| self.model.open_round(batch));
         let which = if width > 1 { Logits::All } else { Logits::Last };
-        let logits = self.model.forward(&Tensor::new(input, self.model.device())?, batch, which)?;
+        let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
+        let (logits, hidden) = forward(&self.model, &Tensor::new(input, self.model.device())?, batch, which, hidden)?;
         let logits =
             if width > 1 { logits.to_vec3::<f32>()? } else { logits.to_vec2::<f32>()?.into_iter().map(|l| vec![l]).collect() };
         self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
@@ -395,7 +403,7 @@ impl<'a> Engine<'a> {
             self.model.close_round(self.batch.as_mut().expect("checked above"), round, &kept)?;
         }
         if let Some(drafter) = &mut self.drafter {
-            drafter.settle(&kept)?;
+            drafter.settle(&kept, hidden.as_ref())?;
         }
         self.checkpoint(&keep)?;
         if done.is_empty() {
@@ -537,5 +545,22 @@ impl<'a> Engine<'a> {
         if let Some(drafter) = &mut self.drafter {
             drafter.clear();
         }
+    }
+}
+
+/// The target's forward, also returning every position's hidden state when `hidden` (for an
+/// MTP drafter).
+fn forward(
+    model: &Model,
+    tokens: &Tensor,
+    state: &mut BatchState,
+    logits: Logits,
+    hidden: bool,
+) -> strata_model::Result<(Tensor, Option<Tensor>)> {
+    if hidden {
+        let (logits, hidden) = model.forward_with_hidden(tokens, state, logits)?;
+        Ok((logits, Some(hidden)))
+    } else {
+        Ok((model.forward(tokens, state, logits)?, None))
     }
 }

@@ -13,7 +13,7 @@ use candle_core::{DType, Device};
 use strata_engine::{
     CacheConfig, DraftSource, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Speculation, Worker,
 };
-use strata_model::{Model, ModelFolder};
+use strata_model::{ArchConfig, Model, ModelFolder};
 
 mod common;
 use common::{fixtures, prompt_tokens};
@@ -29,16 +29,23 @@ fn engine(dir: &Path, cache: CacheConfig, speculation: Option<Speculation>) -> W
 
 /// The draft sources under test for a target fixture: prompt lookup, the target itself,
 /// another Qwen3.5 fixture and a dense Qwen3 (same tokenizer, different weights: drafts that
-/// are often wrong).
+/// are often wrong), and on Qwen3.5 the fixture's own multi-token-prediction head.
 fn sources(dir: &Path) -> Vec<(&'static str, Speculation)> {
     let other = fixtures().into_iter().find(|d| d != dir).unwrap();
     let qwen3 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/dense/qwen3-tiny-draft");
-    vec![
-        ("ngram", Speculation { source: DraftSource::Ngram, tokens: 4 }),
-        ("self", Speculation { source: DraftSource::Model(Box::new(load(dir))), tokens: 3 }),
-        ("other model", Speculation { source: DraftSource::Model(Box::new(load(&other))), tokens: 5 }),
-        ("qwen3 draft", Speculation { source: DraftSource::Model(Box::new(load(&qwen3))), tokens: 4 }),
-    ]
+    let folder = ModelFolder::open(dir).unwrap();
+    let mtp = matches!(folder.config.arch, ArchConfig::Qwen35(_)).then(|| {
+        let head = folder.load_mtp(&load(dir)).ok().expect("every Qwen3.5 fixture has an MTP head");
+        ("mtp", Speculation { source: DraftSource::Mtp(Box::new(head)), tokens: 4 })
+    });
+    mtp.into_iter()
+        .chain([
+            ("ngram", Speculation { source: DraftSource::Ngram, tokens: 4 }),
+            ("self", Speculation { source: DraftSource::Model(Box::new(load(dir))), tokens: 3 }),
+            ("other model", Speculation { source: DraftSource::Model(Box::new(load(&other))), tokens: 5 }),
+            ("qwen3 draft", Speculation { source: DraftSource::Model(Box::new(load(&qwen3))), tokens: 4 }),
+        ])
+        .collect()
 }
 
 struct Channel(mpsc::Sender<Event>);
