@@ -203,7 +203,11 @@ pub fn run(a: Args) -> Result<()> {
             Some(name) => Ok(synthetic::build(name, dtype.dtype(), &device)?),
             None => Ok(open_model(path)?.load(dtype.dtype(), &device)?),
         };
-        let speculation = a.draft.speculation(vocab as usize, || load(*dtype), load_draft)?;
+        let load_mtp = || match &folder {
+            Some(f) => Ok(f.load_mtp(&model)?),
+            None => Ok(synthetic::build_mtp(&model)?),
+        };
+        let speculation = a.draft.speculation(vocab as usize, || load(*dtype), load_draft, load_mtp)?;
         let worker = Worker::spawn(
             model,
             EngineConfig { max_batch: max_concurrency, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX },

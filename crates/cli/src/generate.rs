@@ -118,6 +118,7 @@ pub fn run(a: Args) -> Result<()> {
         folder.config.vocab_size,
         || Ok(folder.load(a.dtype.dtype(), &device)?),
         |path| Ok(open_model(path)?.load(a.dtype.dtype(), &device)?),
+        || Ok(folder.load_mtp(&model)?),
     )?;
     // The same engine that serves requests, for one request.
     let engine = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX };

@@ -87,6 +87,7 @@ pub fn run(a: Args) -> Result<()> {
         folder.config.vocab_size,
         || Ok(folder.load(a.dtype.dtype(), &device)?),
         |path| Ok(crate::common::open_model(path)?.load(a.dtype.dtype(), &device)?),
+        || Ok(folder.load_mtp(&model)?),
     )?;
     let worker = Worker::spawn(model, engine, cache, speculation).context("cannot start the engine")?;
     if let Some(r) = worker.recovery() {

@@ -160,3 +160,15 @@ fn bad_flags() {
     assert!(flag_error(&["--tokens", "1", "--device", "tpu"]).contains("--device tpu"));
     assert!(flag_error(&[]).contains("--prompt, --chat or --tokens"));
 }
+
+#[test]
+fn draft_mtp_without_a_head() {
+    let dense = fixture().with_file_name("dense").join("qwen3-tiny-draft");
+    let err = generate_error(&dense, &["--draft", "mtp"]);
+    assert!(err.contains("--draft mtp") && err.contains("needs a Qwen3.5 model"), "{err}");
+    // A Qwen3.5 folder whose conversion dropped `mtp.*`.
+    let dir = copy_fixture(&fixture());
+    rewrite_weights(dir.path(), |t| t.retain(|k, _| !k.starts_with("mtp.")));
+    let err = generate_error(dir.path(), &["--draft", "mtp"]);
+    assert!(err.contains("--draft mtp") && err.contains("no multi-token-prediction head"), "{err}");
+}

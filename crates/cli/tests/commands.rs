@@ -51,23 +51,32 @@ fn generate_json_reports_greedy_tokens() {
     for dir in fixtures() {
         let reference = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
         let tokens: Vec<String> = reference["tokens"].to_vec1::<i64>().unwrap().iter().map(|t| t.to_string()).collect();
+        let tokens = tokens.join(",");
         let json: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
-        let stdout = strata(&[
-            "generate",
-            "--model",
-            dir.to_str().unwrap(),
-            "--tokens",
-            &tokens.join(","),
-            "--max-tokens",
-            "24",
-            "--temperature",
-            "0",
-            "--ignore-eos",
-            "--json",
-        ]);
-        let last: serde_json::Value = serde_json::from_str(stdout.trim_end().lines().last().unwrap()).unwrap();
-        assert_eq!(last["tokens"], json["greedy_tokens"], "{}", dir.display());
-        assert!(last["text"].is_string());
+        // Plain, and drafted by the model's multi-token-prediction head: the same tokens.
+        for draft in [&[][..], &["--draft", "mtp", "--num-draft-tokens", "3"]] {
+            let mut args = vec![
+                "generate",
+                "--model",
+                dir.to_str().unwrap(),
+                "--tokens",
+                &tokens,
+                "--max-tokens",
+                "24",
+                "--temperature",
+                "0",
+                "--ignore-eos",
+                "--json",
+            ];
+            args.extend_from_slice(draft);
+            let stdout = strata(&args);
+            let last: serde_json::Value = serde_json::from_str(stdout.trim_end().lines().last().unwrap()).unwrap();
+            assert_eq!(last["tokens"], json["greedy_tokens"], "{} {draft:?}", dir.display());
+            assert!(last["text"].is_string());
+            if !draft.is_empty() {
+                assert!(last["drafted_tokens"].as_u64().unwrap() > 0, "{}: nothing drafted", dir.display());
+            }
+        }
     }
 }
