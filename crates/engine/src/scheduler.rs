@@ -232,6 +232,9 @@ impl<'a> Engine<'a> {
             return Ok(());
         }
         row.checkpointed = row.generated.len();
+        if let Some(drafter) = &mut self.drafter {
+            drafter.start_joiner(); // no prefill: nothing of an abandoned joiner's may carry over
+        }
         self.join_batch(row, snap.state)
     }
 
