@@ -28,8 +28,8 @@ pub struct Args {
     /// Concurrent requests, one run per value, e.g. 1,4,8,16,32.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     concurrency: Vec<usize>,
-    /// One or more compute dtypes, e.g. f32,bf16.
-    #[arg(long, value_enum, value_delimiter = ',', default_value = "f32")]
+    /// One or more compute dtypes, e.g. f32,bf16 (default: f32 on CPU, bf16 on GPU).
+    #[arg(long, value_enum, value_delimiter = ',')]
     dtype: Vec<DTypeArg>,
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -156,8 +156,11 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     })
 }
 
-pub fn run(a: Args) -> Result<()> {
+pub fn run(mut a: Args) -> Result<()> {
     let device = parse_device(&a.device)?;
+    if a.dtype.is_empty() {
+        a.dtype.push(DTypeArg::or_default_for(None, &device));
+    }
     if a.prompt_len == 0 || a.gen_len < 2 {
         bail!("--prompt-len must be at least 1 and --gen-len at least 2");
     }

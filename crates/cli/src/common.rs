@@ -13,6 +13,12 @@ pub enum DTypeArg {
 }
 
 impl DTypeArg {
+    /// The compute dtype asked for, else the device's default: f32 on CPU (exact against the
+    /// oracle), bf16 on GPUs (tensor cores; recurrent state stays f32 either way).
+    pub fn or_default_for(asked: Option<DTypeArg>, device: &Device) -> DTypeArg {
+        asked.unwrap_or(if device.is_cpu() { DTypeArg::F32 } else { DTypeArg::Bf16 })
+    }
+
     pub fn dtype(self) -> DType {
         match self {
             DTypeArg::F32 => DType::F32,
@@ -41,7 +47,10 @@ pub fn parse_device(spec: &str) -> Result<Device> {
 }
 
 fn cuda(index: usize) -> Result<Device> {
-    Device::new_cuda(index).with_context(|| format!("--device cuda:{index}: no usable GPU (this build may lack CUDA support)"))
+    if !cfg!(feature = "cuda") {
+        bail!("--device cuda:{index}: this strata binary was built without CUDA (build it with scripts/cuda/build.sh)");
+    }
+    Device::new_cuda(index).with_context(|| format!("--device cuda:{index}: no usable GPU (is the NVIDIA driver installed?)"))
 }
 
 /// A comma-separated token id list such as `1,2,3`.

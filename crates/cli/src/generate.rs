@@ -49,8 +49,9 @@ pub struct Args {
     frequency_penalty: Option<f64>,
     #[arg(long)]
     seed: Option<u64>,
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: DTypeArg,
+    /// Compute dtype (default: f32 on CPU, bf16 on GPU).
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -78,6 +79,7 @@ impl EventSink for Channel {
 
 pub fn run(a: Args) -> Result<()> {
     let device = parse_device(&a.device)?;
+    let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let dir = crate::hub::resolve_model(a.model.as_deref())?;
     let folder = open_model(&dir)?;
     let prompt = match (&a.prompt, &a.chat, &a.tokens) {
@@ -113,11 +115,11 @@ pub fn run(a: Args) -> Result<()> {
     }
     .resolve(&folder.generation)
     .map_err(anyhow::Error::msg)?;
-    let model = folder.load(a.dtype.dtype(), &device)?;
+    let model = folder.load(dtype.dtype(), &device)?;
     let speculation = a.draft.speculation(
         folder.config.vocab_size,
-        || Ok(folder.load(a.dtype.dtype(), &device)?),
-        |path| Ok(open_model(path)?.load(a.dtype.dtype(), &device)?),
+        || Ok(folder.load(dtype.dtype(), &device)?),
+        |path| Ok(open_model(path)?.load(dtype.dtype(), &device)?),
         || Ok(folder.load_mtp(&model)?),
     )?;
     // The same engine that serves requests, for one request.

@@ -22,16 +22,18 @@ pub struct Args {
     /// Prefill the first N tokens, then feed the rest one at a time; writes positions N-1..T-1.
     #[arg(long)]
     incremental_from: Option<usize>,
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: DTypeArg,
+    /// Compute dtype (default: f32 on CPU, bf16 on GPU).
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
     #[arg(long, default_value = "cpu")]
     device: String,
 }
 
 pub fn run(a: Args) -> Result<()> {
     let device = parse_device(&a.device)?;
+    let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let tokens = parse_tokens(&a.tokens)?;
-    let model = open_model(&a.model)?.load(a.dtype.dtype(), &device)?;
+    let model = open_model(&a.model)?.load(dtype.dtype(), &device)?;
     let row = |ids: &[u32]| -> Result<Tensor> { Ok(Tensor::new(ids, &device)?.unsqueeze(0)?) };
     let mut state = model.new_state(1)?;
     let logits = match a.incremental_from {

@@ -39,8 +39,9 @@ pub struct Args {
     /// Load GGUF weights dequantized to --dtype instead of multiplying them quantized.
     #[arg(long)]
     dequantize: bool,
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: DTypeArg,
+    /// Compute dtype (default: f32 on CPU, bf16 on GPU).
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -117,6 +118,7 @@ fn log_softmax(logits: &Tensor) -> Result<Tensor> {
 
 pub fn run(a: Args) -> Result<()> {
     let device = parse_device(&a.device)?;
+    let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let dir = crate::hub::resolve_model(a.model.as_deref())?;
     let folder = open_model(&dir)?;
     let text = std::fs::read_to_string(&a.file).with_context(|| format!("--file {}: cannot read", a.file.display()))?;
@@ -129,7 +131,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     let stride = a.stride.unwrap_or(a.ctx / 2);
     let model =
-        if a.dequantize { folder.load_dequantized(a.dtype.dtype(), &device)? } else { folder.load(a.dtype.dtype(), &device)? };
+        if a.dequantize { folder.load_dequantized(dtype.dtype(), &device)? } else { folder.load(dtype.dtype(), &device)? };
     let bos = folder.tokenizer.bos().map(|(_, id)| id);
     let started = Instant::now();
     let s = score(&model, bos, &tokens, a.ctx, stride, a.chunk)?;

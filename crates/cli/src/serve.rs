@@ -34,8 +34,9 @@ pub struct Args {
     /// Longest prompt + output per request, in tokens (default: the model's maximum).
     #[arg(long)]
     max_context: Option<usize>,
-    #[arg(long, value_enum, default_value = "f32")]
-    dtype: DTypeArg,
+    /// Compute dtype (default: f32 on CPU, bf16 on GPU).
+    #[arg(long, value_enum)]
+    dtype: Option<DTypeArg>,
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
@@ -68,6 +69,7 @@ pub fn run(a: Args) -> Result<()> {
         LogFormat::Json => subscriber.json().init(),
     }
     let device = parse_device(&a.device)?;
+    let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let dir = crate::hub::resolve_model(a.model.as_deref())?;
     let folder = crate::common::open_model(&dir)?;
     let model_max = folder.config.max_position_embeddings;
@@ -81,12 +83,12 @@ pub fn run(a: Args) -> Result<()> {
         prefill_chunk: a.prefill_chunk.max(1),
         state_budget_bytes: a.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
     };
-    let cache = a.cache.config(&device, || folder_identity(&dir, a.dtype.name()))?;
-    let model = folder.load(a.dtype.dtype(), &device)?;
+    let cache = a.cache.config(&device, || folder_identity(&dir, dtype.name()))?;
+    let model = folder.load(dtype.dtype(), &device)?;
     let speculation = a.draft.speculation(
         folder.config.vocab_size,
-        || Ok(folder.load(a.dtype.dtype(), &device)?),
-        |path| Ok(crate::common::open_model(path)?.load(a.dtype.dtype(), &device)?),
+        || Ok(folder.load(dtype.dtype(), &device)?),
+        |path| Ok(crate::common::open_model(path)?.load(dtype.dtype(), &device)?),
         || Ok(folder.load_mtp(&model)?),
     )?;
     let worker = Worker::spawn(model, engine, cache, speculation).context("cannot start the engine")?;
@@ -107,7 +109,7 @@ pub fn run(a: Args) -> Result<()> {
     let state = Arc::new(Shared {
         config: ServerConfig {
             model_name,
-            dtype: a.dtype.name().into(),
+            dtype: dtype.name().into(),
             device: a.device.clone(),
             max_context,
             api_key: a.api_key.clone(),
