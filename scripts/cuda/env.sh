@@ -1,0 +1,13 @@
+# Environment for a CUDA build of strata (sourced by build.sh): the toolkit that setup.sh put
+# under .cuda/, the H200's compute capability (there is no GPU here to ask), and the link stubs.
+STRATA_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+CUDA_ROOT="$(echo "$STRATA_ROOT"/.cuda/venv/lib/python3*/site-packages/nvidia/cu13)"
+if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then
+    echo "no CUDA toolkit under .cuda/: run scripts/cuda/setup.sh first" >&2
+    return 1
+fi
+export CUDA_ROOT CUDA_PATH="$CUDA_ROOT" PATH="$CUDA_ROOT/bin:$PATH"
+export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+# Its own target folder: the CUDA build's flags never invalidate the CPU build's cache.
+export CARGO_TARGET_DIR="$STRATA_ROOT/target/cuda"
+export RUSTFLAGS="-L native=$STRATA_ROOT/.cuda/stubs -L native=$CUDA_ROOT/lib"
