@@ -1,0 +1,109 @@
+#!/usr/bin/env python3
+"""transformers' side of the GPU benchmark, and the GPU's measured limits.
+
+Builds the synthetic Qwen3.5 shapes `strata bench --synthetic` builds (the table below mirrors
+crates/model/src/synthetic.rs) with random bf16 weights on the GPU, and prints one JSON object
+per line:
+  {"kind": "limits", "copy_gb_s": ..., "bf16_tflop_s": ...}
+  {"kind": "model", "shape": ..., "params": ..., "weight_bytes_per_token": ...}
+  {"kind": "decode", "shape": ..., "batch": B, "tok_s": ...}      (eager, DynamicCache)
+  {"kind": "prefill", "shape": ..., "prompt": P, "tok_s": ..., "peak_gib": ...}
+Usage: bench_transformers.py --shape qwen3.5-4b [--batch 1,8] [--prompt 2048,8192]
+"""
+import argparse
+import json
+import time
+
+import torch
+from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+# (hidden, layers, intermediate, heads, kv heads, linear key heads, linear value heads, tied)
+SHAPES = {
+    "qwen3.5-0.8b": (1024, 24, 3584, 8, 2, 16, 16, True),
+    "qwen3.5-2b": (2048, 24, 6144, 8, 2, 16, 16, True),
+    "qwen3.5-4b": (2560, 32, 9216, 16, 4, 16, 32, True),
+    "qwen3.5-9b": (4096, 32, 12288, 16, 4, 16, 32, False),
+}
+
+
+def config(name):
+    hidden, layers, inter, heads, kv, lk, lv, tied = SHAPES[name]
+    return Qwen3_5TextConfig(
+        vocab_size=248_320, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
+        num_attention_heads=heads, num_key_value_heads=kv, head_dim=256, linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=lk,
+        linear_num_value_heads=lv, rms_norm_eps=1e-6, max_position_embeddings=262_144,
+        tie_word_embeddings=tied,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25,
+                         "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+
+
+def timed(fn, repeat=1):
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeat
+
+
+def limits():
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy = timed(lambda: dst.copy_(src), 20)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm = timed(lambda: a @ a, 20)
+    return {"kind": "limits", "copy_gb_s": 2 * src.numel() / copy / 1e9, "bf16_tflop_s": 2 * 8192**3 / mm / 1e12}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    ap.add_argument("--batch", default="1")
+    ap.add_argument("--prompt", default="2048")
+    ap.add_argument("--decode-prompt", type=int, default=128)
+    ap.add_argument("--gen", type=int, default=32)
+    ap.add_argument("--limits", action="store_true")
+    a = ap.parse_args()
+    if a.limits:
+        print(json.dumps(limits()), flush=True)
+    torch.manual_seed(0)
+    cfg = config(a.shape)
+    with torch.device("cuda"):
+        model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).eval()
+    embed = model.model.embed_tokens.weight.numel()
+    total = sum(p.numel() for p in model.parameters())
+    # Read per decoded token: every matrix once (the tied embedding once, as the output head).
+    read = total if cfg.tie_word_embeddings else total - embed
+    print(json.dumps({"kind": "model", "shape": a.shape, "params": total, "weight_bytes_per_token": 2 * read}), flush=True)
+    vocab = cfg.vocab_size
+    with torch.no_grad():
+        for batch in map(int, a.batch.split(",")):
+            ids = torch.randint(0, vocab, (batch, a.decode_prompt), device="cuda")
+            cache = DynamicCache(config=cfg)
+            out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            nxt = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(a.gen):
+                out = model(input_ids=nxt, past_key_values=cache, use_cache=True)
+                nxt = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            print(json.dumps({"kind": "decode", "shape": a.shape, "batch": batch,
+                              "tok_s": batch * a.gen / (time.perf_counter() - start)}), flush=True)
+        for prompt in map(int, a.prompt.split(",")):
+            ids = torch.randint(0, vocab, (1, prompt), device="cuda")
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                seconds = timed(lambda: model(input_ids=ids, use_cache=True, logits_to_keep=1))
+                print(json.dumps({"kind": "prefill", "shape": a.shape, "prompt": prompt, "tok_s": prompt / seconds,
+                                  "peak_gib": torch.cuda.max_memory_allocated() / 2**30}), flush=True)
+            except torch.OutOfMemoryError:
+                print(json.dumps({"kind": "prefill", "shape": a.shape, "prompt": prompt, "error": "out of memory"}), flush=True)
+                torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
