@@ -39,6 +39,10 @@ pub fn gated_delta_rule(
 ) -> Result<(Tensor, Tensor)> {
     match q.device() {
         Device::Cpu => cpu::run(q, k, v, a, b, gating, state),
+        // Decode steps and speculative verify blocks step token by token; prefill goes by
+        // chunks. (A rollback re-folds its kept positions through this same dispatch, so it
+        // matches a forward over only those tokens.)
+        _ if q.dim(1)? > STEPWISE_MAX => chunked(q, k, v, a, b, gating, state),
         _ => reference(q, k, v, a, b, gating, state),
     }
 }
@@ -52,6 +56,23 @@ fn l2norm(x: &Tensor) -> Result<Tensor> {
     x.broadcast_div(&(x.sqr()?.sum_keepdim(D::Minus1)? + 1e-6)?.sqrt()?)
 }
 
+/// The inputs in f32, per value head: `q` (normalised, scaled), `k` (normalised) `[B, T, Hv, Dk]`,
+/// `v` `[B, T, Hv, Dv]`, the log decay `g` and the write strength `beta` `[B, T, Hv]`.
+fn prepared(q: &Tensor, k: &Tensor, v: &Tensor, a: &Tensor, b: &Tensor, gating: &Gating) -> Result<[Tensor; 5]> {
+    let dk = q.dim(3)?;
+    let group = v.dim(2)? / q.dim(2)?;
+    let f = |x: &Tensor| x.to_dtype(DType::F32);
+    let expand = |x: Tensor| -> Result<Tensor> {
+        // [B, T, Hk, Dk] -> [B, T, Hv, Dk], value head h reads key head h / group.
+        let (b_, t_, h_, d_) = x.dims4()?;
+        x.unsqueeze(3)?.expand((b_, t_, h_, group, d_))?.reshape((b_, t_, h_ * group, d_))
+    };
+    let q = (expand(l2norm(&f(q)?)?)? * (1.0 / (dk as f64).sqrt()))?;
+    let k = expand(l2norm(&f(k)?)?)?;
+    let g = softplus(&f(a)?.broadcast_add(&f(gating.dt_bias)?)?)?.broadcast_mul(&f(gating.a_log)?.exp()?.neg()?)?;
+    Ok([q, k, f(v)?, g, sigmoid(&f(b)?)?])
+}
+
 /// The slow twin: the same recurrence from tensor ops, one token per step. Runs on any device.
 pub fn reference(
     q: &Tensor,
@@ -62,21 +83,9 @@ pub fn reference(
     gating: &Gating,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    let (bsz, t_len, hk, dk) = q.dims4()?;
+    let (bsz, t_len, _, _) = q.dims4()?;
     let hv = v.dim(2)?;
-    let group = hv / hk;
-    let f = |x: &Tensor| x.to_dtype(DType::F32);
-    let expand = |x: Tensor| -> Result<Tensor> {
-        // [B, T, Hk, Dk] -> [B, T, Hv, Dk], value head h reads key head h / group.
-        let (b_, t_, h_, d_) = x.dims4()?;
-        x.unsqueeze(3)?.expand((b_, t_, h_, group, d_))?.reshape((b_, t_, h_ * group, d_))
-    };
-    let q = (expand(l2norm(&f(q)?)?)? * (1.0 / (dk as f64).sqrt()))?;
-    let k = expand(l2norm(&f(k)?)?)?;
-    let v = f(v)?;
-    let a_log = f(gating.a_log)?;
-    let g = softplus(&f(a)?.broadcast_add(&f(gating.dt_bias)?)?)?.broadcast_mul(&a_log.exp()?.neg()?)?;
-    let beta = sigmoid(&f(b)?)?;
+    let [q, k, v, g, beta] = prepared(q, k, v, a, b, gating)?;
     let mut s = state.to_dtype(DType::F32)?;
     let mut outs = Vec::with_capacity(t_len);
     for t in 0..t_len {
@@ -92,6 +101,98 @@ pub fn reference(
         outs.push(s.matmul(&q_t.unsqueeze(3)?)?.squeeze(3)?);
     }
     Ok((Tensor::stack(&outs, 1)?, s))
+}
+
+/// Longest input that off-CPU devices run step by step rather than by chunks.
+const STEPWISE_MAX: usize = 16;
+
+/// Tokens per chunk of [`chunked`].
+pub const CHUNK: usize = 64;
+
+/// The same recurrence in the chunk-parallel (WY / UT-transform) form: within a chunk of
+/// `CHUNK` tokens every interaction is a matrix product, and only the state passes from chunk
+/// to chunk — a few dozen batched matmuls per chunk instead of a dozen ops per token. Runs on
+/// any device; the GPU path for long inputs. With `G` the within-chunk cumulative log decay and
+/// `Γ[i, j] = exp(G_i − G_j)` for `j ≤ i`:
+/// ```text
+/// T      = (I + strict_lower(diag(β) K Kᵀ ∘ Γ))⁻¹          (the UT transform)
+/// U      = T diag(β) V;   W = T diag(β exp(G)) K
+/// V'     = U − W Sᵀ                                         (per chunk, S carried)
+/// O      = diag(exp(G)) Q Sᵀ + lower(Q Kᵀ ∘ Γ) V'
+/// S      = exp(G_last) S + V'ᵀ diag(exp(G_last − G)) K
+/// ```
+/// The inverse of `I + L` (`L` strictly lower, so nilpotent) is the product
+/// `(I − L)(I + L²)(I + L⁴)…`, six doublings for 64 tokens.
+pub fn chunked(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    gating: &Gating,
+    state: &Tensor,
+) -> Result<(Tensor, Tensor)> {
+    let (bsz, t_len, _, _) = q.dims4()?;
+    let hv = v.dim(2)?;
+    let dev = q.device();
+    let n = t_len.div_ceil(CHUNK);
+    let padded = n * CHUNK;
+    let heads = bsz * hv;
+    // [B, T, Hv, D] -> [B·Hv·N, C, D], zero-padded: a padded token has k = v = 0 and g = 0, so
+    // it neither decays nor writes the state.
+    let chunks = |x: Tensor| -> Result<Tensor> {
+        let x = x.transpose(1, 2)?.contiguous()?;
+        let x = if padded > t_len { x.pad_with_zeros(2, 0, padded - t_len)? } else { x };
+        let d = x.dim(3)?;
+        x.reshape((heads * n, CHUNK, d))
+    };
+    let [q, k, v, g, beta] = prepared(q, k, v, a, b, gating)?;
+    let (q, k, v) = (chunks(q)?, chunks(k)?, chunks(v)?);
+    let beta = chunks(beta.unsqueeze(3)?)?; // [B·Hv·N, C, 1]
+    let cum = chunks(g.unsqueeze(3)?)?.squeeze(2)?.cumsum(1)?; // G, [B·Hv·N, C]
+    let lower = Tensor::tril2(CHUNK, DType::F32, dev)?;
+    let eye = Tensor::eye(CHUNK, DType::F32, dev)?;
+    // Γ: exp(G_i − G_j) on and below the diagonal, 0 above; clamped before exp so the masked
+    // entries cannot overflow.
+    let diff = cum.unsqueeze(2)?.broadcast_sub(&cum.unsqueeze(1)?)?;
+    let gamma = diff.minimum(0f32)?.exp()?.broadcast_mul(&lower)?;
+    let k_t = k.transpose(1, 2)?.contiguous()?;
+    let k_beta = k.broadcast_mul(&beta)?;
+    let l = k_beta.matmul(&k_t)?.mul(&gamma)?.broadcast_mul(&(&lower - &eye)?)?;
+    let mut inverse = eye.broadcast_sub(&l)?;
+    let mut power = l;
+    for _ in 1..CHUNK.trailing_zeros() {
+        power = power.matmul(&power)?;
+        inverse = inverse.matmul(&power.broadcast_add(&eye)?)?;
+    }
+    let decay = cum.exp()?.unsqueeze(2)?; // exp(G), [B·Hv·N, C, 1]
+                                          // Per chunk from here: [B·Hv, N, C, ·].
+    let per_chunk = |x: Tensor| -> Result<Tensor> {
+        let (c, d) = (x.dim(1)?, x.dim(2)?);
+        x.reshape((heads, n, c, d))
+    };
+    let u = per_chunk(inverse.matmul(&v.broadcast_mul(&beta)?)?)?;
+    let w = per_chunk(inverse.matmul(&k_beta.broadcast_mul(&decay)?)?)?;
+    let intra = per_chunk(q.matmul(&k_t)?.mul(&gamma)?)?;
+    let q_decayed = per_chunk(q.broadcast_mul(&decay)?)?;
+    let (k, cum) = (per_chunk(k)?, per_chunk(cum.unsqueeze(2)?)?);
+    let (dv, dk) = (state.dim(2)?, state.dim(3)?);
+    let mut s = state.to_dtype(DType::F32)?.reshape((heads, dv, dk))?;
+    let mut outs = Vec::with_capacity(n);
+    for c in 0..n {
+        let at = |x: &Tensor| x.narrow(1, c, 1)?.squeeze(1); // [B·Hv, C, ·]
+        let s_t = s.transpose(1, 2)?.contiguous()?; // [B·Hv, Dk, Dv]
+        let v_new = (at(&u)? - at(&w)?.matmul(&s_t)?)?;
+        outs.push((at(&q_decayed)?.matmul(&s_t)? + at(&intra)?.matmul(&v_new)?)?);
+        let cum_c = at(&cum)?; // [B·Hv, C, 1]
+        let last = cum_c.narrow(1, CHUNK - 1, 1)?; // [B·Hv, 1, 1]
+        let k_weighted = at(&k)?.broadcast_mul(&last.broadcast_sub(&cum_c)?.exp()?)?;
+        s = (s.broadcast_mul(&last.exp()?)? + v_new.transpose(1, 2)?.contiguous()?.matmul(&k_weighted)?)?;
+    }
+    // [B·Hv, N·C, Dv] -> [B, T, Hv, Dv]
+    let out = Tensor::cat(&outs, 1)?.reshape((bsz, hv, padded, dv))?.narrow(2, 0, t_len)?.transpose(1, 2)?.contiguous()?;
+    let s = s.reshape((bsz, hv, dv, dk))?;
+    Ok((out, s))
 }
 
 fn sigmoid(x: &Tensor) -> Result<Tensor> {
@@ -220,6 +321,10 @@ mod tests {
         };
         assert!(diff(&o1, &o2) < 1e-5, "output differs by {}", diff(&o1, &o2));
         assert!(diff(&s1, &s2) < 1e-5, "state differs by {}", diff(&s1, &s2));
+        // The chunk-parallel form: other summation orders, the same recurrence.
+        let (o3, s3) = chunked(&q, &k, &v, &a, &b, &gating, &s0).unwrap();
+        assert!(diff(&o3, &o2) < 1e-4, "chunked output differs by {}", diff(&o3, &o2));
+        assert!(diff(&s3, &s2) < 1e-4, "chunked state differs by {}", diff(&s3, &s2));
         // Splitting the sequence in two through the carried state changes nothing.
         let half = t / 2;
         let n = |x: &Tensor, s: usize, l: usize| x.narrow(1, s, l).unwrap();
@@ -237,5 +342,8 @@ mod tests {
         check(1, 7, 2, 2, 16, 16);
         check(3, 9, 2, 4, 8, 12);
         check(2, 1, 1, 3, 4, 4);
+        // Several chunks, the last one padded.
+        check(2, 150, 2, 4, 16, 8);
+        check(1, 64, 1, 1, 32, 32);
     }
 }

@@ -36,8 +36,9 @@ fn assert_close(what: &str, dtype: DType, got: &Tensor, want: &Tensor) {
 #[test]
 fn gated_delta_rule_on_gpu_matches_cpu() {
     let gpu = gpu();
-    let (b, t, hk, hv, dk, dv) = (2, 7, 2, 4, 32, 16);
-    for dtype in [DType::F32, DType::BF16] {
+    // Step by step (a decode or verify block) and by chunks (prefill: three, the last padded).
+    for (t, dtype) in [(7, DType::F32), (7, DType::BF16), (150, DType::F32), (150, DType::BF16)] {
+        let (b, hk, hv, dk, dv) = (2, 2, 4, 32, 16);
         let inputs = [
             values(&[b, t, hk, dk], 1.0, 1),
             values(&[b, t, hk, dk], 1.0, 2),
@@ -55,8 +56,8 @@ fn gated_delta_rule_on_gpu_matches_cpu() {
         };
         let (want_out, want_state) = run(&Device::Cpu);
         let (out, new_state) = run(&gpu);
-        assert_close("gated delta output", dtype, &out, &want_out);
-        assert_close("gated delta state", dtype, &new_state, &want_state);
+        assert_close(&format!("gated delta output, {t} tokens"), dtype, &out, &want_out);
+        assert_close(&format!("gated delta state, {t} tokens"), dtype, &new_state, &want_state);
     }
 }
 
