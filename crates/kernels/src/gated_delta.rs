@@ -122,7 +122,7 @@ pub const CHUNK: usize = 64;
 /// S      = exp(G_last) S + V'ᵀ diag(exp(G_last − G)) K
 /// ```
 /// The inverse of `I + L` (`L` strictly lower, so nilpotent) is the product
-/// `(I − L)(I + L²)(I + L⁴)…`, six doublings for 64 tokens.
+/// `(I − L)(I + L²)(I + L⁴)…(I + L³²)` for 64 tokens: six factors, five squarings.
 pub fn chunked(
     q: &Tensor,
     k: &Tensor,
