@@ -217,8 +217,9 @@ pub fn run(mut a: Args) -> Result<()> {
             CacheConfig::off(),
             speculation,
         )?;
-        // Warm-up: first touch of weights and allocator pools.
-        measure(&worker, vocab, &Args { prompt_len: 8, gen_len: 2, ..a.clone() }, 1)?;
+        // Warm-up: first touch of weights and allocator pools, and on a GPU the first load of
+        // the kernels of both the step-by-step (decode) and the chunked (prefill) paths.
+        measure(&worker, vocab, &Args { prompt_len: a.prompt_len.min(64), gen_len: 2, ..a.clone() }, 1)?;
         for &c in &a.concurrency {
             let m = measure(&worker, vocab, &a, c)?;
             if a.json {

@@ -50,7 +50,16 @@ fn cuda(index: usize) -> Result<Device> {
     if !cfg!(feature = "cuda") {
         bail!("--device cuda:{index}: this strata binary was built without CUDA (build it with scripts/cuda/build.sh)");
     }
-    Device::new_cuda(index).with_context(|| format!("--device cuda:{index}: no usable GPU (is the NVIDIA driver installed?)"))
+    let device =
+        Device::new_cuda(index).with_context(|| format!("--device cuda:{index}: no usable GPU (is the NVIDIA driver installed?)"))?;
+    #[cfg(feature = "cuda")]
+    if let Device::Cuda(gpu) = &device {
+        // SAFETY: candle runs every op of a device on that device's one stream, so ordering
+        // is the stream's; the per-buffer events cudarc records for cross-stream safety are
+        // two driver calls per op for nothing.
+        unsafe { gpu.disable_event_tracking() };
+    }
+    Ok(device)
 }
 
 /// A comma-separated token id list such as `1,2,3`.

@@ -31,12 +31,49 @@ impl Scoring {
 /// `0..=L-T+i`, or the last `window` of them). Query head `h` reads KV head `h / (Hq / Hkv)`.
 /// Scores and softmax are f32; the result `[Hq, T, D]` is in `q`'s dtype.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
-    let few = q.dim(1)? <= crate::matmul::MAX_EXACT_ROWS && q.device().is_cpu() && k.dtype() == v.dtype();
+    let few_rows = q.dim(1)? <= crate::matmul::MAX_EXACT_ROWS;
+    #[cfg(feature = "cuda")]
+    if few_rows && q.device().is_cuda() && gpu::takes(q, k, v)? {
+        return gpu::attention_few(q, k, v, scoring);
+    }
+    let few = few_rows && q.device().is_cpu() && k.dtype() == v.dtype();
     match k.dtype() {
         DType::F32 if few => few_queries::<f32>(q, k, v, scoring),
         DType::BF16 if few => few_queries::<half::bf16>(q, k, v, scoring),
         _ => reference(q, k, v, scoring),
     }
+}
+
+/// [`causal_attention`] for a batch whose rows have their own histories: `q` `[B, Hq, T, D]`,
+/// `kv[r]` row `r`'s keys and values `[Hkv, L_r, D]`. Returns `[B, Hq, T, D]`. On CUDA, a few
+/// queries per row run as one kernel over every row.
+pub fn causal_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && q.dim(2)? <= crate::matmul::MAX_EXACT_ROWS && !kv.is_empty() {
+        let row = q.get(0)?;
+        if kv.iter().map(|(k, v)| gpu::takes(&row, k, v)).collect::<Result<Vec<_>>>()?.into_iter().all(|ok| ok) {
+            return gpu::attention_rows(q, kv, scoring);
+        }
+    }
+    let rows = kv
+        .iter()
+        .enumerate()
+        .map(|(r, (k, v))| causal_attention(&q.get(r)?.contiguous()?, k, v, scoring))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::stack(&rows, 0)
+}
+
+/// Writes `src` `[B, H, T, D]` in place into each row's buffer `dst[r].0` `[H, capacity, D]`
+/// from position `dst[r].1` (a KV store's append). One kernel for every row on CUDA.
+pub fn write_rows(src: &Tensor, dst: &[(&Tensor, usize)]) -> Result<()> {
+    #[cfg(feature = "cuda")]
+    if src.device().is_cuda() && crate::cuda::supports(src.dtype()) && dst.iter().all(|(buf, _)| buf.dtype() == src.dtype()) {
+        return gpu::write_rows(src, dst);
+    }
+    for (r, (buf, position)) in dst.iter().enumerate() {
+        buf.slice_set(&src.get(r)?.to_dtype(buf.dtype())?.contiguous()?, 1, *position)?;
+    }
+    Ok(())
 }
 
 /// The same attention from tensor ops (batched matmuls), for long query blocks and any device.
@@ -104,6 +141,197 @@ fn few_queries<W: Widen>(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -
         }
     });
     Tensor::from_vec(out, (hq, t_len, d), q.device())?.to_dtype(q.dtype())
+}
+
+/// The NeoX half-split rotary embedding on the first `2·half` dims of each head of `x`
+/// `[B, H, T, D]`, with `cos`, `sin` f32 `[B, 1, T, half]` (per row's positions), in `x`'s dtype
+/// (the tables rounded to it first, as transformers does).
+pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = cos.dim(D::Minus1)?;
+    let d = x.dim(D::Minus1)?;
+    let (cos, sin) = (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?);
+    let x1 = x.narrow(D::Minus1, 0, half)?;
+    let x2 = x.narrow(D::Minus1, half, half)?;
+    let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
+    let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
+    let mut parts = vec![r1, r2];
+    if d > 2 * half {
+        parts.push(x.narrow(D::Minus1, 2 * half, d - 2 * half)?);
+    }
+    Tensor::cat(&parts, D::Minus1)
+}
+
+/// Per-head RMSNorm (`scale` f32 `[D]`, result rounded to `x`'s dtype) then [`rope`]: `x`
+/// `[B, T, H, D]` in, `[B, H, T, D]` out (the layout attention reads). One kernel on CUDA.
+pub fn norm_rope(x: &Tensor, scale: &Tensor, eps: f32, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && crate::cuda::supports(x.dtype()) {
+        return gpu::norm_rope(x, scale, eps, cos, sin);
+    }
+    let normed = crate::norm::rms_norm(x, scale, eps)?;
+    rope(&normed.transpose(1, 2)?, cos, sin)
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+    use candle_core::{DType, Tensor};
+
+    use super::Scoring;
+    use crate::cuda::{self, Arg};
+    use crate::Result;
+
+    /// The kernels' warps per block and widest head (cuda/attention.cu).
+    const WARPS: u32 = 4;
+    const MAX_HEAD_DIM: usize = 512;
+
+    pub(super) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<bool> {
+        let dtype = q.dtype();
+        let (hq, hkv) = (q.dim(0)?, k.dim(0)?);
+        Ok(cuda::supports(dtype)
+            && k.dtype() == dtype
+            && v.dtype() == dtype
+            && q.dim(2)? <= MAX_HEAD_DIM
+            && hkv > 0
+            && hq % hkv == 0)
+    }
+
+    /// `[H, L, D]` with contiguous positions (as the KV store's views are): its head stride,
+    /// after copying if its layout is another.
+    fn head_strided(x: &Tensor) -> Result<(Tensor, usize)> {
+        let (_, l, d) = x.dims3()?;
+        let s = x.stride();
+        if (s[2] == 1 || d == 1) && (s[1] == d || l == 1) {
+            return Ok((x.clone(), s[0]));
+        }
+        Ok((x.contiguous()?, l * d))
+    }
+
+    /// One block per (query head, query), its warps splitting the visible keys.
+    pub(super) fn attention_few(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
+        let q = q.contiguous()?;
+        let (hq, t_len, d) = q.dims3()?;
+        let (hkv, l_len, _) = k.dims3()?;
+        let ((k, ks), (v, vs)) = (head_strided(k)?, head_strided(v)?);
+        let out = cuda::output((hq, t_len, d), q.dtype(), q.device())?;
+        let cfg = LaunchConfig { grid_dim: ((hq * t_len) as u32, 1, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 };
+        let args = [
+            Arg::at(&q)?,
+            Arg::at(&k)?,
+            Arg::at(&v)?,
+            Arg::at(&out)?,
+            Arg::dim(hq)?,
+            Arg::dim(hkv)?,
+            Arg::dim(t_len)?,
+            Arg::dim(l_len)?,
+            Arg::dim(d)?,
+            Arg::I64(ks as i64),
+            Arg::I64(vs as i64),
+            Arg::F32(scoring.scale as f32),
+            Arg::dim(scoring.window.unwrap_or(0))?,
+        ];
+        cuda::launch(q.device(), &cuda::ATTENTION, "attention_few", q.dtype(), cfg, &args)?;
+        Ok(out)
+    }
+
+    /// Per row of a batch: its keys' and values' addresses, head strides and length, as the
+    /// kernels' `KvRow` table (kept alive with the copies it may point into).
+    fn kv_table(kv: &[(Tensor, Tensor)], device: &candle_core::Device) -> Result<(Tensor, Vec<Tensor>)> {
+        let mut table = Vec::with_capacity(kv.len() * 5);
+        let mut held = Vec::with_capacity(2 * kv.len());
+        for (k, v) in kv {
+            let ((k, ks), (v, vs)) = (head_strided(k)?, head_strided(v)?);
+            let (Arg::Ptr(kp), Arg::Ptr(vp)) = (Arg::at(&k)?, Arg::at(&v)?) else { unreachable!("addresses") };
+            table.extend([kp as i64, vp as i64, ks as i64, vs as i64, k.dim(1)? as i64]);
+            held.extend([k, v]);
+        }
+        Ok((Tensor::from_vec(table, (kv.len(), 5), device)?, held))
+    }
+
+    /// One block per (query head, query) of every row.
+    pub(super) fn attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring) -> Result<Tensor> {
+        let q = q.contiguous()?;
+        let (b, hq, t_len, d) = q.dims4()?;
+        let hkv = kv[0].0.dim(0)?;
+        let (table, _held) = kv_table(kv, q.device())?;
+        let out = cuda::output((b, hq, t_len, d), q.dtype(), q.device())?;
+        let cfg =
+            LaunchConfig { grid_dim: ((hq * t_len) as u32, b as u32, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 };
+        let args = [
+            Arg::at(&q)?,
+            Arg::at(&table)?,
+            Arg::at(&out)?,
+            Arg::dim(hq)?,
+            Arg::dim(hkv)?,
+            Arg::dim(t_len)?,
+            Arg::dim(d)?,
+            Arg::F32(scoring.scale as f32),
+            Arg::dim(scoring.window.unwrap_or(0))?,
+        ];
+        cuda::launch(q.device(), &cuda::ATTENTION, "attention_rows", q.dtype(), cfg, &args)?;
+        Ok(out)
+    }
+
+    /// One thread per element written.
+    pub(super) fn write_rows(src: &Tensor, dst: &[(&Tensor, usize)]) -> Result<()> {
+        let (b, h, t, d) = src.dims4()?;
+        let src = if src.stride()[3] == 1 { src.clone() } else { src.contiguous()? };
+        let s = src.stride();
+        let mut table = Vec::with_capacity(3 * b);
+        for (buf, position) in dst {
+            let Arg::Ptr(p) = Arg::at(buf)? else { unreachable!("an address") };
+            table.extend([p as i64, buf.stride()[0] as i64, *position as i64]);
+        }
+        let table = Tensor::from_vec(table, (b, 3), src.device())?;
+        let args = [
+            Arg::at(&src)?,
+            Arg::at(&table)?,
+            Arg::dim(b)?,
+            Arg::dim(h)?,
+            Arg::dim(t)?,
+            Arg::dim(d)?,
+            Arg::I64(s[0] as i64),
+            Arg::I64(s[1] as i64),
+            Arg::I64(s[2] as i64),
+        ];
+        cuda::launch(src.device(), &cuda::ATTENTION, "write_rows", src.dtype(), cuda::grid_for(b * h * t * d, 256), &args)
+    }
+
+    /// One warp per (row, token, head).
+    pub(super) fn norm_rope(x: &Tensor, scale: &Tensor, eps: f32, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (b, t, h, d) = x.dims4()?;
+        let half = cos.dim(3)?;
+        let s = x.stride();
+        // Heads may sit apart (q is cut from q_proj's [q | gate] per head); elements may not.
+        let (x, token_stride, head_stride) =
+            if s[3] == 1 && (b == 1 || s[0] == t * s[1]) { (x.clone(), s[1], s[2]) } else { (x.contiguous()?, h * d, d) };
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+        let (scale, cos, sin) = (f32(scale)?, f32(cos)?, f32(sin)?);
+        let out = cuda::output((b, h, t, d), x.dtype(), x.device())?;
+        let rows = b * t * h;
+        let cfg = LaunchConfig {
+            grid_dim: ((rows as u32).div_ceil(WARPS).max(1), 1, 1),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::at(&x)?,
+            Arg::at(&scale)?,
+            Arg::at(&cos)?,
+            Arg::at(&sin)?,
+            Arg::at(&out)?,
+            Arg::dim(b)?,
+            Arg::dim(t)?,
+            Arg::dim(h)?,
+            Arg::dim(d)?,
+            Arg::dim(half)?,
+            Arg::I64(token_stride as i64),
+            Arg::I64(head_stride as i64),
+            Arg::F32(eps),
+        ];
+        cuda::launch(x.device(), &cuda::ATTENTION, "norm_rope", x.dtype(), cfg, &args)?;
+        Ok(out)
+    }
 }
 
 /// Row `pos` of head `head` of a `[H, L, D]` view whose last dimension is contiguous.

@@ -13,7 +13,43 @@ use crate::{cpu_f32, Result};
 pub fn causal_conv1d_silu(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
     match x.device() {
         Device::Cpu => cpu(x, state, weight),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) if gpu::takes(x, state, weight)? => gpu::run(x, state, weight),
         _ => reference(x, state, weight),
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::{DType, Tensor};
+
+    use crate::cuda::{self, Arg};
+    use crate::Result;
+
+    pub(super) fn takes(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<bool> {
+        Ok(cuda::supports(x.dtype()) && state.dtype() == x.dtype() && weight.dim(1)? >= 1)
+    }
+
+    /// One thread per output element (and per element of the new state).
+    pub(super) fn run(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, t, c) = x.dims3()?;
+        let kernel = weight.dim(1)?;
+        let (x, state, weight) = (x.contiguous()?, state.contiguous()?, weight.to_dtype(DType::F32)?.contiguous()?);
+        let y = cuda::output((b, t, c), x.dtype(), x.device())?;
+        let new_state = cuda::output((b, kernel - 1, c), x.dtype(), x.device())?;
+        let args = [
+            Arg::at(&x)?,
+            Arg::at(&state)?,
+            Arg::at(&weight)?,
+            Arg::at(&y)?,
+            Arg::at(&new_state)?,
+            Arg::dim(b)?,
+            Arg::dim(t)?,
+            Arg::dim(c)?,
+            Arg::dim(kernel)?,
+        ];
+        cuda::launch(x.device(), &cuda::RECURRENT, "causal_conv1d_silu", x.dtype(), cuda::grid_for(b * t.max(kernel - 1) * c, 256), &args)?;
+        Ok((y, new_state))
     }
 }
 

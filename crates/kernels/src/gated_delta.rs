@@ -37,12 +37,15 @@ pub fn gated_delta_rule(
     gating: &Gating,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
+    // Decode steps and speculative verify blocks step token by token; prefill goes by chunks.
+    // (A rollback re-folds its kept positions through this same dispatch, so it matches a
+    // forward over only those tokens.)
+    let stepwise = q.dim(1)? <= STEPWISE_MAX;
     match q.device() {
         Device::Cpu => cpu::run(q, k, v, a, b, gating, state),
-        // Decode steps and speculative verify blocks step token by token; prefill goes by
-        // chunks. (A rollback re-folds its kept positions through this same dispatch, so it
-        // matches a forward over only those tokens.)
-        _ if q.dim(1)? > STEPWISE_MAX => chunked(q, k, v, a, b, gating, state),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(_) if stepwise && gpu::takes(q, k, v, a, b)? => gpu::steps(q, k, v, a, b, gating, state),
+        _ if !stepwise => chunked(q, k, v, a, b, gating, state),
         _ => reference(q, k, v, a, b, gating, state),
     }
 }
@@ -193,6 +196,92 @@ pub fn chunked(
     let out = Tensor::cat(&outs, 1)?.reshape((bsz, hv, padded, dv))?.narrow(2, 0, t_len)?.transpose(1, 2)?.contiguous()?;
     let s = s.reshape((bsz, hv, dv, dk))?;
     Ok((out, s))
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+    use candle_core::{DType, Tensor};
+
+    use super::Gating;
+    use crate::cuda::{self, Arg};
+    use crate::Result;
+
+    /// The kernel's tiling (cuda/recurrent.cu): warps per block, state rows per warp, and the
+    /// widest key head its registers hold.
+    const WARPS: usize = 4;
+    const ROWS_PER_WARP: usize = 4;
+    const MAX_KEY_DIM: usize = 256;
+
+    pub(super) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, a: &Tensor, b: &Tensor) -> Result<bool> {
+        let dtype = q.dtype();
+        let same = [k, v, a, b].iter().all(|t| t.dtype() == dtype);
+        let (hk, hv) = (q.dim(2)?, v.dim(2)?);
+        Ok(cuda::supports(dtype) && same && q.dim(3)? <= MAX_KEY_DIM && hk > 0 && hv % hk == 0)
+    }
+
+    /// The distance between consecutive tokens of `x` `[B, T, H, D]` whose heads lie contiguous
+    /// (as the narrowed conv output's do), after copying `x` if its layout is another.
+    fn token_strided(x: &Tensor) -> Result<(Tensor, usize)> {
+        let (b, t, h, d) = x.dims4()?;
+        let s = x.stride();
+        let token = if t == 1 { s[0] } else { s[1] };
+        if (s[3] == 1 || d == 1) && (s[2] == d || h == 1) && (b == 1 || s[0] == t * token) {
+            return Ok((x.clone(), token));
+        }
+        Ok((x.contiguous()?, h * d))
+    }
+
+    /// One block per (row, value head, 16 state rows); each warp keeps 4 rows of the state in
+    /// registers across all tokens.
+    pub(super) fn steps(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        gating: &Gating,
+        state: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (bsz, t_len, hk, dk) = q.dims4()?;
+        let (hv, dv) = (v.dim(2)?, v.dim(3)?);
+        let ((q, qs), (k, ks), (v, vs)) = (token_strided(q)?, token_strided(k)?, token_strided(v)?);
+        let (a, b) = (a.contiguous()?, b.contiguous()?);
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+        let (a_log, dt_bias, state) = (f32(gating.a_log)?, f32(gating.dt_bias)?, f32(state)?);
+        let dev = q.device();
+        let out = cuda::output((bsz, t_len, hv, dv), DType::F32, dev)?;
+        let new_state = cuda::output((bsz, hv, dv, dk), DType::F32, dev)?;
+        let rows_per_block = WARPS * ROWS_PER_WARP;
+        let cfg = LaunchConfig {
+            grid_dim: ((bsz * hv) as u32, dv.div_ceil(rows_per_block) as u32, 1),
+            block_dim: ((WARPS * 32) as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let args = [
+            Arg::at(&q)?,
+            Arg::at(&k)?,
+            Arg::at(&v)?,
+            Arg::I64(qs as i64),
+            Arg::I64(ks as i64),
+            Arg::I64(vs as i64),
+            Arg::at(&a)?,
+            Arg::at(&b)?,
+            Arg::at(&a_log)?,
+            Arg::at(&dt_bias)?,
+            Arg::at(&state)?,
+            Arg::at(&new_state)?,
+            Arg::at(&out)?,
+            Arg::dim(bsz)?,
+            Arg::dim(t_len)?,
+            Arg::dim(hk)?,
+            Arg::dim(hv)?,
+            Arg::dim(dk)?,
+            Arg::dim(dv)?,
+        ];
+        cuda::launch(dev, &cuda::RECURRENT, "gated_delta_steps", q.dtype(), cfg, &args)?;
+        Ok((out, new_state))
+    }
 }
 
 fn sigmoid(x: &Tensor) -> Result<Tensor> {

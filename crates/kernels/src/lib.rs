@@ -4,14 +4,21 @@
 //! - [`gated_delta`]: the Gated DeltaNet recurrence with its gating and q/k normalisation fused.
 //! - [`conv1d`]: depthwise causal conv1d + SiLU over a window, carrying the conv state.
 //! - [`attention`]: causal softmax attention with GQA over a row's KV history.
+//! - [`norm`]: RMSNorm (alone, after a residual add, gated per DeltaNet head) and SwiGLU's product.
 //! - [`matmul`]: weight-streaming `x W^T` for decode-sized inputs against bf16 weights on CPU.
 //! - [`quant`]: `x W^T` against GGUF block-quantized weights (Q8_0, Q5_0, Q4_K, Q6_K) on CPU,
 //!   packed as in the file, llama.cpp's arithmetic.
+//!
+//! With the `cuda` feature, the recurrent ops and the norms run as strata's own CUDA kernels
+//! (`cuda/*.cu`, built to PTX by build.rs), each tested on the GPU against the CPU path.
 
 pub mod attention;
 pub mod conv1d;
+#[cfg(feature = "cuda")]
+mod cuda;
 pub mod gated_delta;
 pub mod matmul;
+pub mod norm;
 pub mod quant;
 
 pub use candle_core::{Error, Result};

@@ -5,10 +5,11 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
-use strata_kernels::attention::{causal_attention, Scoring};
+use strata_kernels::attention::{causal_attention, causal_attention_rows, norm_rope, write_rows, Scoring};
 use strata_kernels::conv1d::causal_conv1d_silu;
 use strata_kernels::gated_delta::{gated_delta_rule, Gating};
 use strata_kernels::matmul::matmul_t;
+use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need a CUDA GPU")
@@ -33,42 +34,99 @@ fn assert_close(what: &str, dtype: DType, got: &Tensor, want: &Tensor) {
     assert!(diff <= limit, "{what} ({dtype:?}): differs by {diff} (limit {limit}, output scale {scale})");
 }
 
+/// Inputs of the gated delta rule for `b` rows of `t` tokens; q, k, v are cut from one
+/// `[B, T, 2·Hk·Dk + Hv·Dv]` tensor as the model cuts them from its conv output.
+struct DeltaInputs {
+    mixed: Tensor,
+    a: Tensor,
+    gate: Tensor,
+    a_log: Tensor,
+    dt_bias: Tensor,
+    state: Tensor,
+    heads: (usize, usize, usize, usize),
+}
+
+impl DeltaInputs {
+    fn new(b: usize, t: usize, (hk, hv, dk, dv): (usize, usize, usize, usize), dtype: DType) -> Self {
+        let f = |x: Tensor| x.to_dtype(dtype).unwrap();
+        Self {
+            mixed: f(values(&[b, t, 2 * hk * dk + hv * dv], 1.0, 1)),
+            a: f(values(&[b, t, hv], 2.0, 4)),
+            gate: f(values(&[b, t, hv], 2.0, 5)),
+            a_log: values(&[hv], 1.0, 6),
+            dt_bias: values(&[hv], 1.0, 7),
+            state: values(&[b, hv, dv, dk], 0.5, 8),
+            heads: (hk, hv, dk, dv),
+        }
+    }
+
+    /// Runs tokens `from..from + len` from `state` on `dev`.
+    fn run(&self, dev: &Device, from: usize, len: usize, state: &Tensor) -> (Tensor, Tensor) {
+        let (hk, hv, dk, dv) = self.heads;
+        let on = |x: &Tensor| x.to_device(dev).unwrap();
+        let mixed = on(&self.mixed).narrow(1, from, len).unwrap();
+        let (b, t, _) = mixed.dims3().unwrap();
+        let q = mixed.narrow(2, 0, hk * dk).unwrap().reshape((b, t, hk, dk)).unwrap();
+        let k = mixed.narrow(2, hk * dk, hk * dk).unwrap().reshape((b, t, hk, dk)).unwrap();
+        let v = mixed.narrow(2, 2 * hk * dk, hv * dv).unwrap().reshape((b, t, hv, dv)).unwrap();
+        let cut = |x: &Tensor| on(x).narrow(1, from, len).unwrap();
+        let (a_log, dt_bias) = (on(&self.a_log), on(&self.dt_bias));
+        let gating = Gating { a_log: &a_log, dt_bias: &dt_bias };
+        gated_delta_rule(&q, &k, &v, &cut(&self.a), &cut(&self.gate), &gating, &on(state)).unwrap()
+    }
+}
+
 #[test]
 fn gated_delta_rule_on_gpu_matches_cpu() {
     let gpu = gpu();
-    // Step by step (a decode or verify block) and by chunks (prefill: three, the last padded).
-    for (t, dtype) in [(7, DType::F32), (7, DType::BF16), (150, DType::F32), (150, DType::BF16)] {
-        let (b, hk, hv, dk, dv) = (2, 2, 4, 32, 16);
-        let inputs = [
-            values(&[b, t, hk, dk], 1.0, 1),
-            values(&[b, t, hk, dk], 1.0, 2),
-            values(&[b, t, hv, dv], 1.0, 3),
-            values(&[b, t, hv], 2.0, 4),
-            values(&[b, t, hv], 2.0, 5),
-        ]
-        .map(|x| x.to_dtype(dtype).unwrap());
-        let (a_log, dt_bias, state) = (values(&[hv], 1.0, 6), values(&[hv], 1.0, 7), values(&[b, hv, dv, dk], 0.5, 8));
-        let run = |dev: &Device| {
-            let [q, k, v, a, gate] = inputs.clone().map(|x| x.to_device(dev).unwrap());
-            let (a_log, dt_bias) = (a_log.to_device(dev).unwrap(), dt_bias.to_device(dev).unwrap());
-            let gating = Gating { a_log: &a_log, dt_bias: &dt_bias };
-            gated_delta_rule(&q, &k, &v, &a, &gate, &gating, &state.to_device(dev).unwrap()).unwrap()
-        };
-        let (want_out, want_state) = run(&Device::Cpu);
-        let (out, new_state) = run(&gpu);
-        assert_close(&format!("gated delta output, {t} tokens"), dtype, &out, &want_out);
-        assert_close(&format!("gated delta state, {t} tokens"), dtype, &new_state, &want_state);
+    // Step by step (a decode step, a verify block: the fused kernel) and by chunks (prefill:
+    // three, the last padded); small heads and Qwen3.5's 128-wide ones with grouped keys.
+    for heads in [(2, 4, 32, 16), (1, 2, 128, 128)] {
+        for (b, t) in [(1, 1), (2, 1), (2, 7), (2, 150)] {
+            for dtype in [DType::F32, DType::BF16] {
+                let inputs = DeltaInputs::new(b, t, heads, dtype);
+                let (want_out, want_state) = inputs.run(&Device::Cpu, 0, t, &inputs.state);
+                let (out, new_state) = inputs.run(&gpu, 0, t, &inputs.state);
+                let what = format!("gated delta, heads {heads:?}, {b} rows of {t} tokens");
+                assert_close(&format!("{what}: output"), dtype, &out, &want_out);
+                assert_close(&format!("{what}: state"), dtype, &new_state, &want_state);
+            }
+        }
     }
+}
+
+/// What speculative rollback relies on: a verify block of several tokens leaves, bit for bit,
+/// the outputs and state of decoding its tokens one at a time.
+#[test]
+fn gated_delta_steps_on_gpu_do_not_depend_on_block_length() {
+    let gpu = gpu();
+    let inputs = DeltaInputs::new(3, 6, (2, 4, 128, 128), DType::BF16);
+    let (block_out, block_state) = inputs.run(&gpu, 0, 6, &inputs.state);
+    let mut state = inputs.state.to_device(&gpu).unwrap();
+    for t in 0..6 {
+        let (out, next) = inputs.run(&gpu, t, 1, &state);
+        let want = block_out.narrow(1, t, 1).unwrap();
+        assert_eq!(diff_bits(&out, &want), 0, "output of token {t} alone differs from the block's");
+        state = next;
+    }
+    assert_eq!(diff_bits(&state, &block_state), 0, "state after single steps differs from the block's");
+}
+
+/// How many elements differ in their bits.
+fn diff_bits(a: &Tensor, b: &Tensor) -> usize {
+    let bits = |x: &Tensor| x.to_device(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    bits(a).iter().zip(bits(b)).filter(|(x, y)| x.to_bits() != y.to_bits()).count()
 }
 
 #[test]
 fn causal_conv1d_on_gpu_matches_cpu() {
     let gpu = gpu();
-    let (b, t, c, kernel) = (2, 5, 48, 4);
-    for dtype in [DType::F32, DType::BF16] {
+    let (b, c, kernel) = (2, 48, 4);
+    // A decode step and a window; the model keeps its conv weight in f32.
+    for (t, dtype, w_dtype) in [(1, DType::BF16, DType::F32), (5, DType::F32, DType::F32), (5, DType::BF16, DType::BF16)] {
         let x = values(&[b, t, c], 1.0, 11).to_dtype(dtype).unwrap();
         let state = values(&[b, kernel - 1, c], 1.0, 12).to_dtype(dtype).unwrap();
-        let w = values(&[c, kernel], 0.5, 13).to_dtype(dtype).unwrap();
+        let w = values(&[c, kernel], 0.5, 13).to_dtype(w_dtype).unwrap();
         let (want_y, want_state) = causal_conv1d_silu(&x, &state, &w).unwrap();
         let on = |x: &Tensor| x.to_device(&gpu).unwrap();
         let (y, new_state) = causal_conv1d_silu(&on(&x), &on(&state), &on(&w)).unwrap();
@@ -108,5 +166,93 @@ fn matmul_t_on_gpu_matches_cpu() {
             let got = matmul_t(&x.to_device(&gpu).unwrap(), &w.to_device(&gpu).unwrap()).unwrap();
             assert_close(&format!("matmul {m}x{k}x{n}"), dtype, &got, &want);
         }
+    }
+}
+
+#[test]
+fn norms_and_swiglu_on_gpu_match_cpu() {
+    let gpu = gpu();
+    let on = |x: &Tensor| x.to_device(&gpu).unwrap();
+    // Decode rows and a prefill block; widths below, at and above one warp's 32 lanes.
+    for (rows, d) in [(1, 2560), (3, 128), (70, 24)] {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let what = |op: &str| format!("{op}, {rows} rows of {d}");
+            let x = values(&[rows, d], 2.0, 41).to_dtype(dtype).unwrap();
+            let h = values(&[rows, d], 2.0, 42).to_dtype(dtype).unwrap();
+            let scale = values(&[d], 1.5, 43);
+            let got = rms_norm(&on(&x), &on(&scale), 1e-6).unwrap();
+            assert_close(&what("rms_norm"), dtype, &got, &rms_norm(&x, &scale, 1e-6).unwrap());
+
+            let (sum, normed) = add_rms_norm(&on(&x), &on(&h), &on(&scale), 1e-6).unwrap();
+            let (want_sum, want_normed) = add_rms_norm(&x, &h, &scale, 1e-6).unwrap();
+            assert_close(&what("add_rms_norm sum"), dtype, &sum, &want_sum);
+            assert_close(&what("add_rms_norm"), dtype, &normed, &want_normed);
+
+            let recurrent_out = values(&[rows, d], 3.0, 44);
+            let got = gated_rms_norm(&on(&recurrent_out), &on(&h), &on(&scale), 1e-6).unwrap();
+            let want = gated_rms_norm(&recurrent_out, &h, &scale, 1e-6).unwrap();
+            assert_close(&what("gated_rms_norm"), dtype, &got, &want);
+
+            assert_close(&what("silu_mul"), dtype, &silu_mul(&on(&x), &on(&h)).unwrap(), &silu_mul(&x, &h).unwrap());
+        }
+    }
+}
+
+#[test]
+fn norm_rope_on_gpu_matches_cpu() {
+    let gpu = gpu();
+    let on = |x: &Tensor| x.to_device(&gpu).unwrap();
+    // q is cut per head from q_proj's [q | gate] (strided heads); a partial rotary of 16 of 64
+    // dims (Qwen3.5's quarter) and a full one.
+    for (b, t, h, d, half) in [(1, 1, 4, 64, 8), (2, 5, 3, 64, 8), (2, 3, 2, 32, 16)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let qg = values(&[b, t, h, 2 * d], 2.0, 51).to_dtype(dtype).unwrap();
+            let scale = values(&[d], 1.5, 52);
+            let (cos, sin) = (values(&[b, 1, t, half], 1.0, 53), values(&[b, 1, t, half], 1.0, 54));
+            let x = qg.narrow(3, 0, d).unwrap();
+            let want = norm_rope(&x, &scale, 1e-6, &cos, &sin).unwrap();
+            let got = norm_rope(&on(&qg).narrow(3, 0, d).unwrap(), &on(&scale), 1e-6, &on(&cos), &on(&sin)).unwrap();
+            assert_close(&format!("norm_rope {b}x{t}x{h}x{d} half {half}"), dtype, &got, &want);
+        }
+    }
+}
+
+/// A batch's KV append and attention, rows of different lengths in buffers with spare
+/// capacity (as the KV store keeps them): one kernel each on the GPU, per row on the CPU.
+#[test]
+fn batched_kv_append_and_attention_on_gpu_match_cpu() {
+    let gpu = gpu();
+    let (hq, hkv, d, cap) = (8, 2, 64, 48);
+    let lens = [5, 30, 0];
+    for (t, dtype) in [(1, DType::BF16), (4, DType::F32), (4, DType::BF16)] {
+        let run = |dev: &Device| {
+            let buffers: Vec<(Tensor, Tensor)> = (0..lens.len() as u64)
+                .map(|r| {
+                    let buf = |seed| values(&[hkv, cap, d], 1.0, seed).to_dtype(dtype).unwrap().to_device(dev).unwrap();
+                    (buf(60 + r), buf(70 + r))
+                })
+                .collect();
+            let new_k = values(&[lens.len(), hkv, t, d], 1.0, 80).to_dtype(dtype).unwrap().to_device(dev).unwrap();
+            // Values arrive transposed from [B, T, Hkv, D], as the model hands them over.
+            let new_v = values(&[lens.len(), t, hkv, d], 1.0, 81).to_dtype(dtype).unwrap().to_device(dev).unwrap();
+            let new_v = new_v.transpose(1, 2).unwrap();
+            write_rows(&new_k, &buffers.iter().zip(lens).map(|((k, _), l)| (k, l)).collect::<Vec<_>>()).unwrap();
+            write_rows(&new_v, &buffers.iter().zip(lens).map(|((_, v), l)| (v, l)).collect::<Vec<_>>()).unwrap();
+            let history: Vec<(Tensor, Tensor)> = buffers
+                .iter()
+                .zip(lens)
+                .map(|((k, v), l)| (k.narrow(1, 0, l + t).unwrap(), v.narrow(1, 0, l + t).unwrap()))
+                .collect();
+            let q = values(&[lens.len(), hq, t, d], 1.0, 82).to_dtype(dtype).unwrap().to_device(dev).unwrap();
+            let out = causal_attention_rows(&q, &history, Scoring { scale: 0.125, window: Some(20) }).unwrap();
+            (buffers, out)
+        };
+        let (want_buffers, want) = run(&Device::Cpu);
+        let (buffers, got) = run(&gpu);
+        for (r, ((k, v), (wk, wv))) in buffers.iter().zip(&want_buffers).enumerate() {
+            assert_close(&format!("keys of row {r} after the append, t={t}"), dtype, k, wk);
+            assert_close(&format!("values of row {r} after the append, t={t}"), dtype, v, wv);
+        }
+        assert_close(&format!("batched attention, t={t}"), dtype, &got, &want);
     }
 }

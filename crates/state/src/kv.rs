@@ -5,6 +5,7 @@
 //! the whole history.
 
 use candle_core::{DType, Device, Tensor};
+use strata_kernels::attention;
 
 use crate::{Result, StateError};
 
@@ -72,6 +73,32 @@ impl KvStore {
     /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns views of its whole history.
     pub fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
         let t = k.dim(1)?;
+        self.reserve(row, t)?;
+        let r = &mut self.rows[row];
+        r.k.slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 1, r.len)?;
+        r.v.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 1, r.len)?;
+        r.len += t;
+        self.history(row)
+    }
+
+    /// Appends `k[r]`, `v[r]` (`k`, `v` `[rows, Hkv, T, D]`) to every row `r` and returns views
+    /// of each row's whole history; one write for all rows where the device allows.
+    pub fn append_rows(&mut self, k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        let t = k.dim(2)?;
+        for row in 0..self.rows.len() {
+            self.reserve(row, t)?;
+        }
+        let (k, v) = (k.to_dtype(self.dtype)?, v.to_dtype(self.dtype)?);
+        attention::write_rows(&k, &self.rows.iter().map(|r| (&r.k, r.len)).collect::<Vec<_>>())?;
+        attention::write_rows(&v, &self.rows.iter().map(|r| (&r.v, r.len)).collect::<Vec<_>>())?;
+        for r in &mut self.rows {
+            r.len += t;
+        }
+        (0..self.rows.len()).map(|row| self.history(row)).collect()
+    }
+
+    /// Room for `t` more positions in `row`, doubling its buffers when full.
+    fn reserve(&mut self, row: usize, t: usize) -> Result<()> {
         let needed = self.rows[row].len + t;
         if needed > self.rows[row].k.dim(1)? {
             let capacity = needed.max(2 * self.rows[row].k.dim(1)?).max(16);
@@ -84,11 +111,7 @@ impl KvStore {
             grown.len = old.len;
             self.rows[row] = grown;
         }
-        let r = &mut self.rows[row];
-        r.k.slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 1, r.len)?;
-        r.v.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 1, r.len)?;
-        r.len = needed;
-        Ok((r.k.narrow(1, 0, needed)?, r.v.narrow(1, 0, needed)?))
+        Ok(())
     }
 
     /// Views of `row`'s stored keys and values, `[Hkv, len, D]`.

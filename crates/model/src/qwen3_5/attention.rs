@@ -2,10 +2,10 @@
 //! each row's KV history, output times `sigmoid(gate)`.
 
 use candle_core::{DType, Tensor};
-use strata_kernels::attention::{causal_attention, Scoring};
+use strata_kernels::attention::{causal_attention_rows, Scoring};
 use strata_state::KvStore;
 
-use super::layers::{Linear, RmsNorm, Rotary};
+use super::layers::{Linear, RmsNorm};
 use crate::config::Qwen35Config;
 use crate::error::Result;
 use crate::source::WeightSource;
@@ -40,23 +40,17 @@ impl Attention {
     }
 
     /// `x` `[B, T, hidden]`; `rope` holds the per-row cos/sin tables for these positions.
-    pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rotary: &Rotary, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+    pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, d) = (self.heads, self.head_dim);
         let qg = self.q_proj.forward(x)?.reshape((b, t, h, 2 * d))?;
-        let q = self.q_norm.forward(&qg.narrow(3, 0, d)?)?.transpose(1, 2)?;
+        let q = self.q_norm.forward_rope(&qg.narrow(3, 0, d)?, rope)?;
         let gate = qg.narrow(3, d, d)?.reshape((b, t, h * d))?;
-        let k = self.k_norm.forward(&self.k_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?)?.transpose(1, 2)?;
+        let k = self.k_norm.forward_rope(&self.k_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?, rope)?;
         let v = self.v_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
-        let q = rotary.apply(&q, &rope.0, &rope.1)?;
-        let k = rotary.apply(&k, &rope.0, &rope.1)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let mut rows = Vec::with_capacity(b);
-        for row in 0..b {
-            let (keys, values) = kv.append(row, &k.get(row)?, &v.get(row)?)?;
-            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, Scoring::scaled(scale))?);
-        }
-        let out = Tensor::stack(&rows, 0)?.transpose(1, 2)?.reshape((b, t, h * d))?;
+        let history = kv.append_rows(&k, &v)?;
+        let out = causal_attention_rows(&q, &history, Scoring::scaled(scale))?.transpose(1, 2)?.reshape((b, t, h * d))?;
         let out = (out * candle_nn::ops::sigmoid(&gate)?)?;
         self.o_proj.forward(&out)
     }

@@ -73,8 +73,7 @@ impl GatedDeltaNet {
         }
         state.conv = conv;
         state.ssm = ssm;
-        // transformers hands the recurrence output back in the model dtype before the norm.
-        let o = self.norm.forward(&o.to_dtype(x.dtype())?, &z)?;
+        let o = self.norm.forward(&o, &z)?;
         self.out_proj.forward(&o.reshape((b, t, hv * dv))?)
     }
 

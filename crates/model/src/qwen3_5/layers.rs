@@ -3,7 +3,8 @@
 use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Tensor, D};
+use candle_core::{DType, Device, Module, Tensor};
+use strata_kernels::{attention, norm};
 use strata_kernels::quant::QuantMatrix;
 
 use crate::error::Result;
@@ -121,8 +122,18 @@ impl RmsNorm {
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &self.scale, self.eps as f32)?;
-        Ok(y.to_dtype(x.dtype())?)
+        Ok(norm::rms_norm(x, &self.scale, self.eps as f32)?)
+    }
+
+    /// This norm per head of `x` `[B, T, H, D]`, then the rotary embedding with the `rope`
+    /// tables: `[B, H, T, D]`.
+    pub fn forward_rope(&self, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+        Ok(attention::norm_rope(x, &self.scale, self.eps as f32, &rope.0, &rope.1)?)
+    }
+
+    /// A residual add and this norm: `(x + h, norm(x + h))`.
+    pub fn forward_residual(&self, x: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(norm::add_rms_norm(x, h, &self.scale, self.eps as f32)?)
     }
 }
 
@@ -137,15 +148,11 @@ impl GatedRmsNorm {
         Ok(Self { weight: src.get(&format!("{name}.weight"), &[dim], DType::F32)?, eps })
     }
 
-    /// `x` f32 `[.., D]`, `gate` `[.., D]`; returns `gate`'s dtype.
+    /// `x` f32 `[.., D]` (the recurrence output; transformers rounds it to the model dtype
+    /// first, and the normalised value again before the weight), `gate` `[.., D]`; returns
+    /// `gate`'s dtype.
     pub fn forward(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
-        let dtype = gate.dtype();
-        let ones = Tensor::ones(self.weight.shape(), DType::F32, x.device())?;
-        let normed = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &ones, self.eps as f32)?;
-        // transformers rounds the normalised value to the model dtype before the weight.
-        let normed = normed.to_dtype(dtype)?.to_dtype(DType::F32)?.broadcast_mul(&self.weight)?;
-        let gate = candle_nn::ops::silu(&gate.to_dtype(DType::F32)?)?;
-        Ok((normed * gate)?.to_dtype(dtype)?)
+        Ok(norm::gated_rms_norm(x, gate, &self.weight, self.eps as f32)?)
     }
 }
 
@@ -167,7 +174,7 @@ impl Mlp {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up] = Linear::forward_many([&self.gate, &self.up], x)?;
-        self.down.forward(&(candle_nn::ops::silu(&gate)? * up)?)
+        self.down.forward(&norm::silu_mul(&gate, &up)?)
     }
 }
 
@@ -202,17 +209,6 @@ impl Rotary {
 
     /// `x` `[B, H, T, D]`.
     pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let half = self.inv_freq.len();
-        let d = x.dim(D::Minus1)?;
-        let (cos, sin) = (cos.to_dtype(x.dtype())?, sin.to_dtype(x.dtype())?);
-        let x1 = x.narrow(D::Minus1, 0, half)?;
-        let x2 = x.narrow(D::Minus1, half, half)?;
-        let r1 = (x1.broadcast_mul(&cos)? - x2.broadcast_mul(&sin)?)?;
-        let r2 = (x2.broadcast_mul(&cos)? + x1.broadcast_mul(&sin)?)?;
-        let mut parts = vec![r1, r2];
-        if d > 2 * half {
-            parts.push(x.narrow(D::Minus1, 2 * half, d - 2 * half)?);
-        }
-        Ok(Tensor::cat(&parts, D::Minus1)?)
+        Ok(attention::rope(x, cos, sin)?)
     }
 }

@@ -44,15 +44,15 @@ impl DecoderLayer {
     }
 
     /// `x + mixer(norm(x))`, then `+ mlp(norm(.))`.
-    fn forward(&self, x: &Tensor, state: &mut LayerState, rotary: &Rotary, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+    fn forward(&self, x: &Tensor, state: &mut LayerState, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let h = self.input_norm.forward(x)?;
         let h = match (&self.mixer, state) {
             (Mixer::Linear(m), LayerState::Recurrent(s)) => m.forward(&h, s)?,
-            (Mixer::Full(m), LayerState::Attention(s)) => m.forward(&h, s, rotary, rope)?,
+            (Mixer::Full(m), LayerState::Attention(s)) => m.forward(&h, s, rope)?,
             (_, s) => return Err(ModelError::Invalid(format!("layer state of kind {} does not match its layer", s.kind()))),
         };
-        let x = (x + h)?;
-        Ok((&x + self.mlp.forward(&self.post_norm.forward(&x)?)?)?)
+        let (x, h) = self.post_norm.forward_residual(x, &h)?;
+        Ok((&x + self.mlp.forward(&h)?)?)
     }
 }
 
@@ -259,7 +259,7 @@ impl Qwen35 {
         let mut x = self.embed_tokens(tokens)?;
         let rope = self.rotary.tables(&state.positions, t, &self.device)?;
         for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
-            x = layer.forward(&x, layer_state, &self.rotary, &rope)?;
+            x = layer.forward(&x, layer_state, &rope)?;
         }
         for p in &mut state.positions {
             *p += t;

@@ -100,7 +100,7 @@ impl MtpHead {
             Tensor::cat(&[self.embed_norm.forward(&embedded)?, self.hidden_norm.forward(&hidden.to_dtype(self.dtype)?)?], 2)?;
         let x = self.fc.forward(&joined)?;
         let rope = self.rotary.tables(&state.positions, t, &self.device)?;
-        let x = self.layer.forward(&x, &mut state.layers[0], &self.rotary, &rope)?;
+        let x = self.layer.forward(&x, &mut state.layers[0], &rope)?;
         for p in &mut state.positions {
             *p += t;
         }

@@ -1,0 +1,78 @@
+// Normalisations and the SwiGLU product, each one launch where tensor ops take three to ten.
+// Arithmetic is f32; intermediates are rounded to the model dtype T where transformers
+// stores them in it. One warp per row of D elements.
+#include "common.cuh"
+
+constexpr int NORM_WARPS = 4;
+
+// Sum of squares of a row, the row read as f32 through `load`.
+template <typename Load>
+__device__ __forceinline__ float row_sum_sq(Load load, int D, int lane) {
+    float acc = 0.0f;
+    for (int d = lane; d < D; d += 32) {
+        const float x = load(d);
+        acc += x * x;
+    }
+    return warp_sum(acc);
+}
+
+// y = x rsqrt(mean(x^2) + eps) scale, for rows of D.
+template <typename T>
+__device__ void rms_norm(const T* x, const float* scale, T* y, int rows, int D, float eps) {
+    const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const T* xr = x + (long long)row * D;
+    const float inv = rsqrtf(row_sum_sq([&](int d) { return to_f32(xr[d]); }, D, lane) / D + eps);
+    for (int d = lane; d < D; d += 32) y[(long long)row * D + d] = from_f32<T>(to_f32(xr[d]) * inv * scale[d]);
+}
+
+// sum = x + h (in T), y = rms_norm(sum): a residual add and the norm after it.
+template <typename T>
+__device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum, T* y, int rows, int D, float eps) {
+    const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const long long base = (long long)row * D;
+    for (int d = lane; d < D; d += 32) sum[base + d] = from_f32<T>(to_f32(x[base + d]) + to_f32(h[base + d]));
+    __syncwarp();
+    const float inv = rsqrtf(row_sum_sq([&](int d) { return to_f32(sum[base + d]); }, D, lane) / D + eps);
+    for (int d = lane; d < D; d += 32) y[base + d] = from_f32<T>(to_f32(sum[base + d]) * inv * scale[d]);
+}
+
+// The DeltaNet output norm: x (f32, rounded to T first) normalised, rounded to T, times
+// weight, times silu(gate), in T.
+template <typename T>
+__device__ void gated_rms_norm(const float* x, const T* gate, const float* weight, T* y, int rows, int D, float eps) {
+    const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (row >= rows) return;
+    const long long base = (long long)row * D;
+    const float inv = rsqrtf(row_sum_sq([&](int d) { return round_to<T>(x[base + d]); }, D, lane) / D + eps);
+    for (int d = lane; d < D; d += 32) {
+        const float normed = round_to<T>(round_to<T>(x[base + d]) * inv);
+        y[base + d] = from_f32<T>(normed * weight[d] * silu(to_f32(gate[base + d])));
+    }
+}
+
+// silu(gate) * up, elementwise; silu's result is rounded to T as a separate op would.
+template <typename T>
+__device__ void silu_mul(const T* gate, const T* up, T* y, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) y[i] = from_f32<T>(round_to<T>(silu(to_f32(gate[i]))) * to_f32(up[i]));
+}
+
+#define INSTANTIATE(T, NAME)                                                                                   \
+    extern "C" __global__ void rms_norm_##NAME(const T* x, const float* scale, T* y, int rows, int D,         \
+                                               float eps) {                                                    \
+        rms_norm<T>(x, scale, y, rows, D, eps);                                                                \
+    }                                                                                                          \
+    extern "C" __global__ void add_rms_norm_##NAME(const T* x, const T* h, const float* scale, T* sum, T* y,  \
+                                                   int rows, int D, float eps) {                               \
+        add_rms_norm<T>(x, h, scale, sum, y, rows, D, eps);                                                    \
+    }                                                                                                          \
+    extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, const float* weight, T* y, \
+                                                     int rows, int D, float eps) {                             \
+        gated_rms_norm<T>(x, gate, weight, y, rows, D, eps);                                                   \
+    }                                                                                                          \
+    extern "C" __global__ void silu_mul_##NAME(const T* gate, const T* up, T* y, long long n) {               \
+        silu_mul<T>(gate, up, y, n);                                                                           \
+    }
+STRATA_FOR_DTYPES(INSTANTIATE)

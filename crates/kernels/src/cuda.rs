@@ -1,0 +1,97 @@
+//! Launching strata's own CUDA kernels (`cuda/*.cu`, compiled to PTX by build.rs) on candle
+//! tensors. Outputs are fresh tensors; inputs are read where they lie (callers check layouts).
+
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, CudaStorage};
+use candle_core::{bail, DType, Device, Shape, Storage, Tensor};
+
+use crate::Result;
+
+/// One PTX module: its name (the driver loads it once per device) and text.
+pub(crate) struct Module {
+    name: &'static str,
+    ptx: &'static str,
+}
+
+pub(crate) const RECURRENT: Module =
+    Module { name: "strata_recurrent", ptx: include_str!(concat!(env!("OUT_DIR"), "/recurrent.ptx")) };
+pub(crate) const ATTENTION: Module =
+    Module { name: "strata_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")) };
+pub(crate) const NORM: Module = Module { name: "strata_norm", ptx: include_str!(concat!(env!("OUT_DIR"), "/norm.ptx")) };
+
+/// Whether the kernels have an instance for `dtype` (the float dtypes a model computes in).
+pub(crate) fn supports(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+}
+
+/// A kernel argument: a device address or a scalar.
+pub(crate) enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+}
+
+impl Arg {
+    /// A dimension or count as the kernels' `int`.
+    pub(crate) fn dim(n: usize) -> Result<Self> {
+        Ok(Arg::I32(i32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("{n} does not fit a CUDA int")))?))
+    }
+
+    /// The device address of `t`'s first element (its layout's start offset included).
+    pub(crate) fn at(t: &Tensor) -> Result<Self> {
+        let (storage, layout) = t.storage_and_layout();
+        let Storage::Cuda(cs) = &*storage else { bail!("{:?} is not on a CUDA device", t.device()) };
+        let base = match t.dtype() {
+            DType::F32 => address::<f32>(cs)?,
+            DType::BF16 => address::<half::bf16>(cs)?,
+            DType::F16 => address::<half::f16>(cs)?,
+            DType::U32 => address::<u32>(cs)?,
+            DType::I64 => address::<i64>(cs)?,
+            other => bail!("strata's CUDA kernels take no {other:?} tensors"),
+        };
+        Ok(Arg::Ptr(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64))
+    }
+}
+
+fn address<T: CudaDType>(cs: &CudaStorage) -> Result<u64> {
+    let stream = cs.device.cuda_stream();
+    let (ptr, _recorded) = cs.as_cuda_slice::<T>()?.device_ptr(&stream);
+    Ok(ptr)
+}
+
+/// An uninitialised output the kernel fills completely.
+pub(crate) fn output(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
+    // SAFETY: every caller launches a kernel that writes each element before anyone reads it.
+    unsafe { Tensor::empty(shape, dtype, device) }
+}
+
+/// Launches `module`'s kernel `name` instantiated for `dtype` (`name_f32`, `name_bf16`, …).
+pub(crate) fn launch(device: &Device, module: &Module, name: &str, dtype: DType, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+    let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => bail!("strata's CUDA kernels have no {other:?} instance"),
+    };
+    let func = dev.get_or_load_custom_func(&format!("{name}_{suffix}"), module.name, module.ptx)?;
+    let mut builder = func.builder();
+    for arg in args {
+        match arg {
+            Arg::Ptr(p) => builder.arg(p),
+            Arg::I32(v) => builder.arg(v),
+            Arg::I64(v) => builder.arg(v),
+            Arg::F32(v) => builder.arg(v),
+        };
+    }
+    // SAFETY: each caller passes the arguments its kernel's signature declares, in order, and
+    // addresses of tensors it keeps alive across the call.
+    unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
+    Ok(())
+}
+
+/// `n` threads in blocks of `block`.
+pub(crate) fn grid_for(n: usize, block: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+}
