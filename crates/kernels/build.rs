@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: &[&str] = &["recurrent", "norm", "attention"];
+const KERNELS: &[&str] = &["recurrent", "norm", "attention", "sampling"];
 
 fn main() {
     println!("cargo::rerun-if-changed=cuda");

@@ -50,8 +50,8 @@ fn cuda(index: usize) -> Result<Device> {
     if !cfg!(feature = "cuda") {
         bail!("--device cuda:{index}: this strata binary was built without CUDA (build it with scripts/cuda/build.sh)");
     }
-    let device =
-        Device::new_cuda(index).with_context(|| format!("--device cuda:{index}: no usable GPU (is the NVIDIA driver installed?)"))?;
+    let device = Device::new_cuda(index)
+        .with_context(|| format!("--device cuda:{index}: no usable GPU (is the NVIDIA driver installed?)"))?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(gpu) = &device {
         // SAFETY: candle runs every op of a device on that device's one stream, so ordering

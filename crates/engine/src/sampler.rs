@@ -4,6 +4,7 @@
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use strata_kernels::sampling::first_max;
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -143,6 +144,17 @@ impl Sampler {
         &self.params
     }
 
+    /// Whether this sampler's choice is the logits' argmax as they come: greedy, with no bias
+    /// or penalty that reads or changes them first.
+    pub fn is_plain_argmax(&self) -> bool {
+        let p = &self.params;
+        p.is_greedy()
+            && p.logit_bias.is_empty()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+    }
+
     /// Picks the next token from `logits` (one row, f32). `context` is every token so far
     /// (prompt and output), `generated` the output alone.
     pub fn sample(&mut self, logits: &[f32], context: &[u32], generated: &[u32]) -> u32 {
@@ -206,13 +218,13 @@ impl Sampler {
             }
         }
         if p.is_greedy() {
-            return Choice::Greedy(argmax(&logits));
+            return Choice::Greedy(first_max(&logits));
         }
         let t = p.temperature as f32;
         // Candidates sorted by logit, best first.
         let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
         if idx.is_empty() {
-            return Choice::Greedy(argmax(&logits));
+            return Choice::Greedy(first_max(&logits));
         }
         idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
         if p.top_k > 0 {
@@ -264,16 +276,6 @@ enum Choice {
         ids: Vec<usize>,
         probs: Vec<f64>,
     },
-}
-
-fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &l) in logits.iter().enumerate() {
-        if l > logits[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[cfg(test)]

@@ -29,6 +29,7 @@ use crate::sampler::Sampler;
 use crate::speculative::Drafter;
 use crate::worker::{EngineConfig, Event, Job, Queued, SharedCache, WorkerStats};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
+use strata_kernels::sampling::argmax_rows;
 
 /// A running row: one sequence of the batch.
 struct Row {
@@ -50,6 +51,36 @@ struct Row {
     draft_len: usize,
     prefill_time: Duration,
     decode_start: Instant,
+}
+
+impl Row {
+    /// Whether this row's next token needs its logits on the host (to sample, bias, penalise
+    /// or report log-probabilities) rather than only their argmax.
+    fn needs_logits(&self) -> bool {
+        !self.sampler.is_plain_argmax() || self.job.opts.logprobs.is_some()
+    }
+}
+
+/// What a decode step hands the sampler for one position of one row: its logits, or only their
+/// argmax when every row of the step would take the argmax as it is (greedy, nothing that reads
+/// the logits) — then it is computed where the logits are, and on a GPU only the token ids
+/// cross to the host.
+enum Scores {
+    Logits(Vec<f32>),
+    Argmax(u32),
+}
+
+impl Scores {
+    /// Per row, per position, from a step's f32 logits `[B, vocab]` or `[B, width, vocab]`.
+    fn of_step(logits: &Tensor, rows: &[Row]) -> strata_model::Result<Vec<Vec<Scores>>> {
+        let (b, width) = (logits.dim(0)?, if logits.rank() == 3 { logits.dim(1)? } else { 1 });
+        if rows.iter().any(Row::needs_logits) {
+            let rows = logits.reshape((b, width, ()))?.to_vec3::<f32>()?;
+            return Ok(rows.into_iter().map(|row| row.into_iter().map(Scores::Logits).collect()).collect());
+        }
+        let ids = argmax_rows(&logits.reshape((b * width, ()))?)?;
+        Ok(ids.chunks(width).map(|row| row.iter().map(|&id| Scores::Argmax(id)).collect()).collect())
+    }
 }
 
 /// The job being prefilled, in its own single-row state until it joins the batch.
@@ -330,7 +361,7 @@ impl<'a> Engine<'a> {
             decode_start: Instant::now(),
             job: j.job,
         };
-        let logits = logits.squeeze(0)?.to_vec1::<f32>()?;
+        let logits = Scores::Logits(logits.squeeze(0)?.to_vec1::<f32>()?);
         match Self::sample_and_send(self.stats, &mut row, &logits) {
             Step::Done(reason) => {
                 if caching {
@@ -387,8 +418,7 @@ impl<'a> Engine<'a> {
         let which = if width > 1 { Logits::All } else { Logits::Last };
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
         let (logits, hidden) = forward(&self.model, &Tensor::new(input, self.model.device())?, batch, which, hidden)?;
-        let logits =
-            if width > 1 { logits.to_vec3::<f32>()? } else { logits.to_vec2::<f32>()?.into_iter().map(|l| vec![l]).collect() };
+        let logits = Scores::of_step(&logits, &self.rows)?;
         self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
         let mut kept = Vec::with_capacity(self.rows.len());
         let mut keep = Vec::with_capacity(self.rows.len());
@@ -443,7 +473,7 @@ impl<'a> Engine<'a> {
     /// drafts stand, the next position is valid too. Emits every token that stands (accepted
     /// drafts, then the target's own token where a draft failed or ran out) and returns how
     /// many fed positions the state keeps.
-    fn verify_row(stats: &WorkerStats, row: &mut Row, logits: &[Vec<f32>], drafts: &[u32], max_draft: usize) -> (usize, Step) {
+    fn verify_row(stats: &WorkerStats, row: &mut Row, logits: &[Scores], drafts: &[u32], max_draft: usize) -> (usize, Step) {
         row.rounds += !drafts.is_empty() as usize;
         row.drafted += drafts.len();
         for (j, logits) in logits.iter().enumerate() {
@@ -454,7 +484,10 @@ impl<'a> Engine<'a> {
                 }
                 return (j + 1, Self::sample_and_send(stats, row, logits));
             };
-            let (token, accepted) = row.sampler.verify(logits, &row.context, &row.generated, draft);
+            let (token, accepted) = match logits {
+                Scores::Logits(logits) => row.sampler.verify(logits, &row.context, &row.generated, draft),
+                &Scores::Argmax(id) => (id, id == draft),
+            };
             row.accepted += accepted as usize;
             let step = Self::send(stats, row, token, logits);
             if !accepted || matches!(step, Step::Done(_)) {
@@ -487,16 +520,19 @@ impl<'a> Engine<'a> {
     }
 
     /// Samples the row's next token from `logits` and streams it; says whether the row goes on.
-    fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &[f32]) -> Step {
+    fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &Scores) -> Step {
         if row.generated.len() >= row.job.opts.max_tokens {
             return Step::Done(FinishReason::Length);
         }
-        let next = row.sampler.sample(logits, &row.context, &row.generated);
+        let next = match logits {
+            Scores::Logits(logits) => row.sampler.sample(logits, &row.context, &row.generated),
+            &Scores::Argmax(id) => id,
+        };
         Self::send(stats, row, next, logits)
     }
 
     /// Streams a chosen token (an end token finishes the row instead).
-    fn send(stats: &WorkerStats, row: &mut Row, next: u32, logits: &[f32]) -> Step {
+    fn send(stats: &WorkerStats, row: &mut Row, next: u32, logits: &Scores) -> Step {
         let opts = &row.job.opts;
         if opts.stop_tokens.contains(&next) {
             return Step::Done(FinishReason::Stop);
@@ -504,9 +540,9 @@ impl<'a> Engine<'a> {
         row.generated.push(next);
         row.context.push(next);
         stats.generated_tokens.fetch_add(1, Ordering::Relaxed);
-        let sampled = match opts.logprobs {
-            None => Sampled { id: next, logprob: None, top_logprobs: Vec::new() },
-            Some(top) => with_logprobs(logits, next, top),
+        let sampled = match (opts.logprobs, logits) {
+            (Some(top), Scores::Logits(logits)) => with_logprobs(logits, next, top),
+            _ => Sampled { id: next, logprob: None, top_logprobs: Vec::new() },
         };
         if !row.job.sink.send(Event::Token(sampled)) {
             return Step::Done(FinishReason::Cancelled);

@@ -3,7 +3,8 @@
 //! `Model::open_round` / `close_round` for how the state rolls back exactly, and
 //! `Sampler::verify` for the acceptance rule that keeps the output distribution the target's).
 
-use candle_core::{IndexOp, Tensor, D};
+use candle_core::{IndexOp, Tensor};
+use strata_kernels::sampling::argmax_rows;
 use strata_model::{Logits, Model, MtpHead, Round};
 use strata_state::BatchState;
 
@@ -169,7 +170,7 @@ impl Drafter {
                     if step == steps {
                         break;
                     }
-                    input = logits.argmax(1)?.to_vec1::<u32>()?;
+                    input = argmax_rows(&logits)?;
                     for (d, &t) in drafts.iter_mut().zip(&input) {
                         d.push(t);
                     }
@@ -270,7 +271,8 @@ fn mtp_drafts(
             let input = Tensor::new(input, device)?.unsqueeze(1)?;
             last_y = head.forward(&input, &last_y, state)?;
         }
-        let next = head.logits(&last_y)?.argmax(D::Minus1)?.flatten_all()?.to_vec1::<u32>()?;
+        let logits = head.logits(&last_y)?;
+        let next = argmax_rows(&logits.reshape((logits.dim(0)?, ()))?)?;
         for (d, t) in drafts.iter_mut().zip(next) {
             d.push(t);
         }
@@ -284,6 +286,7 @@ fn mtp_drafts(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::D;
 
     #[test]
     fn ngram_lookup_continues_the_latest_match_of_the_longest_suffix() {

@@ -48,7 +48,14 @@ mod gpu {
             Arg::dim(c)?,
             Arg::dim(kernel)?,
         ];
-        cuda::launch(x.device(), &cuda::RECURRENT, "causal_conv1d_silu", x.dtype(), cuda::grid_for(b * t.max(kernel - 1) * c, 256), &args)?;
+        cuda::launch(
+            x.device(),
+            &cuda::RECURRENT,
+            "causal_conv1d_silu",
+            x.dtype(),
+            cuda::grid_for(b * t.max(kernel - 1) * c, 256),
+            &args,
+        )?;
         Ok((y, new_state))
     }
 }

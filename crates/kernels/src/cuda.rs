@@ -17,6 +17,8 @@ pub(crate) const RECURRENT: Module =
     Module { name: "strata_recurrent", ptx: include_str!(concat!(env!("OUT_DIR"), "/recurrent.ptx")) };
 pub(crate) const ATTENTION: Module =
     Module { name: "strata_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")) };
+pub(crate) const SAMPLING: Module =
+    Module { name: "strata_sampling", ptx: include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx")) };
 pub(crate) const NORM: Module = Module { name: "strata_norm", ptx: include_str!(concat!(env!("OUT_DIR"), "/norm.ptx")) };
 
 /// Whether the kernels have an instance for `dtype` (the float dtypes a model computes in).

@@ -6,6 +6,7 @@
 //! - [`attention`]: causal softmax attention with GQA over a row's KV history.
 //! - [`norm`]: RMSNorm (alone, after a residual add, gated per DeltaNet head) and SwiGLU's product.
 //! - [`matmul`]: weight-streaming `x W^T` for decode-sized inputs against bf16 weights on CPU.
+//! - [`sampling`]: the greedy tail, each row's argmax (on the device where the logits are).
 //! - [`quant`]: `x W^T` against GGUF block-quantized weights (Q8_0, Q5_0, Q4_K, Q6_K) on CPU,
 //!   packed as in the file, llama.cpp's arithmetic.
 //!
@@ -20,6 +21,7 @@ pub mod gated_delta;
 pub mod matmul;
 pub mod norm;
 pub mod quant;
+pub mod sampling;
 
 pub use candle_core::{Error, Result};
 

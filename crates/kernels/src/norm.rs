@@ -62,16 +62,18 @@ mod gpu {
 
     /// Whether the fused kernels can take these tensors (all on one CUDA device, a float dtype).
     fn on_cuda(first: &Tensor, others: &[&Tensor]) -> bool {
-        first.device().is_cuda()
-            && cuda::supports(first.dtype())
-            && others.iter().all(|t| t.device().same_device(first.device()))
+        first.device().is_cuda() && cuda::supports(first.dtype()) && others.iter().all(|t| t.device().same_device(first.device()))
     }
 
     const WARPS: u32 = 4;
 
     /// `rows` rows, one warp each.
     fn per_row(rows: usize) -> LaunchConfig {
-        LaunchConfig { grid_dim: ((rows as u32).div_ceil(WARPS).max(1), 1, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 }
+        LaunchConfig {
+            grid_dim: ((rows as u32).div_ceil(WARPS).max(1), 1, 1),
+            block_dim: (32 * WARPS, 1, 1),
+            shared_mem_bytes: 0,
+        }
     }
 
     fn rows_and_dim(x: &Tensor) -> Result<(usize, usize)> {

@@ -10,6 +10,7 @@ use strata_kernels::conv1d::causal_conv1d_silu;
 use strata_kernels::gated_delta::{gated_delta_rule, Gating};
 use strata_kernels::matmul::matmul_t;
 use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
+use strata_kernels::sampling::{argmax_rows, first_max};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need a CUDA GPU")
@@ -255,4 +256,24 @@ fn batched_kv_append_and_attention_on_gpu_match_cpu() {
         }
         assert_close(&format!("batched attention, t={t}"), dtype, &got, &want);
     }
+}
+
+/// Greedy ids on the device: the first maximum of each row, as the CPU sampler picks it, also
+/// when rounding to bf16 has made ties among the top logits.
+#[test]
+fn argmax_rows_on_gpu_takes_the_first_maximum() {
+    let gpu = gpu();
+    let (rows, vocab) = (5, 248_320);
+    let logits = values(&[rows, vocab], 8.0, 91).to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+    let mut data = logits.to_vec2::<f32>().unwrap();
+    // Row 1: the maximum twice, far apart; row 2: a NaN before its maximum; row 3: all equal.
+    data[1][7] = 100.0;
+    data[1][vocab - 3] = 100.0;
+    data[2][0] = f32::NAN;
+    data[2][vocab - 1] = 200.0;
+    data[3].iter_mut().for_each(|x| *x = -1.0);
+    let want: Vec<u32> = data.iter().map(|row| first_max(row)).collect();
+    assert_eq!(&want[1..4], &[7, vocab as u32 - 1, 0]);
+    let logits = Tensor::new(data, &gpu).unwrap();
+    assert_eq!(argmax_rows(&logits).unwrap(), want);
 }

@@ -4,8 +4,8 @@ use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
-use strata_kernels::{attention, norm};
 use strata_kernels::quant::QuantMatrix;
+use strata_kernels::{attention, norm};
 
 use crate::error::Result;
 use crate::source::WeightSource;
