@@ -1,27 +1,40 @@
-// Attention for a few queries over one row's KV history (decode steps, speculative verify
-// blocks), and the per-head RMSNorm + partial rotary embedding applied to q and k before it.
+// Attention for a few queries per row over each row's KV history (decode steps, speculative
+// verify blocks) as flash-decoding, the batched KV append, and the per-head RMSNorm + partial rotary embedding applied to q and k before it.
 #include "common.cuh"
 
 constexpr int ATTN_WARPS = 4;
 constexpr int MAX_HEAD_DIM = 512;
 constexpr int MAX_PER_LANE = MAX_HEAD_DIM / 32;
+// Keys per split: a query's visible keys are cut at fixed multiples of this, whatever the
+// batch or block, so its result is the same bits alone or batched, decoded or verified.
+constexpr int SPLIT_KEYS = 512;
 
-// One block per (query head, query). q [Hq, T, D] contiguous; k, v [Hkv, L, D] with the given
-// head strides (the KV store's capacity) and contiguous positions; out [Hq, T, D]. Query i sits
-// at position L - T + i and sees keys first..=pos (first = 0, or the window's start). Each warp
-// walks every ATTN_WARPS-th key with an online softmax in f32; the warps then merge. A query's
-// result does not depend on how many queries share the call.
+// Per row of a batch: its keys' and values' addresses, their head strides (the KV store's
+// capacity times D) and its length L.
+struct KvRow {
+    long long k, v, k_head_stride, v_head_stride, len;
+};
+
+// Flash-decoding, first half: one block per (query head and query, row, split of SPLIT_KEYS
+// keys). q [B, Hq, T, D]; query i of a row sits at position L - T + i and sees keys
+// first..=pos (first = 0, or the window's start). The block's warps each walk every
+// ATTN_WARPS-th key of the split with an online softmax in f32, then merge; the block writes
+// its partial (max, sum of exponentials, weighted sum of values [D]) to `partial`
+// [B, Hq, T, splits, D + 2] — an empty one (max -inf) when it sees no key.
 template <typename T>
-__device__ void attention_few(const T* q, const T* k, const T* v, T* out, int Hq, int Hkv, int Tq, int L, int D,
-                              long long k_head_stride, long long v_head_stride, float scale, int window) {
+__device__ void attention_split(const T* q, const KvRow* rows, float* partial, int Hq, int Hkv, int Tq, int D,
+                                int splits, float scale, int window) {
     __shared__ float warp_max[ATTN_WARPS], warp_sum_exp[ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][MAX_HEAD_DIM];
-    const int h = blockIdx.x / Tq, i = blockIdx.x % Tq, kvh = h / (Hq / Hkv);
+    const KvRow r = rows[blockIdx.y];
+    const int h = blockIdx.x / Tq, i = blockIdx.x % Tq, kvh = h / (Hq / Hkv), split = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int pos = L - Tq + i, first = window > 0 ? max(0, pos + 1 - window) : 0;
-    const T* qr = q + ((long long)h * Tq + i) * D;
-    const T* kh = k + kvh * k_head_stride;
-    const T* vh = v + kvh * v_head_stride;
+    const int pos = (int)r.len - Tq + i, first = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int from = max(first, split * SPLIT_KEYS), to = min(pos, (split + 1) * SPLIT_KEYS - 1);
+    const long long query = ((long long)blockIdx.y * Hq + h) * Tq + i;
+    const T* qr = q + query * D;
+    const T* kh = reinterpret_cast<const T*>(r.k) + kvh * r.k_head_stride;
+    const T* vh = reinterpret_cast<const T*>(r.v) + kvh * r.v_head_stride;
     float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
 #pragma unroll
     for (int e = 0; e < MAX_PER_LANE; ++e) {
@@ -30,7 +43,7 @@ __device__ void attention_few(const T* q, const T* k, const T* v, T* out, int Hq
         acc[e] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int j = first + warp; j <= pos; j += ATTN_WARPS) {
+    for (int j = from + warp; j <= to; j += ATTN_WARPS) {
         const T* kj = kh + (long long)j * D;
         float s = 0.0f;
 #pragma unroll
@@ -54,24 +67,51 @@ __device__ void attention_few(const T* q, const T* k, const T* v, T* out, int Hq
         warp_sum_exp[warp] = l;
     }
     __syncthreads();
-    float total_max = -INFINITY;
-    for (int w = 0; w < ATTN_WARPS; ++w) total_max = fmaxf(total_max, warp_max[w]);
-    const float mine = m == -INFINITY ? 0.0f : expf(m - total_max);
+    float block_max = -INFINITY;
+    for (int w = 0; w < ATTN_WARPS; ++w) block_max = fmaxf(block_max, warp_max[w]);
+    const float mine = m == -INFINITY ? 0.0f : expf(m - block_max);
 #pragma unroll
     for (int e = 0; e < MAX_PER_LANE; ++e) {
         const int d = lane + 32 * e;
         if (d < D) warp_acc[warp][d] = acc[e] * mine;
     }
     __syncthreads();
-    float total_sum = 0.0f;
-    for (int w = 0; w < ATTN_WARPS; ++w) {
-        if (warp_max[w] != -INFINITY) total_sum += warp_sum_exp[w] * expf(warp_max[w] - total_max);
+    float* out = partial + (query * splits + split) * (D + 2);
+    if (threadIdx.x == 0) {
+        float block_sum = 0.0f;
+        for (int w = 0; w < ATTN_WARPS; ++w) {
+            if (warp_max[w] != -INFINITY) block_sum += warp_sum_exp[w] * expf(warp_max[w] - block_max);
+        }
+        out[0] = block_max;
+        out[1] = block_sum;
     }
-    T* o = out + ((long long)h * Tq + i) * D;
     for (int d = threadIdx.x; d < D; d += ATTN_WARPS * 32) {
         float x = 0.0f;
         for (int w = 0; w < ATTN_WARPS; ++w) x += warp_acc[w][d];
-        o[d] = from_f32<T>(x / total_sum);
+        out[2 + d] = x;
+    }
+}
+
+// Flash-decoding, second half: per query, the non-empty partials merged in split order, in T.
+template <typename T>
+__device__ void attention_combine(const float* partial, T* out, int queries, int splits, int D) {
+    const long long query = blockIdx.x;
+    if (query >= queries) return;
+    const float* p = partial + query * splits * (D + 2);
+    float total_max = -INFINITY;
+    for (int s = 0; s < splits; ++s) total_max = fmaxf(total_max, p[s * (D + 2)]);
+    float total_sum = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+        const float m = p[s * (D + 2)];
+        if (m != -INFINITY) total_sum += p[s * (D + 2) + 1] * expf(m - total_max);
+    }
+    for (int d = threadIdx.x; d < D; d += blockDim.x) {
+        float x = 0.0f;
+        for (int s = 0; s < splits; ++s) {
+            const float m = p[s * (D + 2)];
+            if (m != -INFINITY) x += p[s * (D + 2) + 2 + d] * expf(m - total_max);
+        }
+        out[query * D + d] = from_f32<T>(x / total_sum);
     }
 }
 
@@ -111,20 +151,43 @@ __device__ void norm_rope(const T* x, const float* scale, const float* cos, cons
     }
 }
 
-// A batch's rows each over their own KV history: blockIdx.y is the row, whose entry in `rows`
-// holds its keys' and values' addresses, their head strides and its length L. q and out are
-// [B, Hq, T, D].
-struct KvRow {
-    long long k, v, k_head_stride, v_head_stride, len;
-};
+// The softmax of a prompt block's attention scores, causal mask included: scores and probs
+// [R, L] with row r the query r mod T (rows run over heads, then the queries of a block of T
+// at positions L - T ..); query i sees keys first..=pos. f32 inside, probabilities in T, 0 for
+// masked keys. One block per row.
+constexpr int SOFTMAX_THREADS = 256;
+
+__device__ __forceinline__ float block_reduce(float x, bool is_max, float* scratch) {
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float other = __shfl_xor_sync(0xffffffffu, x, offset);
+        x = is_max ? fmaxf(x, other) : x + other;
+    }
+    __syncthreads();
+    if (lane == 0) scratch[warp] = x;
+    __syncthreads();
+    x = scratch[0];
+    for (int w = 1; w < SOFTMAX_THREADS / 32; ++w) x = is_max ? fmaxf(x, scratch[w]) : x + scratch[w];
+    return x;
+}
 
 template <typename T>
-__device__ void attention_rows(const T* q, const KvRow* rows, T* out, int Hq, int Hkv, int Tq, int D, float scale,
-                               int window) {
-    const KvRow r = rows[blockIdx.y];
-    const long long offset = (long long)blockIdx.y * Hq * Tq * D;
-    attention_few<T>(q + offset, reinterpret_cast<const T*>(r.k), reinterpret_cast<const T*>(r.v), out + offset, Hq,
-                     Hkv, Tq, (int)r.len, D, r.k_head_stride, r.v_head_stride, scale, window);
+__device__ void causal_softmax(const T* scores, T* probs, int L, int Tq, float scale, int window) {
+    __shared__ float scratch[SOFTMAX_THREADS / 32];
+    const long long r = blockIdx.x;
+    const int i = r % Tq, pos = L - Tq + i, first = window > 0 ? max(0, pos + 1 - window) : 0;
+    const T* row = scores + r * L;
+    T* out = probs + r * L;
+    float m = -INFINITY;
+    for (int j = first + threadIdx.x; j <= pos; j += SOFTMAX_THREADS) m = fmaxf(m, to_f32(row[j]) * scale);
+    m = block_reduce(m, true, scratch);
+    float sum = 0.0f;
+    for (int j = first + threadIdx.x; j <= pos; j += SOFTMAX_THREADS) sum += expf(to_f32(row[j]) * scale - m);
+    sum = block_reduce(sum, false, scratch);
+    for (int j = threadIdx.x; j < L; j += SOFTMAX_THREADS) {
+        out[j] = from_f32<T>(j >= first && j <= pos ? expf(to_f32(row[j]) * scale - m) / sum : 0.0f);
+    }
 }
 
 // Writes src [B, H, T, D] (strides in elements for b, h, t; d contiguous) into each row's
@@ -147,14 +210,17 @@ __device__ void write_rows(const T* src, const KvDestination* rows, int B, int H
 
 #define INSTANTIATE(T, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
-        attention_few_##NAME(const T* q, const T* k, const T* v, T* out, int Hq, int Hkv, int Tq, int L, int D, \
-                             long long k_head_stride, long long v_head_stride, float scale, int window) {      \
-        attention_few<T>(q, k, v, out, Hq, Hkv, Tq, L, D, k_head_stride, v_head_stride, scale, window);       \
+        attention_split_##NAME(const T* q, const KvRow* rows, float* partial, int Hq, int Hkv, int Tq, int D,  \
+                               int splits, float scale, int window) {                                          \
+        attention_split<T>(q, rows, partial, Hq, Hkv, Tq, D, splits, scale, window);                           \
     }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
-        attention_rows_##NAME(const T* q, const KvRow* rows, T* out, int Hq, int Hkv, int Tq, int D, float scale, \
-                              int window) {                                                                    \
-        attention_rows<T>(q, rows, out, Hq, Hkv, Tq, D, scale, window);                                        \
+    extern "C" __global__ void attention_combine_##NAME(const float* partial, T* out, int queries, int splits,  \
+                                                        int D) {                                               \
+        attention_combine<T>(partial, out, queries, splits, D);                                                \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(SOFTMAX_THREADS)                                             \
+        causal_softmax_##NAME(const T* scores, T* probs, int L, int Tq, float scale, int window) {             \
+        causal_softmax<T>(scores, probs, L, Tq, scale, window);                                                \
     }                                                                                                          \
     extern "C" __global__ void write_rows_##NAME(const T* src, const KvDestination* rows, int B, int H, int Tn, \
                                                  int D, long long sb, long long sh, long long st) {            \

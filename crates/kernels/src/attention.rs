@@ -33,8 +33,11 @@ impl Scoring {
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
     let few_rows = q.dim(1)? <= crate::matmul::MAX_EXACT_ROWS;
     #[cfg(feature = "cuda")]
-    if few_rows && q.device().is_cuda() && gpu::takes(q, k, v)? {
-        return gpu::attention_few(q, k, v, scoring);
+    if q.device().is_cuda() && gpu::takes(q, k, v)? {
+        return match few_rows {
+            true => gpu::attention_rows(&q.unsqueeze(0)?, &[(k.clone(), v.clone())], scoring)?.squeeze(0),
+            false => gpu::prefill(q, k, v, scoring),
+        };
     }
     let few = few_rows && q.device().is_cpu() && k.dtype() == v.dtype();
     match k.dtype() {
@@ -181,9 +184,10 @@ mod gpu {
     use crate::cuda::{self, Arg};
     use crate::Result;
 
-    /// The kernels' warps per block and widest head (cuda/attention.cu).
+    /// The kernels' warps per block, widest head and keys per split (cuda/attention.cu).
     const WARPS: u32 = 4;
     const MAX_HEAD_DIM: usize = 512;
+    const SPLIT_KEYS: usize = 512;
 
     pub(super) fn takes(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<bool> {
         let dtype = q.dtype();
@@ -207,31 +211,26 @@ mod gpu {
         Ok((x.contiguous()?, l * d))
     }
 
-    /// One block per (query head, query), its warps splitting the visible keys.
-    pub(super) fn attention_few(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
-        let q = q.contiguous()?;
+    /// A prompt block: the scores and the weighted values as (tensor-core) matmuls, the causal
+    /// mask and softmax between them as one kernel, without a mask tensor.
+    pub(super) fn prefill(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
         let (hq, t_len, d) = q.dims3()?;
         let (hkv, l_len, _) = k.dims3()?;
-        let ((k, ks), (v, vs)) = (head_strided(k)?, head_strided(v)?);
-        let out = cuda::output((hq, t_len, d), q.dtype(), q.device())?;
-        let cfg = LaunchConfig { grid_dim: ((hq * t_len) as u32, 1, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 };
+        let qg = q.contiguous()?.reshape((hkv, hq / hkv * t_len, d))?;
+        let scores = qg.matmul(&k.t()?)?.contiguous()?;
+        let probs = cuda::output(scores.shape(), scores.dtype(), q.device())?;
+        let rows = scores.elem_count() / l_len;
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
         let args = [
-            Arg::at(&q)?,
-            Arg::at(&k)?,
-            Arg::at(&v)?,
-            Arg::at(&out)?,
-            Arg::dim(hq)?,
-            Arg::dim(hkv)?,
-            Arg::dim(t_len)?,
+            Arg::at(&scores)?,
+            Arg::at(&probs)?,
             Arg::dim(l_len)?,
-            Arg::dim(d)?,
-            Arg::I64(ks as i64),
-            Arg::I64(vs as i64),
+            Arg::dim(t_len)?,
             Arg::F32(scoring.scale as f32),
             Arg::dim(scoring.window.unwrap_or(0))?,
         ];
-        cuda::launch(q.device(), &cuda::ATTENTION, "attention_few", q.dtype(), cfg, &args)?;
-        Ok(out)
+        cuda::launch(q.device(), &cuda::ATTENTION, "causal_softmax", q.dtype(), cfg, &args)?;
+        probs.matmul(&v.contiguous()?)?.reshape((hq, t_len, d))
     }
 
     /// Per row of a batch: its keys' and values' addresses, head strides and length, as the
@@ -248,27 +247,37 @@ mod gpu {
         Ok((Tensor::from_vec(table, (kv.len(), 5), device)?, held))
     }
 
-    /// One block per (query head, query) of every row.
+    /// Flash-decoding: one block per (query head and query, row, split of `SPLIT_KEYS` keys)
+    /// writes a partial softmax, then one block per query merges its row's partials.
     pub(super) fn attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring) -> Result<Tensor> {
         let q = q.contiguous()?;
         let (b, hq, t_len, d) = q.dims4()?;
         let hkv = kv[0].0.dim(0)?;
+        let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
+        let splits = longest.div_ceil(SPLIT_KEYS).max(1);
         let (table, _held) = kv_table(kv, q.device())?;
-        let out = cuda::output((b, hq, t_len, d), q.dtype(), q.device())?;
+        let queries = b * hq * t_len;
+        let partial = cuda::output(queries * splits * (d + 2), DType::F32, q.device())?;
+        let block = (32 * WARPS, 1, 1);
         let cfg =
-            LaunchConfig { grid_dim: ((hq * t_len) as u32, b as u32, 1), block_dim: (32 * WARPS, 1, 1), shared_mem_bytes: 0 };
+            LaunchConfig { grid_dim: ((hq * t_len) as u32, b as u32, splits as u32), block_dim: block, shared_mem_bytes: 0 };
         let args = [
             Arg::at(&q)?,
             Arg::at(&table)?,
-            Arg::at(&out)?,
+            Arg::at(&partial)?,
             Arg::dim(hq)?,
             Arg::dim(hkv)?,
             Arg::dim(t_len)?,
             Arg::dim(d)?,
+            Arg::dim(splits)?,
             Arg::F32(scoring.scale as f32),
             Arg::dim(scoring.window.unwrap_or(0))?,
         ];
-        cuda::launch(q.device(), &cuda::ATTENTION, "attention_rows", q.dtype(), cfg, &args)?;
+        cuda::launch(q.device(), &cuda::ATTENTION, "attention_split", q.dtype(), cfg, &args)?;
+        let out = cuda::output((b, hq, t_len, d), q.dtype(), q.device())?;
+        let cfg = LaunchConfig { grid_dim: (queries as u32, 1, 1), block_dim: block, shared_mem_bytes: 0 };
+        let args = [Arg::at(&partial)?, Arg::at(&out)?, Arg::dim(queries)?, Arg::dim(splits)?, Arg::dim(d)?];
+        cuda::launch(q.device(), &cuda::ATTENTION, "attention_combine", q.dtype(), cfg, &args)?;
         Ok(out)
     }
 

@@ -37,15 +37,16 @@ pub fn gated_delta_rule(
     gating: &Gating,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    // Decode steps and speculative verify blocks step token by token; prefill goes by chunks.
+    // CUDA runs the fused step kernel at every length: on an H200 it prefills 2048 tokens of
+    // the 4B shape 1.5x and 8192 tokens 1.7x faster than `chunked` as tensor ops. Other devices
+    // step token by token for decode steps and verify blocks, and go by chunks for prefill.
     // (A rollback re-folds its kept positions through this same dispatch, so it matches a
     // forward over only those tokens.)
-    let stepwise = q.dim(1)? <= STEPWISE_MAX;
     match q.device() {
         Device::Cpu => cpu::run(q, k, v, a, b, gating, state),
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) if stepwise && gpu::takes(q, k, v, a, b)? => gpu::steps(q, k, v, a, b, gating, state),
-        _ if !stepwise => chunked(q, k, v, a, b, gating, state),
+        Device::Cuda(_) if gpu::takes(q, k, v, a, b)? => gpu::steps(q, k, v, a, b, gating, state),
+        _ if q.dim(1)? > STEPWISE_MAX => chunked(q, k, v, a, b, gating, state),
         _ => reference(q, k, v, a, b, gating, state),
     }
 }
@@ -106,7 +107,7 @@ pub fn reference(
     Ok((Tensor::stack(&outs, 1)?, s))
 }
 
-/// Longest input that off-CPU devices run step by step rather than by chunks.
+/// Longest input that devices without a fused kernel run step by step rather than by chunks.
 const STEPWISE_MAX: usize = 16;
 
 /// Tokens per chunk of [`chunked`].
@@ -115,7 +116,8 @@ pub const CHUNK: usize = 64;
 /// The same recurrence in the chunk-parallel (WY / UT-transform) form: within a chunk of
 /// `CHUNK` tokens every interaction is a matrix product, and only the state passes from chunk
 /// to chunk — a few dozen batched matmuls per chunk instead of a dozen ops per token. Runs on
-/// any device; the GPU path for long inputs. With `G` the within-chunk cumulative log decay and
+/// any device; the path for long inputs on devices without a fused kernel (CUDA's step kernel
+/// beats it as tensor ops; as a fused tensor-core kernel it is the way to faster prefill). With `G` the within-chunk cumulative log decay and
 /// `Γ[i, j] = exp(G_i − G_j)` for `j ≤ i`:
 /// ```text
 /// T      = (I + strict_lower(diag(β) K Kᵀ ∘ Γ))⁻¹          (the UT transform)

@@ -141,7 +141,8 @@ fn causal_attention_on_gpu_matches_cpu() {
     let gpu = gpu();
     let (hq, hkv, d) = (8, 2, 64);
     // Decode (one query), a verify block and a prefill block; full and sliding-window.
-    for (t, l) in [(1, 37), (5, 40), (96, 96)] {
+    // A decode step, a verify block and a prompt block, short and over several splits of keys.
+    for (t, l) in [(1, 37), (5, 40), (96, 96), (3, 1300), (40, 1100)] {
         for scoring in [Scoring::scaled(0.125), Scoring { scale: 0.125, window: Some(16) }] {
             for dtype in [DType::F32, DType::BF16] {
                 let q = values(&[hq, t, d], 1.0, 21).to_dtype(dtype).unwrap();
@@ -276,4 +277,27 @@ fn argmax_rows_on_gpu_takes_the_first_maximum() {
     assert_eq!(&want[1..4], &[7, vocab as u32 - 1, 0]);
     let logits = Tensor::new(data, &gpu).unwrap();
     assert_eq!(argmax_rows(&logits).unwrap(), want);
+}
+
+/// A query's attention on the GPU is the same bits decoded alone, in a verify block, or batched
+/// with rows of other lengths (keys are split at fixed positions, merged in order).
+#[test]
+fn attention_on_gpu_does_not_depend_on_block_or_batch() {
+    let gpu = gpu();
+    let (hq, hkv, d, t) = (8, 2, 128, 4);
+    let scoring = Scoring::scaled(0.1);
+    let on = |x: Tensor| x.to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
+    let (long_k, long_v) = (on(values(&[hkv, 1300, d], 1.0, 95)), on(values(&[hkv, 1300, d], 1.0, 96)));
+    let (short_k, short_v) = (on(values(&[hkv, 40, d], 1.0, 97)), on(values(&[hkv, 40, d], 1.0, 98)));
+    let q = on(values(&[2, hq, t, d], 1.0, 99));
+    let batched = causal_attention_rows(&q, &[(long_k.clone(), long_v.clone()), (short_k, short_v)], scoring).unwrap();
+    let block = causal_attention(&q.get(0).unwrap(), &long_k, &long_v, scoring).unwrap();
+    let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+    assert_eq!(diff_bits(&f32(&batched.get(0).unwrap()), &f32(&block)), 0, "batched differs from alone");
+    for i in 0..t {
+        let len = 1300 - t + i + 1;
+        let (k, v) = (long_k.narrow(1, 0, len).unwrap(), long_v.narrow(1, 0, len).unwrap());
+        let alone = causal_attention(&q.get(0).unwrap().narrow(1, i, 1).unwrap(), &k, &v, scoring).unwrap();
+        assert_eq!(diff_bits(&f32(&alone), &f32(&block.narrow(1, i, 1).unwrap())), 0, "query {i} decoded alone differs");
+    }
 }
