@@ -2,7 +2,8 @@
 # On the GPU machine: strata against Hugging Face transformers (eager) on the synthetic Qwen3.5
 # shapes, same GPU, same run, with the GPU's measured limits; writes a markdown table.
 # Usage: scripts/cuda/bench-vs-transformers.sh STRATA_BINARY OUT.md [SHAPES...]
-#   (default shapes: qwen3.5-0.8b qwen3.5-4b; needs python3 with torch and transformers)
+#   (default shapes: qwen3.5-0.8b qwen3.5-4b; needs python3 with torch and transformers, and
+#   nvidia-smi for strata's peak memory)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bin="$1"
@@ -10,42 +11,68 @@ out="$2"
 shift 2
 shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(qwen3.5-0.8b qwen3.5-4b)
+batches=1,8,32,64
+prompts=(2048 8192 32768)
 raw="$(mktemp)"
-python3 scripts/cuda/bench_transformers.py --shape "${shapes[0]}" --limits --batch 1 --prompt 2048 \
-    | sed 's/^/transformers /' >>"$raw"
+mem="$(mktemp)"
+limits=--limits
 for shape in "${shapes[@]}"; do
-    if [ "$shape" != "${shapes[0]}" ]; then
-        python3 scripts/cuda/bench_transformers.py --shape "$shape" --batch 1 --prompt 2048 | sed 's/^/transformers /' >>"$raw"
-    fi
-    "$bin" bench --synthetic "$shape" --device cuda --prompt-len 128 --gen-len 32 --concurrency 1 --json \
+    python3 scripts/cuda/bench_transformers.py --shape "$shape" $limits --batch "$batches" \
+        --prompt "$(IFS=,; echo "${prompts[*]}")" | sed 's/^/transformers /' >>"$raw"
+    limits=
+    # Decode: 128-token prompts, long enough generations that every batch size has a window
+    # where all its requests decode together (what `strata bench` reports).
+    "$bin" bench --synthetic "$shape" --device cuda --prompt-len 128 --gen-len 128 --concurrency "$batches" --json \
         | sed "s/^/strata-decode $shape /" >>"$raw"
-    "$bin" bench --synthetic "$shape" --device cuda --prompt-len 2048 --gen-len 2 --concurrency 1 --json \
-        | sed "s/^/strata-prefill $shape /" >>"$raw"
+    for p in "${prompts[@]}"; do
+        nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$mem" &
+        sampler=$!
+        line=$("$bin" bench --synthetic "$shape" --device cuda --prompt-len "$p" --gen-len 2 --concurrency 1 --json)
+        kill "$sampler"
+        wait "$sampler" 2>/dev/null || true
+        echo "strata-prefill $shape $(sort -n "$mem" | tail -1) $line" >>"$raw"
+    done
 done
-python3 - "$raw" "$out" <<'EOF'
+python3 - "$raw" "$out" <<'PY'
 import json, subprocess, sys
-rows = [line.split(" ", 2) if line.startswith("strata") else line.split(" ", 1) for line in open(sys.argv[1])]
-tf = [json.loads(r[-1]) for r in rows if r[0] == "transformers"]
+rows = [line.rstrip("\n").split(" ", 1) for line in open(sys.argv[1])]
+tf = [json.loads(r[1]) for r in rows if r[0] == "transformers"]
 limits = next(t for t in tf if t["kind"] == "limits")
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+bw, mm = limits["copy_gb_s"] * 1e9, limits["bf16_tflop_s"] * 1e12
 lines = [f"GPU: {gpu}. Measured limits: copy {limits['copy_gb_s']:.0f} GB/s, bf16 matmul "
-         f"{limits['bf16_tflop_s']:.0f} TFLOP/s (8192³). bf16, batch 1, random weights.", "",
+         f"{limits['bf16_tflop_s']:.0f} TFLOP/s (8192³). bf16, random weights.", "",
          "| shape | measure | strata | transformers (eager) | roofline |", "|---|---|---:|---:|---:|"]
-for r in rows:
-    if r[0] == "strata-decode":
-        shape, s = r[1], json.loads(r[2])
-        m = next(t for t in tf if t["kind"] == "model" and t["shape"] == shape)
-        t = next(t for t in tf if t["kind"] == "decode" and t["shape"] == shape and t["batch"] == 1)
-        roof = limits["copy_gb_s"] * 1e9 / m["weight_bytes_per_token"]
-        lines.append(f"| {shape} | decode tok/s (128-token prompt) | {s['aggregate_decode_tok_s']:.1f} | {t['tok_s']:.1f} | {roof:.0f} |")
-    elif r[0] == "strata-prefill":
-        shape, s = r[1], json.loads(r[2])
-        m = next(t for t in tf if t["kind"] == "model" and t["shape"] == shape)
-        t = next(t for t in tf if t["kind"] == "prefill" and t["shape"] == shape and t["prompt"] == 2048)
-        roof = limits["bf16_tflop_s"] * 1e12 / (2 * m["params"])
-        lines.append(f"| {shape} | prefill tok/s (2048 tokens) | {s['prefill_tok_s']:.0f} | {t.get('tok_s', 0):.0f} | {roof:.0f} |")
-lines += ["", "Decode roofline: weight bytes read per token ÷ copy bandwidth. Prefill roofline: "
-          "2 × parameters FLOPs per token ÷ bf16 matmul rate (attention's quadratic term left out)."]
+def find(kind, shape, **keys):
+    return next((t for t in tf if t["kind"] == kind and t["shape"] == shape
+                 and all(t.get(k) == v for k, v in keys.items())), {})
+for tag, rest in rows:
+    if tag == "strata-decode":
+        shape, s = rest.split(" ", 1)
+        s = json.loads(s)
+        m, b = find("model", shape), s["concurrency"]
+        t = find("decode", shape, batch=b)
+        roof = b * bw / (m["weight_bytes_per_token"] + b * m["state_bytes_per_row"])
+        lines.append(f"| {shape} | decode tok/s, batch {b} | {s['aggregate_decode_tok_s']:.0f} | "
+                     f"{t.get('tok_s', float('nan')):.0f} | {roof:.0f} |")
+    elif tag == "strata-prefill":
+        shape, peak_mib, s = rest.split(" ", 2)
+        s = json.loads(s)
+        m, p = find("model", shape), s["prompt_len"]
+        t = find("prefill", shape, prompt=p)
+        tf_rate = f"{t['tok_s']:.0f}" if "tok_s" in t else t.get("error", "-")
+        tf_ttft = f"{p / t['tok_s']:.2f}" if "tok_s" in t else "-"
+        tf_peak = f"{t['peak_gib']:.1f}" if "peak_gib" in t else "-"
+        lines.append(f"| {shape} | prefill tok/s, {p} tokens | {s['prefill_tok_s']:.0f} | {tf_rate} | "
+                     f"{mm / (2 * m['params']):.0f} |")
+        lines.append(f"| {shape} | TTFT s, {p} tokens | {s['ttft_ms_p50'] / 1e3:.2f} | {tf_ttft} | |")
+        lines.append(f"| {shape} | peak GPU memory GiB, {p} tokens | {int(peak_mib) / 1024:.1f} | {tf_peak} | |")
+lines += ["", "Decode: tokens/s over the window where the whole batch decodes (strata: 128-token prompts, "
+          "128 tokens each; transformers: 32 steps after a batched 128-token prefill). Decode roofline: "
+          "batch × copy bandwidth ÷ (weight bytes + batch × recurrent-state bytes) per step. Prefill roofline: "
+          "2 × parameters FLOPs per token ÷ bf16 matmul rate (attention's quadratic term left out). "
+          "Peak memory: strata's whole process as nvidia-smi reports it (CUDA context included); "
+          "transformers' is PyTorch's peak allocation."]
 open(sys.argv[2], "w").write("\n".join(lines) + "\n")
 print("\n".join(lines))
-EOF
+PY

@@ -5,10 +5,10 @@ Builds the synthetic Qwen3.5 shapes `strata bench --synthetic` builds (the table
 crates/model/src/synthetic.rs) with random bf16 weights on the GPU, and prints one JSON object
 per line:
   {"kind": "limits", "copy_gb_s": ..., "bf16_tflop_s": ...}
-  {"kind": "model", "shape": ..., "params": ..., "weight_bytes_per_token": ...}
+  {"kind": "model", "shape": ..., "params": ..., "weight_bytes_per_token": ..., "state_bytes_per_row": ...}
   {"kind": "decode", "shape": ..., "batch": B, "tok_s": ...}      (eager, DynamicCache)
   {"kind": "prefill", "shape": ..., "prompt": P, "tok_s": ..., "peak_gib": ...}
-Usage: bench_transformers.py --shape qwen3.5-4b [--batch 1,8] [--prompt 2048,8192]
+Usage: bench_transformers.py --shape qwen3.5-4b [--batch 1,8,32,64] [--prompt 2048,8192,32768]
 """
 import argparse
 import json
@@ -77,7 +77,11 @@ def main():
     total = sum(p.numel() for p in model.parameters())
     # Read per decoded token: every matrix once (the tied embedding once, as the output head).
     read = total if cfg.tie_word_embeddings else total - embed
-    print(json.dumps({"kind": "model", "shape": a.shape, "params": total, "weight_bytes_per_token": 2 * read}), flush=True)
+    # The recurrent state every decode step reads per sequence (f32, every DeltaNet layer).
+    linear = sum(t == "linear_attention" for t in cfg.layer_types)
+    state = 4 * linear * cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim
+    print(json.dumps({"kind": "model", "shape": a.shape, "params": total, "weight_bytes_per_token": 2 * read,
+                      "state_bytes_per_row": state}), flush=True)
     vocab = cfg.vocab_size
     with torch.no_grad():
         for batch in map(int, a.batch.split(",")):
