@@ -38,25 +38,33 @@ __device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum,
     for (int d = lane; d < D; d += 32) y[base + d] = from_f32<T>(to_f32(sum[base + d]) * inv * scale[d]);
 }
 
-// The DeltaNet output norm: x (f32, rounded to T first) normalised, rounded to T, times
-// weight, times silu(gate), in T.
+// The DeltaNet output norm: x (f32 [rows, D], rounded to T first) normalised, rounded to T,
+// times weight, times silu(gate), in T. Row r is head r mod H of token r / H; the gate's tokens
+// lie `gate_stride` apart, its heads contiguous.
 template <typename T>
-__device__ void gated_rms_norm(const float* x, const T* gate, const float* weight, T* y, int rows, int D, float eps) {
+__device__ void gated_rms_norm(const float* x, const T* gate, long long gate_stride, const float* weight, T* y, int rows,
+                               int H, int D, float eps) {
     const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
     const long long base = (long long)row * D;
+    const T* g = gate + (long long)(row / H) * gate_stride + (long long)(row % H) * D;
     const float inv = rsqrtf(row_sum_sq([&](int d) { return round_to<T>(x[base + d]); }, D, lane) / D + eps);
     for (int d = lane; d < D; d += 32) {
         const float normed = round_to<T>(round_to<T>(x[base + d]) * inv);
-        y[base + d] = from_f32<T>(normed * weight[d] * silu(to_f32(gate[base + d])));
+        y[base + d] = from_f32<T>(normed * weight[d] * silu(to_f32(g[d])));
     }
 }
 
-// silu(gate) * up, elementwise; silu's result is rounded to T as a separate op would.
+// silu(gate) * up for [rows, cols] with the inputs' rows `gate_stride` / `up_stride` apart
+// (halves of one projection's output, say); silu's result is rounded to T as a separate op
+// would. y is contiguous.
 template <typename T>
-__device__ void silu_mul(const T* gate, const T* up, T* y, long long n) {
+__device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long long up_stride, T* y, int rows,
+                         int cols) {
     const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = from_f32<T>(round_to<T>(silu(to_f32(gate[i]))) * to_f32(up[i]));
+    if (i >= (long long)rows * cols) return;
+    const long long r = i / cols, c = i % cols;
+    y[i] = from_f32<T>(round_to<T>(silu(to_f32(gate[r * gate_stride + c]))) * to_f32(up[r * up_stride + c]));
 }
 
 #define INSTANTIATE(T, NAME)                                                                                   \
@@ -68,11 +76,13 @@ __device__ void silu_mul(const T* gate, const T* up, T* y, long long n) {
                                                    int rows, int D, float eps) {                               \
         add_rms_norm<T>(x, h, scale, sum, y, rows, D, eps);                                                    \
     }                                                                                                          \
-    extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, const float* weight, T* y, \
-                                                     int rows, int D, float eps) {                             \
-        gated_rms_norm<T>(x, gate, weight, y, rows, D, eps);                                                   \
+    extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, long long gate_stride,    \
+                                                     const float* weight, T* y, int rows, int H, int D,        \
+                                                     float eps) {                                              \
+        gated_rms_norm<T>(x, gate, gate_stride, weight, y, rows, H, D, eps);                                   \
     }                                                                                                          \
-    extern "C" __global__ void silu_mul_##NAME(const T* gate, const T* up, T* y, long long n) {               \
-        silu_mul<T>(gate, up, y, n);                                                                           \
+    extern "C" __global__ void silu_mul_##NAME(const T* gate, long long gate_stride, const T* up,             \
+                                               long long up_stride, T* y, int rows, int cols) {                \
+        silu_mul<T>(gate, gate_stride, up, up_stride, y, rows, cols);                                          \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)

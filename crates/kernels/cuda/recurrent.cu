@@ -7,18 +7,19 @@
 // Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, index, channel): for
 // index i < T it computes y[i] from the K inputs ending at token i (the first K - 1 - i of them
 // from the state), and for i < K - 1 it writes new_state[i], the input K - 1 positions before
-// the window's end. x [B, T, C], state and new_state [B, K - 1, C] (token-major), w [C, K] f32,
-// y [B, T, C]; the grid covers B · max(T, K - 1) · C threads.
+// the window's end. x [B, T, C] with `x_stride` between tokens, state and new_state
+// [B, K - 1, C] (token-major), w [C, K] f32, y [B, T, C]; the grid covers B · max(T, K - 1) · C
+// threads.
 template <typename T>
-__device__ void causal_conv1d_silu(const T* x, const T* state, const float* w, T* y, T* new_state, int B, int Tn,
-                                   int C, int K) {
+__device__ void causal_conv1d_silu(const T* x, long long x_stride, const T* state, const float* w, T* y, T* new_state,
+                                   int B, int Tn, int C, int K) {
     const int hist = K - 1, span = max(Tn, hist);
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)B * span * C) return;
     const int c = idx % C, i = (idx / C) % span, b = idx / ((long long)C * span);
     // Input j of the window [state; x], as f32.
     auto input = [&](int j) {
-        return j < hist ? to_f32(state[((long long)b * hist + j) * C + c]) : to_f32(x[((long long)b * Tn + j - hist) * C + c]);
+        return j < hist ? to_f32(state[((long long)b * hist + j) * C + c]) : to_f32(x[((long long)b * Tn + j - hist) * x_stride + c]);
     };
     if (i < Tn) {
         // Oldest input first, as the reference sums.
@@ -37,7 +38,8 @@ __device__ void causal_conv1d_silu(const T* x, const T* state, const float* w, T
 // registers (lanes split Dk) and walks all tokens; a block's warps share each tile of
 // normalised q / k in shared memory. A row's arithmetic is the same whatever the number of
 // tokens or rows in the call, so a verify block computes each position exactly as decoding it
-// alone would. q, k, v are [B, T, H, D] with the given token strides and contiguous heads.
+// alone would. q, k, v are [B, T, H, D] with the given token strides and contiguous heads; a and
+// beta_logits [B, T, Hv] with `gate_stride` between tokens.
 constexpr int DELTA_WARPS = 4;
 constexpr int ROWS_PER_WARP = 4;
 constexpr int MAX_PER_LANE = 8;  // Dk <= 256
@@ -46,7 +48,8 @@ constexpr int MAX_DK = 32 * MAX_PER_LANE;
 
 template <typename T>
 __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long q_stride, long long k_stride,
-                                  long long v_stride, const T* a, const T* beta_logits, const float* a_log,
+                                  long long v_stride, const T* a, const T* beta_logits, long long gate_stride,
+                                  const float* a_log,
                                   const float* dt_bias, const float* s_in, float* s_out, float* o, int B, int Tn,
                                   int Hk, int Hv, int Dk, int Dv) {
     __shared__ float q_tile[TOKEN_TILE][MAX_DK];
@@ -96,10 +99,10 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
                 }
             }
             if (lane == 0) {
-                const float x = to_f32(a[tok * Hv + h]) + dt_bias[h];
+                const float x = to_f32(a[tok * gate_stride + h]) + dt_bias[h];
                 const float softplus = fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x)));
                 decay_tile[tt] = expf(neg_a * softplus);
-                beta_tile[tt] = 1.0f / (1.0f + expf(-to_f32(beta_logits[tok * Hv + h])));
+                beta_tile[tt] = 1.0f / (1.0f + expf(-to_f32(beta_logits[tok * gate_stride + h])));
             }
         }
         __syncthreads();
@@ -148,15 +151,16 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
 }
 
 #define INSTANTIATE(T, NAME)                                                                                     \
-    extern "C" __global__ void causal_conv1d_silu_##NAME(const T* x, const T* state, const float* w, T* y,      \
-                                                         T* new_state, int B, int Tn, int C, int K) {           \
-        causal_conv1d_silu<T>(x, state, w, y, new_state, B, Tn, C, K);                                          \
+    extern "C" __global__ void causal_conv1d_silu_##NAME(const T* x, long long x_stride, const T* state,        \
+                                                         const float* w, T* y, T* new_state, int B, int Tn,     \
+                                                         int C, int K) {                                        \
+        causal_conv1d_silu<T>(x, x_stride, state, w, y, new_state, B, Tn, C, K);                                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32) gated_delta_steps_##NAME(                     \
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
-        const T* a, const T* beta_logits, const float* a_log, const float* dt_bias, const float* s_in,          \
-        float* s_out, float* o, int B, int Tn, int Hk, int Hv, int Dk, int Dv) {                                \
-        gated_delta_steps<T>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, a_log, dt_bias, s_in, s_out, \
-                             o, B, Tn, Hk, Hv, Dk, Dv);                                                         \
+        const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias,      \
+        const float* s_in, float* s_out, float* o, int B, int Tn, int Hk, int Hv, int Dk, int Dv) {             \
+        gated_delta_steps<T>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log, dt_bias, \
+                             s_in, s_out, o, B, Tn, Hk, Hv, Dk, Dv);                                            \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)

@@ -34,11 +34,13 @@ mod gpu {
     pub(super) fn run(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, c) = x.dims3()?;
         let kernel = weight.dim(1)?;
-        let (x, state, weight) = (x.contiguous()?, state.contiguous()?, weight.to_dtype(DType::F32)?.contiguous()?);
+        let (x, x_stride) = cuda::row_strided(x)?;
+        let (state, weight) = (state.contiguous()?, weight.to_dtype(DType::F32)?.contiguous()?);
         let y = cuda::output((b, t, c), x.dtype(), x.device())?;
         let new_state = cuda::output((b, kernel - 1, c), x.dtype(), x.device())?;
         let args = [
             Arg::at(&x)?,
+            Arg::I64(x_stride as i64),
             Arg::at(&state)?,
             Arg::at(&weight)?,
             Arg::at(&y)?,

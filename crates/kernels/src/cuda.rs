@@ -62,6 +62,21 @@ fn address<T: CudaDType>(cs: &CudaStorage) -> Result<u64> {
     Ok(ptr)
 }
 
+/// `x` as `[rows, last dim]`: itself with the distance between its rows when its last dim is
+/// contiguous and its leading dims collapse into one (a narrow of a wider output's last dim,
+/// say), otherwise a contiguous copy.
+pub(crate) fn row_strided(x: &Tensor) -> Result<(Tensor, usize)> {
+    let (dims, strides) = (x.dims(), x.stride());
+    let cols = dims.last().copied().unwrap_or(1);
+    let lead: Vec<(usize, usize)> =
+        dims.iter().zip(strides).take(dims.len().saturating_sub(1)).filter(|(&d, _)| d > 1).map(|(&d, &s)| (d, s)).collect();
+    let collapses = lead.windows(2).all(|w| w[0].1 == w[1].0 * w[1].1);
+    if (strides.last() == Some(&1) || cols <= 1) && collapses {
+        return Ok((x.clone(), lead.last().map_or(cols, |&(_, s)| s)));
+    }
+    Ok((x.contiguous()?, cols))
+}
+
 /// An uninitialised output the kernel fills completely.
 pub(crate) fn output(shape: impl Into<Shape>, dtype: DType, device: &Device) -> Result<Tensor> {
     // SAFETY: every caller launches a kernel that writes each element before anyone reads it.

@@ -248,7 +248,11 @@ mod gpu {
         let (bsz, t_len, hk, dk) = q.dims4()?;
         let (hv, dv) = (v.dim(2)?, v.dim(3)?);
         let ((q, qs), (k, ks), (v, vs)) = (token_strided(q)?, token_strided(k)?, token_strided(v)?);
-        let (a, b) = (a.contiguous()?, b.contiguous()?);
+        // The gate inputs [B, T, Hv] with one distance between tokens (two narrows of one
+        // projection's output have the same).
+        let ((a, a_stride), (b, b_stride)) = (cuda::row_strided(a)?, cuda::row_strided(b)?);
+        let ((a, b), gate_stride) =
+            if a_stride == b_stride { ((a, b), a_stride) } else { ((a.contiguous()?, b.contiguous()?), hv) };
         let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
         let (a_log, dt_bias, state) = (f32(gating.a_log)?, f32(gating.dt_bias)?, f32(state)?);
         let dev = q.device();
@@ -269,6 +273,7 @@ mod gpu {
             Arg::I64(vs as i64),
             Arg::at(&a)?,
             Arg::at(&b)?,
+            Arg::I64(gate_stride as i64),
             Arg::at(&a_log)?,
             Arg::at(&dt_bias)?,
             Arg::at(&state)?,

@@ -27,14 +27,16 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, scale: &Tensor, eps: f32) -> Result<
     Ok((sum, normed))
 }
 
-/// The Gated DeltaNet output norm per head: `x` (f32, rounded to `gate`'s dtype first)
-/// normalised, rounded again, times `weight` (f32 `[D]`) and `silu(gate)`; in `gate`'s dtype.
+/// The Gated DeltaNet output norm per head: `x` (f32 `[.., H, D]`, rounded to `gate`'s dtype
+/// first) normalised, rounded again, times `weight` (f32 `[D]`) and `silu(gate)`; in `gate`'s
+/// dtype, shaped like `x`. `gate` holds the same elements as `[.., H·D]` or `[.., H, D]`.
 pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(y) = gpu::gated_rms_norm(x, gate, weight, eps)? {
         return Ok(y);
     }
     let dtype = gate.dtype();
+    let gate = gate.reshape(x.shape())?;
     let rounded = x.to_dtype(dtype)?.to_dtype(DType::F32)?.contiguous()?;
     let ones = Tensor::ones(weight.shape(), DType::F32, x.device())?;
     let normed = candle_nn::ops::rms_norm(&rounded, &ones, eps)?;
@@ -120,13 +122,28 @@ mod gpu {
     }
 
     pub(super) fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f32) -> Result<Option<Tensor>> {
-        if !on_cuda(gate, &[x, weight]) || x.shape() != gate.shape() {
+        if !on_cuda(gate, &[x, weight]) || x.elem_count() != gate.elem_count() {
             return Ok(None);
         }
-        let (x, gate, weight) = (f32_param(x)?, gate.contiguous()?, f32_param(weight)?);
+        let (x, weight) = (f32_param(x)?, f32_param(weight)?);
         let (rows, d) = rows_and_dim(&x)?;
+        // The gate as [tokens, H·D] with its tokens apart.
+        let gate_cols = gate.dims().last().copied().unwrap_or(1);
+        let gate = if gate_cols % d == 0 { gate.clone() } else { gate.reshape(x.shape())? };
+        let (gate, gate_stride) = cuda::row_strided(&gate)?;
+        let heads = gate.dims().last().copied().unwrap_or(1) / d;
         let y = cuda::output(x.shape(), gate.dtype(), x.device())?;
-        let args = [Arg::at(&x)?, Arg::at(&gate)?, Arg::at(&weight)?, Arg::at(&y)?, Arg::dim(rows)?, Arg::dim(d)?, Arg::F32(eps)];
+        let args = [
+            Arg::at(&x)?,
+            Arg::at(&gate)?,
+            Arg::I64(gate_stride as i64),
+            Arg::at(&weight)?,
+            Arg::at(&y)?,
+            Arg::dim(rows)?,
+            Arg::dim(heads)?,
+            Arg::dim(d)?,
+            Arg::F32(eps),
+        ];
         cuda::launch(x.device(), &cuda::NORM, "gated_rms_norm", gate.dtype(), per_row(rows), &args)?;
         Ok(Some(y))
     }
@@ -135,11 +152,19 @@ mod gpu {
         if !on_cuda(gate, &[up]) || up.dtype() != gate.dtype() || up.shape() != gate.shape() {
             return Ok(None);
         }
-        let (gate, up) = (gate.contiguous()?, up.contiguous()?);
-        let n = gate.elem_count();
+        let ((gate, gate_stride), (up, up_stride)) = (cuda::row_strided(gate)?, cuda::row_strided(up)?);
+        let (rows, cols) = rows_and_dim(&gate)?;
         let y = cuda::output(gate.shape(), gate.dtype(), gate.device())?;
-        let args = [Arg::at(&gate)?, Arg::at(&up)?, Arg::at(&y)?, Arg::I64(n as i64)];
-        cuda::launch(gate.device(), &cuda::NORM, "silu_mul", gate.dtype(), cuda::grid_for(n, 256), &args)?;
+        let args = [
+            Arg::at(&gate)?,
+            Arg::I64(gate_stride as i64),
+            Arg::at(&up)?,
+            Arg::I64(up_stride as i64),
+            Arg::at(&y)?,
+            Arg::dim(rows)?,
+            Arg::dim(cols)?,
+        ];
+        cuda::launch(gate.device(), &cuda::NORM, "silu_mul", gate.dtype(), cuda::grid_for(rows * cols, 256), &args)?;
         Ok(Some(y))
     }
 }

@@ -70,10 +70,12 @@ impl DeltaInputs {
         let q = mixed.narrow(2, 0, hk * dk).unwrap().reshape((b, t, hk, dk)).unwrap();
         let k = mixed.narrow(2, hk * dk, hk * dk).unwrap().reshape((b, t, hk, dk)).unwrap();
         let v = mixed.narrow(2, 2 * hk * dk, hv * dv).unwrap().reshape((b, t, hv, dv)).unwrap();
-        let cut = |x: &Tensor| on(x).narrow(1, from, len).unwrap();
+        // a and the gate logits as the model has them: two narrows of one projection output.
+        let gates = Tensor::cat(&[&self.a, &self.gate], 2).unwrap();
+        let cut = |at: usize| on(&gates).narrow(1, from, len).unwrap().narrow(2, at, hv).unwrap();
         let (a_log, dt_bias) = (on(&self.a_log), on(&self.dt_bias));
         let gating = Gating { a_log: &a_log, dt_bias: &dt_bias };
-        gated_delta_rule(&q, &k, &v, &cut(&self.a), &cut(&self.gate), &gating, &on(state)).unwrap()
+        gated_delta_rule(&q, &k, &v, &cut(0), &cut(hv), &gating, &on(state)).unwrap()
     }
 }
 
@@ -125,7 +127,8 @@ fn causal_conv1d_on_gpu_matches_cpu() {
     let (b, c, kernel) = (2, 48, 4);
     // A decode step and a window; the model keeps its conv weight in f32.
     for (t, dtype, w_dtype) in [(1, DType::BF16, DType::F32), (5, DType::F32, DType::F32), (5, DType::BF16, DType::BF16)] {
-        let x = values(&[b, t, c], 1.0, 11).to_dtype(dtype).unwrap();
+        // The input as a narrow of a wider projection output, as the model passes it.
+        let x = values(&[b, t, c + 8], 1.0, 11).to_dtype(dtype).unwrap().narrow(2, 0, c).unwrap();
         let state = values(&[b, kernel - 1, c], 1.0, 12).to_dtype(dtype).unwrap();
         let w = values(&[c, kernel], 0.5, 13).to_dtype(w_dtype).unwrap();
         let (want_y, want_state) = causal_conv1d_silu(&x, &state, &w).unwrap();
@@ -194,8 +197,20 @@ fn norms_and_swiglu_on_gpu_match_cpu() {
             let got = gated_rms_norm(&on(&recurrent_out), &on(&h), &on(&scale), 1e-6).unwrap();
             let want = gated_rms_norm(&recurrent_out, &h, &scale, 1e-6).unwrap();
             assert_close(&what("gated_rms_norm"), dtype, &got, &want);
+            // Per head: x [rows, 3, D] against a gate cut as [rows, 3·D] from a wider output.
+            let heads_out = values(&[rows, 3, d], 3.0, 45);
+            let wide = values(&[rows, 3 * d + 5], 2.0, 46).to_dtype(dtype).unwrap();
+            let gate = |w: &Tensor| w.narrow(1, 5, 3 * d).unwrap();
+            let got = gated_rms_norm(&on(&heads_out), &gate(&on(&wide)), &on(&scale), 1e-6).unwrap();
+            let want = gated_rms_norm(&heads_out, &gate(&wide), &scale, 1e-6).unwrap();
+            assert_close(&what("gated_rms_norm per head"), dtype, &got, &want);
 
             assert_close(&what("silu_mul"), dtype, &silu_mul(&on(&x), &on(&h)).unwrap(), &silu_mul(&x, &h).unwrap());
+            // The two halves of one [gate | up] output.
+            let halves = |w: &Tensor| (w.narrow(1, 0, d).unwrap(), w.narrow(1, d, d).unwrap());
+            let packed = Tensor::cat(&[&x, &h], 1).unwrap();
+            let ((g, u), (g_gpu, u_gpu)) = (halves(&packed), halves(&on(&packed)));
+            assert_close(&what("silu_mul of halves"), dtype, &silu_mul(&g_gpu, &u_gpu).unwrap(), &silu_mul(&g, &u).unwrap());
         }
     }
 }

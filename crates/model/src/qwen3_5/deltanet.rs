@@ -5,16 +5,14 @@ use candle_core::{DType, Tensor};
 use strata_kernels::{conv1d::causal_conv1d_silu, gated_delta};
 use strata_state::{RecurrentRound, RecurrentShape, RecurrentState};
 
-use super::layers::{GatedRmsNorm, Linear};
+use super::layers::{GatedRmsNorm, Linear, Projections};
 use crate::config::Qwen35Config;
 use crate::error::Result;
 use crate::source::WeightSource;
 
 pub struct GatedDeltaNet {
-    in_proj_qkv: Linear,
-    in_proj_z: Linear,
-    in_proj_b: Linear,
-    in_proj_a: Linear,
+    /// `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`.
+    in_proj: Projections,
     /// `[conv_dim, K]`, f32.
     conv_weight: Tensor,
     a_log: Tensor,
@@ -44,10 +42,17 @@ impl GatedDeltaNet {
             .get(&format!("{name}.conv1d.weight"), &[shape.conv_dim, 1, shape.conv_kernel], DType::F32)?
             .reshape((shape.conv_dim, shape.conv_kernel))?;
         Ok(Self {
-            in_proj_qkv: Linear::load(src, &format!("{name}.in_proj_qkv"), shape.conv_dim, hidden, false, dtype)?,
-            in_proj_z: Linear::load(src, &format!("{name}.in_proj_z"), hv * dv, hidden, false, dtype)?,
-            in_proj_b: Linear::load(src, &format!("{name}.in_proj_b"), hv, hidden, false, dtype)?,
-            in_proj_a: Linear::load(src, &format!("{name}.in_proj_a"), hv, hidden, false, dtype)?,
+            in_proj: Projections::load(
+                src,
+                &[
+                    (format!("{name}.in_proj_qkv"), shape.conv_dim),
+                    (format!("{name}.in_proj_z"), hv * dv),
+                    (format!("{name}.in_proj_b"), hv),
+                    (format!("{name}.in_proj_a"), hv),
+                ],
+                hidden,
+                dtype,
+            )?,
             conv_weight,
             a_log: src.get(&format!("{name}.A_log"), &[hv], DType::F32)?,
             dt_bias: src.get(&format!("{name}.dt_bias"), &[hv], DType::F32)?,
@@ -63,10 +68,7 @@ impl GatedDeltaNet {
     pub fn forward(&self, x: &Tensor, state: &mut RecurrentState) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
-        let qkv = self.in_proj_qkv.forward(x)?;
-        let z = self.in_proj_z.forward(x)?.reshape((b, t, hv, dv))?;
-        let beta_logits = self.in_proj_b.forward(x)?;
-        let a = self.in_proj_a.forward(x)?;
+        let [qkv, z, beta_logits, a] = self.in_proj.forward(x)?;
         let (o, conv, ssm) = self.recurrence(&qkv, &a, &beta_logits, &state.conv, &state.ssm)?;
         if let Some(round) = &mut state.round {
             round.inputs.push(vec![qkv, a, beta_logits]);

@@ -108,6 +108,56 @@ impl Linear {
     }
 }
 
+/// Projections of one input. Plain weights are concatenated into one matrix at load, so one
+/// matmul computes them all and the outputs are views of its result (on a GPU, one launch
+/// instead of several); block-quantized weights stay apart and share one pass over the input.
+pub enum Projections {
+    Joined { linear: Linear, sizes: Vec<usize> },
+    Apart(Vec<Linear>),
+}
+
+impl Projections {
+    /// Loads `{name}.weight` `[out, in_dim]` for each `(name, out)`, without biases.
+    pub fn load(src: &dyn WeightSource, parts: &[(String, usize)], in_dim: usize, dtype: DType) -> Result<Self> {
+        let parts =
+            parts.iter().map(|(name, out)| Linear::load(src, name, *out, in_dim, false, dtype)).collect::<Result<Vec<_>>>()?;
+        let plain: Option<Vec<&Tensor>> = parts
+            .iter()
+            .map(|l| match (&l.weight, &l.bias) {
+                (Matrix::Dense(w), None) => Some(w),
+                _ => None,
+            })
+            .collect();
+        Ok(match plain {
+            Some(weights) => Projections::Joined {
+                sizes: weights.iter().map(|w| w.dim(0)).collect::<candle_core::Result<_>>()?,
+                linear: Linear::from_weight(Matrix::Dense(Tensor::cat(&weights, 0)?)),
+            },
+            None => Projections::Apart(parts),
+        })
+    }
+
+    /// Each projection of `x` `[.., in]`, in load order.
+    pub fn forward<const N: usize>(&self, x: &Tensor) -> Result<[Tensor; N]> {
+        match self {
+            Projections::Joined { linear, sizes } => {
+                let y = linear.forward(x)?;
+                let last = y.rank() - 1;
+                let mut at = 0;
+                let parts: Vec<Tensor> = sizes
+                    .iter()
+                    .map(|&n| {
+                        at += n;
+                        y.narrow(last, at - n, n)
+                    })
+                    .collect::<candle_core::Result<_>>()?;
+                Ok(parts.try_into().unwrap_or_else(|_| panic!("{N} projections asked of {}", sizes.len())))
+            }
+            Projections::Apart(parts) => Linear::forward_many(std::array::from_fn(|i| &parts[i]), x),
+        }
+    }
+}
+
 /// Zero-centred RMSNorm: `x * rsqrt(mean(x^2) + eps) * (1 + w)`, computed in f32.
 pub struct RmsNorm {
     /// `1 + w`, f32.
@@ -148,9 +198,9 @@ impl GatedRmsNorm {
         Ok(Self { weight: src.get(&format!("{name}.weight"), &[dim], DType::F32)?, eps })
     }
 
-    /// `x` f32 `[.., D]` (the recurrence output; transformers rounds it to the model dtype
-    /// first, and the normalised value again before the weight), `gate` `[.., D]`; returns
-    /// `gate`'s dtype.
+    /// `x` f32 `[.., H, D]` (the recurrence output; transformers rounds it to the model dtype
+    /// first, and the normalised value again before the weight), `gate` `[.., H·D]`; returns
+    /// `x`'s shape in `gate`'s dtype.
     pub fn forward(&self, x: &Tensor, gate: &Tensor) -> Result<Tensor> {
         Ok(norm::gated_rms_norm(x, gate, &self.weight, self.eps as f32)?)
     }
@@ -158,22 +208,21 @@ impl GatedRmsNorm {
 
 /// SwiGLU: `down(silu(gate(x)) * up(x))`.
 pub struct Mlp {
-    gate: Linear,
-    up: Linear,
+    gate_up: Projections,
     down: Linear,
 }
 
 impl Mlp {
     pub fn load(src: &dyn WeightSource, name: &str, hidden: usize, inter: usize, dtype: DType) -> Result<Self> {
+        let parts = [(format!("{name}.gate_proj"), inter), (format!("{name}.up_proj"), inter)];
         Ok(Self {
-            gate: Linear::load(src, &format!("{name}.gate_proj"), inter, hidden, false, dtype)?,
-            up: Linear::load(src, &format!("{name}.up_proj"), inter, hidden, false, dtype)?,
+            gate_up: Projections::load(src, &parts, hidden, dtype)?,
             down: Linear::load(src, &format!("{name}.down_proj"), hidden, inter, false, dtype)?,
         })
     }
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let [gate, up] = Linear::forward_many([&self.gate, &self.up], x)?;
+        let [gate, up] = self.gate_up.forward(x)?;
         self.down.forward(&norm::silu_mul(&gate, &up)?)
     }
 }
