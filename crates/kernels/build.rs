@@ -1,6 +1,7 @@
-//! With the `cuda` feature, compiles the CUDA kernels in `cuda/` to PTX with the toolkit's
-//! `nvcc` (on PATH, as scripts/cuda/env.sh sets it up), for `CUDA_COMPUTE_CAP` (default 90).
-//! The PTX is embedded in the library and loaded by the driver on first use.
+//! With the `cuda` feature, compiles the CUDA kernels in `cuda/` with the toolkit's `nvcc` (on
+//! PATH, as scripts/cuda/env.sh sets it up) into fat binaries for `CUDA_COMPUTE_CAP` (default
+//! 90): machine code for that GPU generation, so nothing is compiled at run time, plus PTX the
+//! driver can compile for newer ones. They are embedded in the library.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -17,8 +18,9 @@ fn main() {
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     for name in KERNELS {
         let status = Command::new("nvcc")
-            .args(["--ptx", "-O3", "-std=c++17", &format!("-arch=sm_{cap}"), "-o"])
-            .arg(out.join(format!("{name}.ptx")))
+            .args(["--fatbin", "-O3", "-std=c++17", "-gencode", &format!("arch=compute_{cap},code=[sm_{cap},compute_{cap}]")])
+            .arg("-o")
+            .arg(out.join(format!("{name}.fatbin")))
             .arg(format!("cuda/{name}.cu"))
             .status()
             .unwrap_or_else(|e| panic!("cannot run nvcc ({e}): source scripts/cuda/env.sh or put the CUDA toolkit on PATH"));

@@ -1,25 +1,57 @@
-//! Launching strata's own CUDA kernels (`cuda/*.cu`, compiled to PTX by build.rs) on candle
-//! tensors. Outputs are fresh tensors; inputs are read where they lie (callers check layouts).
+//! Launching strata's own CUDA kernels (`cuda/*.cu`, compiled to fat binaries by build.rs) on
+//! candle tensors, on the device's stream. Outputs are fresh tensors; inputs are read where they
+//! lie (callers check layouts).
 
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::{CudaDType, CudaStorage};
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
+use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::{bail, DType, Device, Shape, Storage, Tensor};
 
 use crate::Result;
 
-/// One PTX module: its name (the driver loads it once per device) and text.
+/// One compiled module: its name and image.
 pub(crate) struct Module {
     name: &'static str,
-    ptx: &'static str,
+    image: &'static [u8],
 }
 
-pub(crate) const RECURRENT: Module =
-    Module { name: "strata_recurrent", ptx: include_str!(concat!(env!("OUT_DIR"), "/recurrent.ptx")) };
-pub(crate) const ATTENTION: Module =
-    Module { name: "strata_attention", ptx: include_str!(concat!(env!("OUT_DIR"), "/attention.ptx")) };
-pub(crate) const SAMPLING: Module =
-    Module { name: "strata_sampling", ptx: include_str!(concat!(env!("OUT_DIR"), "/sampling.ptx")) };
-pub(crate) const NORM: Module = Module { name: "strata_norm", ptx: include_str!(concat!(env!("OUT_DIR"), "/norm.ptx")) };
+macro_rules! module {
+    ($name:literal) => {
+        Module { name: $name, image: include_bytes!(concat!(env!("OUT_DIR"), "/", $name, ".fatbin")) }
+    };
+}
+
+pub(crate) const RECURRENT: Module = module!("recurrent");
+pub(crate) const ATTENTION: Module = module!("attention");
+pub(crate) const SAMPLING: Module = module!("sampling");
+pub(crate) const NORM: Module = module!("norm");
+
+/// Kernels already loaded, per device: (device, module, kernel, dtype instance).
+type Loaded = HashMap<(DeviceId, &'static str, &'static str, DType), CudaFunction>;
+
+/// `module`'s kernel `name` for `dtype` on `dev`, loading the module on first use.
+fn function(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType) -> Result<CudaFunction> {
+    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let key = (dev.id(), module.name, name, dtype);
+    if let Some(f) = loaded.get(&key) {
+        return Ok(f.clone());
+    }
+    let suffix = match dtype {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        other => bail!("strata's CUDA kernels have no {other:?} instance"),
+    };
+    let stream = dev.cuda_stream();
+    let image = stream.context().load_module(Ptx::from_binary(module.image.to_vec())).map_err(candle_core::Error::wrap)?;
+    let f = image.load_function(&format!("{name}_{suffix}")).map_err(candle_core::Error::wrap)?;
+    loaded.insert(key, f.clone());
+    Ok(f)
+}
 
 /// Whether the kernels have an instance for `dtype` (the float dtypes a model computes in).
 pub(crate) fn supports(dtype: DType) -> bool {
@@ -84,16 +116,18 @@ pub(crate) fn output(shape: impl Into<Shape>, dtype: DType, device: &Device) -> 
 }
 
 /// Launches `module`'s kernel `name` instantiated for `dtype` (`name_f32`, `name_bf16`, …).
-pub(crate) fn launch(device: &Device, module: &Module, name: &str, dtype: DType, cfg: LaunchConfig, args: &[Arg]) -> Result<()> {
+pub(crate) fn launch(
+    device: &Device,
+    module: &Module,
+    name: &'static str,
+    dtype: DType,
+    cfg: LaunchConfig,
+    args: &[Arg],
+) -> Result<()> {
     let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
-    let suffix = match dtype {
-        DType::F32 => "f32",
-        DType::BF16 => "bf16",
-        DType::F16 => "f16",
-        other => bail!("strata's CUDA kernels have no {other:?} instance"),
-    };
-    let func = dev.get_or_load_custom_func(&format!("{name}_{suffix}"), module.name, module.ptx)?;
-    let mut builder = func.builder();
+    let func = function(dev, module, name, dtype)?;
+    let stream = dev.cuda_stream();
+    let mut builder = stream.launch_builder(&func);
     for arg in args {
         match arg {
             Arg::Ptr(p) => builder.arg(p),
