@@ -98,7 +98,8 @@ impl Model {
     pub fn forward_with_hidden(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<(Tensor, Tensor)> {
         match self {
             Model::Qwen35(m) => m.forward_with_hidden(tokens, state, logits),
-            Model::Dense(_) | Model::Gemma3(_) => Err(self.no_mtp_head()),
+            Model::Dense(_) => Err(no_mtp_head("dense (llama / qwen2 / qwen3)")),
+            Model::Gemma3(_) => Err(no_mtp_head("gemma3")),
         }
     }
 
@@ -106,17 +107,9 @@ impl Model {
     pub fn mtp_head(&self, src: &dyn WeightSource) -> Result<MtpHead> {
         match self {
             Model::Qwen35(m) => m.mtp_head(src),
-            Model::Dense(_) | Model::Gemma3(_) => Err(self.no_mtp_head()),
+            Model::Dense(_) => Err(no_mtp_head("dense (llama / qwen2 / qwen3)")),
+            Model::Gemma3(_) => Err(no_mtp_head("gemma3")),
         }
-    }
-
-    fn no_mtp_head(&self) -> ModelError {
-        let family = match self {
-            Model::Qwen35(_) => "qwen3_5",
-            Model::Dense(_) => "dense (llama / qwen2 / qwen3)",
-            Model::Gemma3(_) => "gemma3",
-        };
-        ModelError::Invalid(format!("a multi-token-prediction head needs a Qwen3.5 model; this one is {family}"))
     }
 
     pub fn new_state(&self, rows: usize) -> Result<BatchState> {
@@ -192,4 +185,9 @@ impl Model {
             }
         }
     }
+}
+
+/// The error for asking a model of `family` for what only Qwen3.5's multi-token-prediction head has.
+fn no_mtp_head(family: &str) -> ModelError {
+    ModelError::Invalid(format!("a multi-token-prediction head needs a Qwen3.5 model; this one is {family}"))
 }
