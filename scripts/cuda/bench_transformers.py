@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """transformers' side of the GPU benchmark, and the GPU's measured limits.
 
-Builds the synthetic Qwen3.5 shapes `strata bench --synthetic` builds (the table below mirrors
-crates/model/src/synthetic.rs) with random bf16 weights on the GPU, and prints one JSON object
+Builds the synthetic Qwen3.5 shapes `strata bench --synthetic` builds (both read
+crates/model/src/synthetic_shapes.json) with random bf16 weights on the GPU, and prints one JSON object
 per line:
   {"kind": "limits", "copy_gb_s": ..., "bf16_tflop_s": ...}
   {"kind": "model", "shape": ..., "params": ..., "weight_bytes_per_token": ..., "state_bytes_per_row": ...}
@@ -12,22 +12,20 @@ Usage: bench_transformers.py --shape qwen3.5-4b [--batch 1,8,32,64] [--prompt 20
 """
 import argparse
 import json
+import pathlib
 import time
 
 import torch
 from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-# (hidden, layers, intermediate, heads, kv heads, linear key heads, linear value heads, tied)
-SHAPES = {
-    "qwen3.5-0.8b": (1024, 24, 3584, 8, 2, 16, 16, True),
-    "qwen3.5-2b": (2048, 24, 6144, 8, 2, 16, 16, True),
-    "qwen3.5-4b": (2560, 32, 9216, 16, 4, 16, 32, True),
-    "qwen3.5-9b": (4096, 32, 12288, 16, 4, 16, 32, False),
-}
+# The shapes `strata bench --synthetic` builds, from the file it reads them from.
+SHAPES = json.loads((pathlib.Path(__file__).parents[2] / "crates/model/src/synthetic_shapes.json").read_text())
 
 
 def config(name):
-    hidden, layers, inter, heads, kv, lk, lv, tied = SHAPES[name]
+    shape = SHAPES[name]
+    hidden, layers, inter, tied = shape["hidden"], shape["layers"], shape["intermediate"], shape["tied"]
+    heads, kv, lk, lv = shape["heads"], shape["kv_heads"], shape["linear_key_heads"], shape["linear_value_heads"]
     return Qwen3_5TextConfig(
         vocab_size=248_320, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],

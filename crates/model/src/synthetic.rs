@@ -9,18 +9,32 @@ use crate::model::Model;
 use crate::qwen3_5::{MtpHead, Qwen35};
 use crate::source::RandomSource;
 
-pub const NAMES: [&str; 4] = ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"];
+/// The shapes that vary between releases, by name; also read by
+/// scripts/cuda/bench_transformers.py, so both sides of the GPU benchmark build the same models.
+const SHAPES: &str = include_str!("synthetic_shapes.json");
+
+#[derive(serde::Deserialize)]
+struct Shape {
+    hidden: usize,
+    layers: usize,
+    intermediate: usize,
+    heads: usize,
+    kv_heads: usize,
+    linear_key_heads: usize,
+    linear_value_heads: usize,
+    tied: bool,
+}
 
 /// The text config of a named public model shape.
 pub fn config(name: &str) -> Result<Qwen35Config> {
-    // (hidden, layers, intermediate, attention heads, kv heads, linear key heads, linear value heads, tied)
-    let (hidden, layers, inter, heads, kv, lk, lv, tied) = match name {
-        "qwen3.5-0.8b" => (1024, 24, 3584, 8, 2, 16, 16, true),
-        "qwen3.5-2b" => (2048, 24, 6144, 8, 2, 16, 16, true),
-        "qwen3.5-4b" => (2560, 32, 9216, 16, 4, 16, 32, true),
-        "qwen3.5-9b" => (4096, 32, 12288, 16, 4, 16, 32, false),
-        other => return Err(ModelError::Invalid(format!("unknown synthetic model `{other}` (known: {})", NAMES.join(", ")))),
+    let shapes: std::collections::BTreeMap<String, Shape> =
+        serde_json::from_str(SHAPES).expect("synthetic_shapes.json is valid (a test parses it)");
+    let Some(shape) = shapes.get(name) else {
+        let known: Vec<&str> = shapes.keys().map(String::as_str).collect();
+        return Err(ModelError::Invalid(format!("unknown synthetic model `{name}` (known: {})", known.join(", "))));
     };
+    let Shape { hidden, layers, intermediate: inter, heads, kv_heads: kv, linear_key_heads: lk, linear_value_heads: lv, tied } =
+        *shape;
     Ok(Qwen35Config {
         vocab_size: 248_320,
         hidden_size: hidden,
@@ -55,4 +69,18 @@ pub fn build(name: &str, dtype: DType, device: &Device) -> Result<Model> {
 /// its drafts are as good as chance, so it measures the head's cost, not its acceptance).
 pub fn build_mtp(target: &Model) -> Result<MtpHead> {
     target.mtp_head(&RandomSource::new(target.device().clone(), 0x3779))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_shape_parses_with_a_full_attention_layer_in_four() {
+        for name in ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"] {
+            let cfg = config(name).unwrap();
+            assert_eq!(cfg.layer_types.iter().filter(|k| **k == LayerKind::Full).count() * 4, cfg.layer_types.len());
+        }
+        assert!(config("qwen3.5-1t").unwrap_err().to_string().contains("known: qwen3.5-0.8b"));
+    }
 }
