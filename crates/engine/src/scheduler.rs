@@ -26,7 +26,7 @@ use strata_state::BatchState;
 use crate::cache::{usable_prefix, Resume, Snapshot, PROMPT_NAMESPACE};
 use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
 use crate::sampler::Sampler;
-use crate::speculative::Drafter;
+use crate::speculative::{Drafter, JoinerDraft};
 use crate::worker::{EngineConfig, Event, Job, Queued, SharedCache, WorkerStats};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
 use strata_kernels::sampling::argmax_rows;
@@ -87,6 +87,8 @@ impl Scores {
 struct Joiner {
     job: Job,
     state: BatchState,
+    /// What an MTP drafter's head read of the prompt so far.
+    draft: JoinerDraft,
     fed: usize,
     reserved: usize,
     started: Instant,
@@ -183,10 +185,14 @@ impl<'a> Engine<'a> {
                     let (state, cached) = self.restore_prompt(&job.prompt, restored)?;
                     let mut job = job;
                     job.sink.send(Event::Started { cached_tokens: cached });
-                    if let Some(drafter) = &mut self.drafter {
-                        drafter.start_joiner();
-                    }
-                    self.joiner = Some(Joiner { job, state, fed: cached, reserved: need, started: Instant::now() });
+                    self.joiner = Some(Joiner {
+                        job,
+                        state,
+                        draft: JoinerDraft::default(),
+                        fed: cached,
+                        reserved: need,
+                        started: Instant::now(),
+                    });
                 }
             }
         }
@@ -263,16 +269,14 @@ impl<'a> Engine<'a> {
             return Ok(());
         }
         row.checkpointed = row.generated.len();
-        if let Some(drafter) = &mut self.drafter {
-            drafter.start_joiner(); // no prefill: nothing of an abandoned joiner's may carry over
-        }
-        self.join_batch(row, snap.state)
+        // No prefill: the MTP head's history starts empty.
+        self.join_batch(row, snap.state, JoinerDraft::default())
     }
 
     /// Moves a row whose state is in place into the running batch (and the draft model's).
-    fn join_batch(&mut self, row: Row, state: BatchState) -> strata_model::Result<()> {
+    fn join_batch(&mut self, row: Row, state: BatchState, draft: JoinerDraft) -> strata_model::Result<()> {
         if let Some(drafter) = &mut self.drafter {
-            drafter.join(&row.context[..row.context.len() - 1], self.config.prefill_chunk)?;
+            drafter.join(&row.context[..row.context.len() - 1], self.config.prefill_chunk, draft)?;
         }
         match &mut self.batch {
             Some(batch) => batch.merge(&state)?,
@@ -327,8 +331,8 @@ impl<'a> Engine<'a> {
         let input = Tensor::new(&prompt[joiner.fed..end], self.model.device())?.unsqueeze(0)?;
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
         let (logits, hidden) = forward(&self.model, &input, &mut joiner.state, Logits::Last, hidden)?;
-        if let (Some(drafter), Some(hidden)) = (&mut self.drafter, hidden) {
-            drafter.prefilled(prompt, joiner.fed, &hidden.squeeze(0)?)?;
+        if let (Some(drafter), Some(hidden)) = (&self.drafter, hidden) {
+            drafter.prefilled(&mut joiner.draft, prompt, joiner.fed, &hidden.squeeze(0)?)?;
         }
         joiner.fed = end;
         self.stats.prefill_chunks.fetch_add(1, Ordering::Relaxed);
@@ -374,7 +378,7 @@ impl<'a> Engine<'a> {
                 }
                 self.finish(row, reason)
             }
-            Step::Continue => self.join_batch(row, j.state)?,
+            Step::Continue => self.join_batch(row, j.state, j.draft)?,
         }
         Ok(())
     }

@@ -54,14 +54,17 @@ pub(crate) struct Drafter {
     /// MTP: per running row, the target's hidden states `[n, hidden]` the head has not read
     /// yet. Their next tokens are the row context's last `n` tokens.
     unread: Vec<Option<Tensor>>,
-    /// MTP: the head's state for the job being prefilled, and the hidden state of the prompt's
-    /// last position (its next token is the first one sampled).
-    joining: Option<(BatchState, Option<Tensor>)>,
 }
+
+/// What the MTP head read of a job while it prefilled: the head's state, and the hidden state
+/// of the prompt's last position (whose next token is the first one sampled). It lives with the
+/// joiner, so an abandoned joiner leaves nothing behind.
+#[derive(Default)]
+pub(crate) struct JoinerDraft(Option<(BatchState, Option<Tensor>)>);
 
 impl Drafter {
     pub fn new(spec: Speculation) -> Self {
-        Self { source: spec.source, tokens: spec.tokens.max(1), state: None, round: None, unread: Vec::new(), joining: None }
+        Self { source: spec.source, tokens: spec.tokens.max(1), state: None, round: None, unread: Vec::new() }
     }
 
     /// Whether the target's forwards must return hidden states (for [`Drafter::prefilled`] and
@@ -70,18 +73,13 @@ impl Drafter {
         matches!(self.source, DraftSource::Mtp(_))
     }
 
-    /// A new job starts prefilling (anything left of an abandoned one is dropped).
-    pub fn start_joiner(&mut self) {
-        self.joining = None;
-    }
-
     /// The joiner's target read `prompt[from..from + T]`, giving `hidden` `[T, hidden]`: the
     /// MTP head reads every position whose next token is known. (Positions restored from the
     /// prompt cache have no hidden states; the head's history starts after them. Its RoPE
     /// counts from there, which attention, depending only on relative positions, does not see.)
-    pub fn prefilled(&mut self, prompt: &[u32], from: usize, hidden: &Tensor) -> strata_model::Result<()> {
+    pub fn prefilled(&self, joining: &mut JoinerDraft, prompt: &[u32], from: usize, hidden: &Tensor) -> strata_model::Result<()> {
         let DraftSource::Mtp(head) = &self.source else { return Ok(()) };
-        let (mut head_state, _) = match self.joining.take() {
+        let (mut head_state, _) = match joining.0.take() {
             Some(joining) => joining,
             None => (head.new_state(1)?, None),
         };
@@ -92,13 +90,13 @@ impl Drafter {
             head.forward(&next, &hidden.narrow(0, 0, known)?.unsqueeze(0)?, &mut head_state)?;
         }
         let last = (known < fed).then(|| hidden.narrow(0, known, fed - known)).transpose()?;
-        self.joining = Some((head_state, last));
+        joining.0 = Some((head_state, last));
         Ok(())
     }
 
     /// A row joins the batch with `covered` tokens already in the target's state: a draft model
-    /// reads them too; the MTP head takes what it read during the row's prefill.
-    pub fn join(&mut self, covered: &[u32], chunk: usize) -> strata_model::Result<()> {
+    /// reads them too; the MTP head takes what it read during the row's prefill (`joining`).
+    pub fn join(&mut self, covered: &[u32], chunk: usize, joining: JoinerDraft) -> strata_model::Result<()> {
         let state = match &self.source {
             DraftSource::Ngram => return Ok(()),
             DraftSource::Model(model) => {
@@ -110,7 +108,7 @@ impl Drafter {
             }
             // A row resumed from a checkpoint has no prefill: its head history starts empty.
             DraftSource::Mtp(head) => {
-                let (state, last) = match self.joining.take() {
+                let (state, last) = match joining.0 {
                     Some(joining) => joining,
                     None => (head.new_state(1)?, None),
                 };
@@ -144,7 +142,6 @@ impl Drafter {
         self.state = None;
         self.round = None;
         self.unread.clear();
-        self.joining = None;
     }
 
     /// Drafts for every row, at most `limits[r]` tokens for row `r`. A draft model feeds
@@ -321,17 +318,17 @@ mod tests {
         let mut batch: Option<BatchState> = None;
         for prompt in &prompts {
             let mut state = target.new_state(1).unwrap();
-            drafter.start_joiner();
+            let mut joining = JoinerDraft::default();
             let mut logits = None;
             for from in (0..prompt.len()).step_by(5) {
                 let to = (from + 5).min(prompt.len());
                 let (l, hidden) = target.forward_with_hidden(&row(&prompt[from..to]), &mut state, Logits::Last).unwrap();
-                drafter.prefilled(prompt, from, &hidden.squeeze(0).unwrap()).unwrap();
+                drafter.prefilled(&mut joining, prompt, from, &hidden.squeeze(0).unwrap()).unwrap();
                 logits = Some(l);
             }
             let mut context = prompt.clone();
             context.push(argmax(&logits.unwrap())[0]);
-            drafter.join(&context[..context.len() - 1], 5).unwrap();
+            drafter.join(&context[..context.len() - 1], 5, joining).unwrap();
             match &mut batch {
                 Some(b) => b.merge(&state).unwrap(),
                 None => batch = Some(state),
