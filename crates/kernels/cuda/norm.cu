@@ -39,7 +39,8 @@ __device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum,
 }
 
 // The DeltaNet output norm: x (f32 [rows, D], rounded to T first) normalised, rounded to T,
-// times weight, times silu(gate), in T. Row r is head r mod H of token r / H; the gate's tokens
+// times weight (rounded to T, as transformers multiplies in the model dtype), times silu(gate),
+// in T. Row r is head r mod H of token r / H; the gate's tokens
 // lie `gate_stride` apart, its heads contiguous.
 template <typename T>
 __device__ void gated_rms_norm(const float* x, const T* gate, long long gate_stride, const float* weight, T* y, int rows,
@@ -51,7 +52,7 @@ __device__ void gated_rms_norm(const float* x, const T* gate, long long gate_str
     const float inv = rsqrtf(row_sum_sq([&](int d) { return round_to<T>(x[base + d]); }, D, lane) / D + eps);
     for (int d = lane; d < D; d += 32) {
         const float normed = round_to<T>(round_to<T>(x[base + d]) * inv);
-        y[base + d] = from_f32<T>(normed * weight[d] * silu(to_f32(g[d])));
+        y[base + d] = from_f32<T>(round_to<T>(normed * weight[d]) * silu(to_f32(g[d])));
     }
 }
 

@@ -69,6 +69,19 @@ pub fn causal_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scori
 /// Writes `src` `[B, H, T, D]` in place into each row's buffer `dst[r].0` `[H, capacity, D]`
 /// from position `dst[r].1` (a KV store's append). One kernel for every row on CUDA.
 pub fn write_rows(src: &Tensor, dst: &[(&Tensor, usize)]) -> Result<()> {
+    let (b, h, t, d) = src.dims4()?;
+    if dst.len() != b {
+        candle_core::bail!("write_rows: {b} source rows for {} buffers", dst.len());
+    }
+    for (r, (buf, position)) in dst.iter().enumerate() {
+        let (bh, capacity, bd) = buf.dims3()?;
+        if (bh, bd) != (h, d) || !buf.is_contiguous() || position + t > capacity {
+            candle_core::bail!(
+                "write_rows: row {r}'s buffer {:?} cannot take {t} positions of [{h}, _, {d}] at {position}",
+                buf.dims()
+            );
+        }
+    }
     #[cfg(feature = "cuda")]
     if src.device().is_cuda() && crate::cuda::supports(src.dtype()) && dst.iter().all(|(buf, _)| buf.dtype() == src.dtype()) {
         return gpu::write_rows(src, dst);
@@ -168,7 +181,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// `[B, T, H, D]` in, `[B, H, T, D]` out (the layout attention reads). One kernel on CUDA.
 pub fn norm_rope(x: &Tensor, scale: &Tensor, eps: f32, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && crate::cuda::supports(x.dtype()) {
+    if x.device().is_cuda() && crate::cuda::supports(x.dtype()) && 2 * cos.dim(D::Minus1)? <= x.dim(D::Minus1)? {
         return gpu::norm_rope(x, scale, eps, cos, sin);
     }
     let normed = crate::norm::rms_norm(x, scale, eps)?;
@@ -196,6 +209,8 @@ mod gpu {
             && k.dtype() == dtype
             && v.dtype() == dtype
             && q.dim(2)? <= MAX_HEAD_DIM
+            && k.dim(2)? == q.dim(2)?
+            && v.dim(2)? == q.dim(2)?
             && hkv > 0
             && hq % hkv == 0)
     }
@@ -303,7 +318,7 @@ mod gpu {
             Arg::I64(s[1] as i64),
             Arg::I64(s[2] as i64),
         ];
-        cuda::launch(src.device(), &cuda::ATTENTION, "write_rows", src.dtype(), cuda::grid_for(b * h * t * d, 256), &args)
+        cuda::launch(src.device(), &cuda::ATTENTION, "write_rows", src.dtype(), cuda::grid_for(b * h * t * d, 256)?, &args)
     }
 
     /// One warp per (row, token, head).

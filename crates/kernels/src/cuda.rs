@@ -3,9 +3,9 @@
 //! lie (callers check layouts).
 
 use std::collections::HashMap;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, DeviceId};
 use candle_core::{bail, DType, Device, Shape, Storage, Tensor};
@@ -29,15 +29,19 @@ pub(crate) const ATTENTION: Module = module!("attention");
 pub(crate) const SAMPLING: Module = module!("sampling");
 pub(crate) const NORM: Module = module!("norm");
 
-/// Kernels already loaded, per device: (device, module, kernel, dtype instance).
-type Loaded = HashMap<(DeviceId, &'static str, &'static str, DType), CudaFunction>;
+/// What is loaded, per device: modules, and kernels by (module, kernel, dtype instance).
+#[derive(Default)]
+struct Loaded {
+    modules: HashMap<(DeviceId, &'static str), Arc<CudaModule>>,
+    functions: HashMap<(DeviceId, &'static str, &'static str, DType), CudaFunction>,
+}
 
 /// `module`'s kernel `name` for `dtype` on `dev`, loading the module on first use.
 fn function(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType) -> Result<CudaFunction> {
     static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
     let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     let key = (dev.id(), module.name, name, dtype);
-    if let Some(f) = loaded.get(&key) {
+    if let Some(f) = loaded.functions.get(&key) {
         return Ok(f.clone());
     }
     let suffix = match dtype {
@@ -46,10 +50,20 @@ fn function(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType)
         DType::F16 => "f16",
         other => bail!("strata's CUDA kernels have no {other:?} instance"),
     };
-    let stream = dev.cuda_stream();
-    let image = stream.context().load_module(Ptx::from_binary(module.image.to_vec())).map_err(candle_core::Error::wrap)?;
+    let image = match loaded.modules.get(&(dev.id(), module.name)) {
+        Some(image) => image.clone(),
+        None => {
+            let image = dev
+                .cuda_stream()
+                .context()
+                .load_module(Ptx::from_binary(module.image.to_vec()))
+                .map_err(candle_core::Error::wrap)?;
+            loaded.modules.insert((dev.id(), module.name), image.clone());
+            image
+        }
+    };
     let f = image.load_function(&format!("{name}_{suffix}")).map_err(candle_core::Error::wrap)?;
-    loaded.insert(key, f.clone());
+    loaded.functions.insert(key, f.clone());
     Ok(f)
 }
 
@@ -143,6 +157,8 @@ pub(crate) fn launch(
 }
 
 /// `n` threads in blocks of `block`.
-pub(crate) fn grid_for(n: usize, block: u32) -> LaunchConfig {
-    LaunchConfig { grid_dim: ((n as u32).div_ceil(block).max(1), 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 }
+pub(crate) fn grid_for(n: usize, block: u32) -> Result<LaunchConfig> {
+    let blocks = n.div_ceil(block as usize).max(1);
+    let blocks = u32::try_from(blocks).map_err(|_| candle_core::Error::Msg(format!("{n} threads exceed a CUDA grid")))?;
+    Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 })
 }

@@ -223,7 +223,8 @@ mod gpu {
     }
 
     /// The distance between consecutive tokens of `x` `[B, T, H, D]` whose heads lie contiguous
-    /// (as the narrowed conv output's do), after copying `x` if its layout is another.
+    /// (the narrowed conv output of a single token is such a view; candle's reshape copies it
+    /// otherwise), after copying `x` if its layout is another.
     fn token_strided(x: &Tensor) -> Result<(Tensor, usize)> {
         let (b, t, h, d) = x.dims4()?;
         let s = x.stride();

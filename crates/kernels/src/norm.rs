@@ -28,8 +28,8 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, scale: &Tensor, eps: f32) -> Result<
 }
 
 /// The Gated DeltaNet output norm per head: `x` (f32 `[.., H, D]`, rounded to `gate`'s dtype
-/// first) normalised, rounded again, times `weight` (f32 `[D]`) and `silu(gate)`; in `gate`'s
-/// dtype, shaped like `x`. `gate` holds the same elements as `[.., H·D]` or `[.., H, D]`.
+/// first) normalised, rounded again, times `weight` (f32 `[D]`; the product rounded again) and
+/// `silu(gate)`; in `gate`'s dtype, shaped like `x`. `gate` holds the same elements as `[.., H·D]` or `[.., H, D]`.
 pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if let Some(y) = gpu::gated_rms_norm(x, gate, weight, eps)? {
@@ -40,7 +40,8 @@ pub fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f32) -> R
     let rounded = x.to_dtype(dtype)?.to_dtype(DType::F32)?.contiguous()?;
     let ones = Tensor::ones(weight.shape(), DType::F32, x.device())?;
     let normed = candle_nn::ops::rms_norm(&rounded, &ones, eps)?;
-    let normed = normed.to_dtype(dtype)?.to_dtype(DType::F32)?.broadcast_mul(weight)?;
+    // transformers multiplies the weight in the model dtype: the product is rounded to it too.
+    let normed = normed.to_dtype(dtype)?.to_dtype(DType::F32)?.broadcast_mul(weight)?.to_dtype(dtype)?.to_dtype(DType::F32)?;
     let gate = candle_nn::ops::silu(&gate.to_dtype(DType::F32)?)?;
     (normed * gate)?.to_dtype(dtype)
 }
@@ -164,7 +165,7 @@ mod gpu {
             Arg::dim(rows)?,
             Arg::dim(cols)?,
         ];
-        cuda::launch(gate.device(), &cuda::NORM, "silu_mul", gate.dtype(), cuda::grid_for(rows * cols, 256), &args)?;
+        cuda::launch(gate.device(), &cuda::NORM, "silu_mul", gate.dtype(), cuda::grid_for(rows * cols, 256)?, &args)?;
         Ok(Some(y))
     }
 }
