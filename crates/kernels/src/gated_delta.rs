@@ -37,8 +37,8 @@ pub fn gated_delta_rule(
     gating: &Gating,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    // CUDA runs the fused step kernel at every length: on an H200 it prefills 2048 tokens of
-    // the 4B shape 1.5x and 8192 tokens 1.7x faster than `chunked` as tensor ops. Other devices
+    // CUDA runs the fused step kernel at every length (measured faster than `chunked` as
+    // tensor ops for prompts of 2K and 8K tokens; see commit 8480ff2). Other devices
     // step token by token for decode steps and verify blocks, and go by chunks for prefill.
     // (A rollback re-folds its kept positions through this same dispatch, so it matches a
     // forward over only those tokens.)
