@@ -1,9 +1,11 @@
 //! Causal softmax attention for one row, with grouped-query heads, over that row's KV history.
 
+use std::ops::RangeInclusive;
+
 use candle_core::{DType, Storage, Tensor, D};
 use rayon::prelude::*;
 
-use crate::matmul::Widen;
+use crate::matmul::{dot1, Widen};
 use crate::Result;
 
 /// How scores are formed and which keys a query sees.
@@ -136,27 +138,85 @@ fn few_queries<W: Widen>(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -
         return reference(q, k, v, scoring);
     }
     let mut out = vec![0f32; hq * t_len * d];
+    let attend = attend_for_cpu::<W>();
     out.par_chunks_mut(d).enumerate().for_each(|(index, o)| {
         let (h, i) = (index / t_len, index % t_len);
         let kv_head = h / group;
-        let query = &qs[index * d..(index + 1) * d];
         let pos = l_len - t_len + i;
-        let first = scoring.first_visible(pos);
-        let mut weights: Vec<f32> = (first..=pos).map(|j| dot(query, row(ks, k_layout, kv_head, j, d)) * scale).collect();
-        let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut total = 0f32;
-        for w in &mut weights {
-            *w = (*w - max).exp();
-            total += *w;
-        }
-        for (j, w) in (first..=pos).zip(&weights) {
-            let p = w / total;
-            for (o, x) in o.iter_mut().zip(row(vs, v_layout, kv_head, j, d)) {
-                *o += p * x.widen();
-            }
-        }
+        let keys = Rows { data: ks, layout: k_layout, head: kv_head, d };
+        let values = Rows { data: vs, layout: v_layout, head: kv_head, d };
+        attend(&qs[index * d..(index + 1) * d], keys, values, scoring.first_visible(pos)..=pos, scale, o);
     });
     Tensor::from_vec(out, (hq, t_len, d), q.device())?.to_dtype(q.dtype())
+}
+
+/// Position after position of one head of a `[H, L, D]` view whose last dimension is contiguous.
+#[derive(Clone, Copy)]
+struct Rows<'a, W> {
+    data: &'a [W],
+    layout: &'a candle_core::Layout,
+    head: usize,
+    d: usize,
+}
+
+impl<'a, W> Rows<'a, W> {
+    fn at(&self, pos: usize) -> &'a [W] {
+        let stride = self.layout.stride();
+        let at = self.layout.start_offset() + self.head * stride[0] + pos * stride[1];
+        &self.data[at..at + self.d]
+    }
+}
+
+type Attend<W> = fn(&[f32], Rows<W>, Rows<W>, RangeInclusive<usize>, f32, &mut [f32]);
+
+/// [`attend`] compiled for AVX2 + FMA when the CPU has them (the crate is built for baseline
+/// x86-64), chosen once per call so every query of a call runs the same code.
+fn attend_for_cpu<W: Widen>() -> Attend<W> {
+    #[cfg(target_arch = "x86_64")]
+    if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
+        return |query, keys, values, visible, scale, out| {
+            // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+            unsafe { attend_avx2(query, keys, values, visible, scale, out) }
+        };
+    }
+    attend
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn attend_avx2<W: Widen>(
+    query: &[f32],
+    keys: Rows<W>,
+    values: Rows<W>,
+    visible: RangeInclusive<usize>,
+    scale: f32,
+    out: &mut [f32],
+) {
+    attend(query, keys, values, visible, scale, out)
+}
+
+/// `out = softmax(scale · query · keys) · values` over the `visible` positions: every score one
+/// fixed-order dot product and `out` one fixed-order weighted sum, in f32.
+#[inline(always)]
+fn attend<W: Widen>(query: &[f32], keys: Rows<W>, values: Rows<W>, visible: RangeInclusive<usize>, scale: f32, out: &mut [f32]) {
+    // A plain loop: code in a closure would not get the caller's AVX2 (the collect around it
+    // is compiled for the baseline).
+    let mut weights = Vec::with_capacity(visible.clone().count());
+    for j in visible.clone() {
+        weights.push(dot1(keys.at(j), query) * scale);
+    }
+    let max = weights.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut total = 0f32;
+    for w in &mut weights {
+        *w = (*w - max).exp();
+        total += *w;
+    }
+    for (j, w) in visible.zip(&weights) {
+        let p = w / total;
+        for (o, x) in out.iter_mut().zip(values.at(j)) {
+            *o += p * x.widen();
+        }
+    }
 }
 
 /// The NeoX half-split rotary embedding on the first `2·half` dims of each head of `x`
@@ -356,29 +416,6 @@ mod gpu {
         cuda::launch(x.device(), &cuda::ATTENTION, "norm_rope", x.dtype(), cfg, &args)?;
         Ok(out)
     }
-}
-
-/// Row `pos` of head `head` of a `[H, L, D]` view whose last dimension is contiguous.
-fn row<'a, W>(data: &'a [W], layout: &candle_core::Layout, head: usize, pos: usize, d: usize) -> &'a [W] {
-    let stride = layout.stride();
-    let at = layout.start_offset() + head * stride[0] + pos * stride[1];
-    &data[at..at + d]
-}
-
-/// `a · b` with eight running sums over the chunks in order, then the tail: a fixed order.
-fn dot<W: Widen>(a: &[f32], b: &[W]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (chunks, tail) = (a.len() / 8, a.len() % 8);
-    for c in 0..chunks {
-        for l in 0..8 {
-            acc[l] += a[c * 8 + l] * b[c * 8 + l].widen();
-        }
-    }
-    let mut s: f32 = acc.iter().sum();
-    for x in a.len() - tail..a.len() {
-        s += a[x] * b[x].widen();
-    }
-    s
 }
 
 fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {

@@ -145,8 +145,9 @@ fn dot2<W: Widen>(w: &[W], x0: &[f32], x1: &[f32]) -> (f32, f32) {
     (reduce(&a0, w, x0), reduce(&a1, w, x1))
 }
 
+/// `w · x0`: lane accumulators over the chunks in order, then [`reduce`] (a fixed order).
 #[inline(always)]
-fn dot1<W: Widen>(w: &[W], x0: &[f32]) -> f32 {
+pub(crate) fn dot1<W: Widen>(w: &[W], x0: &[f32]) -> f32 {
     let mut a0 = [0f32; LANES];
     for (wc, c0) in w.chunks_exact(LANES).zip(x0.chunks_exact(LANES)) {
         for l in 0..LANES {

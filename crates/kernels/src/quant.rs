@@ -73,8 +73,12 @@ impl QuantMatrix {
         self.rows
     }
 
+    fn row_bytes(&self) -> usize {
+        self.data.len() / self.rows
+    }
+
     fn row(&self, r: usize) -> &[u8] {
-        let len = self.data.len() / self.rows;
+        let len = self.row_bytes();
         &self.data[r * len..(r + 1) * len]
     }
 
@@ -113,6 +117,9 @@ impl QuantMatrix {
         if let Some(w) = matrices.iter().find(|w| w.cols != k) {
             candle_core::bail!("quantized matmul: input has {k} columns, the matrix {}", w.cols);
         }
+        if m == 0 {
+            return matrices.iter().map(|w| Tensor::zeros((0, w.rows), candle_core::DType::F32, x.device())).collect();
+        }
         let xs = crate::cpu_f32(x)?;
         let inputs: Vec<Quantized> = xs.chunks_exact(k).map(quantize).collect();
         // The matrices' rows one after another; output transposed, `[rows, M]`, so that each
@@ -122,18 +129,18 @@ impl QuantMatrix {
         let rows: usize = matrices.iter().map(|w| w.rows).sum();
         let mut out_t = vec![0f32; rows * m];
         let rows_per_task = (rows / (8 * rayon::current_num_threads())).max(16);
-        let kernels: Vec<DotKernel> = matrices.iter().map(|w| kernel(w.format)).collect();
+        let kernel = rows_kernel();
         out_t.par_chunks_mut(rows_per_task * m).enumerate().for_each(|(task, out)| {
-            let first = task * rows_per_task;
+            let (first, last) = (task * rows_per_task, task * rows_per_task + out.len() / m);
             // A tile of inputs at a time stays in cache while the task's rows pass over it.
             for tile in (0..m).step_by(INPUT_TILE) {
                 let inputs = &inputs[tile..(tile + INPUT_TILE).min(m)];
-                for (i, o) in out.chunks_exact_mut(m).enumerate() {
-                    let r = first + i;
-                    let w = starts.partition_point(|&s| s <= r) - 1;
-                    let (row, kernel) = (matrices[w].row(r - starts[w]), kernels[w]);
-                    for (o, input) in o[tile..].iter_mut().zip(inputs) {
-                        *o = kernel(row, input);
+                // The task's rows, a run of consecutive rows of each matrix they cover.
+                for (w, &start) in matrices.iter().zip(&starts) {
+                    let (from, to) = (first.max(start), last.min(start + w.rows));
+                    if from < to {
+                        let rows = &w.data[(from - start) * w.row_bytes()..(to - start) * w.row_bytes()];
+                        kernel(w.format, rows, w.row_bytes(), inputs, &mut out[(from - first) * m + tile..], m);
                     }
                 }
             }
@@ -262,30 +269,42 @@ impl Decoded {
     }
 }
 
-/// `Σ_groups w_scale * x_scale * (w_bytes · x_bytes) - w_min * x_scale * Σ x_bytes` over one
-/// weight row's blocks and one quantized input row.
-type DotKernel = fn(&[u8], &Quantized) -> f32;
+/// `Σ_groups w_scale * x_scale * (w_bytes · x_bytes) - w_min * x_scale * Σ x_bytes` for each of
+/// a run of consecutive weight rows (`rows`, of `row_bytes` each) and each quantized input:
+/// `out[i * stride + j]` = row `i` · input `j`.
+type RowsKernel = fn(BlockFormat, &[u8], usize, &[Quantized], &mut [f32], usize);
 
-/// The fastest dot product this CPU runs for `format`.
-fn kernel(format: BlockFormat) -> DotKernel {
+/// The fastest kernel this CPU runs. The format is matched once per run of rows, so the dot
+/// product inlines into the loop over them (a decode step's LM head is 262144 rows of 20 blocks:
+/// per-row dispatch cost a tenth of its time).
+fn rows_kernel() -> RowsKernel {
     #[cfg(target_arch = "x86_64")]
     {
         if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("f16c")
         {
-            // SAFETY (each closure): the features the functions are compiled for were detected above.
-            return match format {
-                BlockFormat::Q8_0 => |w, x| unsafe { avx2::dot_q8_0(w, x) },
-                BlockFormat::Q5_0 => |w, x| unsafe { avx2::dot_q5_0(w, x) },
-                BlockFormat::Q4K => |w, x| unsafe { avx2::dot_q4_k(w, x) },
-                BlockFormat::Q6K => |w, x| unsafe { avx2::dot_q6_k(w, x) },
+            // SAFETY: the features the function is compiled for were detected above.
+            return |format, rows, row_bytes, inputs, out, stride| unsafe {
+                avx2::rows(format, rows, row_bytes, inputs, out, stride)
             };
         }
     }
-    match format {
-        BlockFormat::Q8_0 => |w, x| dot_scalar(BlockFormat::Q8_0, w, x),
-        BlockFormat::Q5_0 => |w, x| dot_scalar(BlockFormat::Q5_0, w, x),
-        BlockFormat::Q4K => |w, x| dot_scalar(BlockFormat::Q4K, w, x),
-        BlockFormat::Q6K => |w, x| dot_scalar(BlockFormat::Q6K, w, x),
+    |format, rows, row_bytes, inputs, out, stride| each_row(rows, row_bytes, inputs, out, stride, |w, x| dot_scalar(format, w, x))
+}
+
+/// `out[i * stride + j] = dot(row i, inputs[j])` over the rows of `row_bytes` in `rows`.
+#[inline(always)]
+fn each_row(
+    rows: &[u8],
+    row_bytes: usize,
+    inputs: &[Quantized],
+    out: &mut [f32],
+    stride: usize,
+    dot: impl Fn(&[u8], &Quantized) -> f32,
+) {
+    for (row, o) in rows.chunks_exact(row_bytes).zip(out.chunks_mut(stride)) {
+        for (o, x) in o.iter_mut().zip(inputs) {
+            *o = dot(row, x);
+        }
     }
 }
 
@@ -313,7 +332,7 @@ mod avx2 {
     //! the last bits can differ from the scalar order.
     use std::arch::x86_64::*;
 
-    use super::{Quantized, BLOCK};
+    use super::{each_row, BlockFormat, Quantized, BLOCK};
 
     /// How far ahead of the block being multiplied to ask for weight bytes. Decode is bound by
     /// the weight stream, and each task's run of rows is short (a few KB for small matrices),
@@ -374,6 +393,19 @@ mod avx2 {
         _mm_cvtss_f32(_mm_add_ss(pairs, _mm_shuffle_ps(pairs, pairs, 1)))
     }
 
+    /// [`super::RowsKernel`] with this module's dot products inlined into the loop over rows.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn rows(format: BlockFormat, rows: &[u8], row_bytes: usize, inputs: &[Quantized], out: &mut [f32], stride: usize) {
+        // SAFETY (each arm): this function's features are the dot products' features.
+        match format {
+            BlockFormat::Q8_0 => each_row(rows, row_bytes, inputs, out, stride, |w, x| unsafe { dot_q8_0(w, x) }),
+            BlockFormat::Q5_0 => each_row(rows, row_bytes, inputs, out, stride, |w, x| unsafe { dot_q5_0(w, x) }),
+            BlockFormat::Q4K => each_row(rows, row_bytes, inputs, out, stride, |w, x| unsafe { dot_q4_k(w, x) }),
+            BlockFormat::Q6K => each_row(rows, row_bytes, inputs, out, stride, |w, x| unsafe { dot_q6_k(w, x) }),
+        }
+    }
+
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_0(row: &[u8], x: &Quantized) -> f32 {
         assert_eq!(row.len(), x.scales.len() * 34);
@@ -391,6 +423,7 @@ mod avx2 {
         hsum(acc)
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q5_0(row: &[u8], x: &Quantized) -> f32 {
         assert_eq!(row.len(), x.scales.len() * 22);
@@ -423,6 +456,7 @@ mod avx2 {
         hsum(acc)
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_k(row: &[u8], x: &Quantized) -> f32 {
         assert_eq!(row.len() / 144 * 8, x.scales.len());
@@ -455,6 +489,7 @@ mod avx2 {
         hsum(acc) - _mm256_cvtss_f32(mins)
     }
 
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q6_k(row: &[u8], x: &Quantized) -> f32 {
         assert_eq!(row.len() / 210 * 8, x.scales.len());
@@ -625,7 +660,9 @@ mod tests {
             let (values, _) = format.block();
             for seed in 0..8 {
                 let row = random_blocks(format, cols / values, seed);
-                let (scalar, fast) = (dot_scalar(format, &row, &x), kernel(format)(&row, &x));
+                let mut fast = [0f32];
+                rows_kernel()(format, &row, row.len(), std::slice::from_ref(&x), &mut fast, 1);
+                let (scalar, fast) = (dot_scalar(format, &row, &x), fast[0]);
                 let size: f32 = QuantMatrix::new(format, 1, cols, row.clone())
                     .unwrap()
                     .gather(&[0], &Device::Cpu)

@@ -34,9 +34,8 @@ struct Mlp {
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        // transformers' `gelu_pytorch_tanh`: candle's `gelu` is the tanh approximation.
         let [gate, up] = Linear::forward_many([&self.gate, &self.up], x)?;
-        self.down.forward(&(gate.gelu()? * up)?)
+        self.down.forward(&strata_kernels::norm::gelu_mul(&gate, &up)?)
     }
 }
 
@@ -188,16 +187,16 @@ impl Gemma3 {
                 let LayerState::Window(kv) = layer_state else {
                     return Err(ModelError::Invalid(format!("a sliding-window layer got {} state", layer_state.kind())));
                 };
-                self.attention(layer, &h, &self.local_rotary, &local_rope, |row, k, v| kv.append(row, k, v))?
+                self.attention(layer, &h, &local_rope, |row, k, v| kv.append(row, k, v))?
             } else {
                 let LayerState::Attention(kv) = layer_state else {
                     return Err(ModelError::Invalid(format!("a global attention layer got {} state", layer_state.kind())));
                 };
-                self.attention(layer, &h, &self.global_rotary, &global_rope, |row, k, v| kv.append(row, k, v))?
+                self.attention(layer, &h, &global_rope, |row, k, v| kv.append(row, k, v))?
             };
-            x = (&x + layer.post_attn_norm.forward(&h)?)?;
-            let h = layer.mlp.forward(&layer.pre_mlp_norm.forward(&x)?)?;
-            x = (&x + layer.post_mlp_norm.forward(&h)?)?;
+            let (sum, h) = layer.pre_mlp_norm.forward_residual(&x, &layer.post_attn_norm.forward(&h)?)?;
+            let h = layer.mlp.forward(&h)?;
+            x = (&sum + layer.post_mlp_norm.forward(&h)?)?;
         }
         for p in &mut state.positions {
             *p += t;
@@ -219,7 +218,6 @@ impl Gemma3 {
         &self,
         layer: &DecoderLayer,
         x: &Tensor,
-        rotary: &Rotary,
         rope: &(Tensor, Tensor),
         mut append: impl FnMut(usize, &Tensor, &Tensor) -> strata_state::Result<(Tensor, Tensor)>,
     ) -> Result<Tensor> {
@@ -227,11 +225,9 @@ impl Gemma3 {
         let (h, kv, d) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
         let a = &layer.attn;
         let [q, k, v] = Linear::forward_many([&a.q_proj, &a.k_proj, &a.v_proj], x)?;
-        let q = a.q_norm.forward(&q.reshape((b, t, h, d))?)?.transpose(1, 2)?;
-        let k = a.k_norm.forward(&k.reshape((b, t, kv, d))?)?.transpose(1, 2)?;
+        let q = a.q_norm.forward_rope(&q.reshape((b, t, h, d))?, rope)?;
+        let k = a.k_norm.forward_rope(&k.reshape((b, t, kv, d))?, rope)?;
         let v = v.reshape((b, t, kv, d))?.transpose(1, 2)?;
-        let q = rotary.apply(&q, &rope.0, &rope.1)?;
-        let k = rotary.apply(&k, &rope.0, &rope.1)?;
         let scoring = Scoring {
             scale: 1.0 / self.cfg.query_pre_attn_scalar.sqrt(),
             window: layer.sliding.then_some(self.cfg.sliding_window),
