@@ -2,13 +2,13 @@
 //! q/k RMSNorm (Qwen3), full RoPE, GQA over each row's own KV history, `o_proj`.
 
 use candle_core::{DType, Tensor};
-use strata_kernels::attention::{causal_attention, Scoring};
+use strata_kernels::attention::{causal_attention, rope, Scoring};
 use strata_state::KvStore;
 
 use super::config::DenseConfig;
 use super::norm::RmsNorm;
 use crate::error::Result;
-use crate::qwen3_5::layers::{Linear, Rotary};
+use crate::qwen3_5::layers::Linear;
 use crate::source::WeightSource;
 
 pub struct Attention {
@@ -40,8 +40,8 @@ impl Attention {
         })
     }
 
-    /// `x` `[B, T, hidden]`; `rope` holds the per-row cos/sin tables for these positions.
-    pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rotary: &Rotary, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+    /// `x` `[B, T, hidden]`; `rope_tables` holds the per-row cos/sin tables for these positions.
+    pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rope_tables: &(Tensor, Tensor)) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, d) = (self.heads, self.head_dim);
         let mut q = self.q_proj.forward(x)?.reshape((b, t, h, d))?;
@@ -51,8 +51,8 @@ impl Attention {
             q = q_norm.forward(&q)?;
             k = k_norm.forward(&k)?;
         }
-        let q = rotary.apply(&q.transpose(1, 2)?, &rope.0, &rope.1)?;
-        let k = rotary.apply(&k.transpose(1, 2)?, &rope.0, &rope.1)?;
+        let q = rope(&q.transpose(1, 2)?, &rope_tables.0, &rope_tables.1)?;
+        let k = rope(&k.transpose(1, 2)?, &rope_tables.0, &rope_tables.1)?;
         let scale = 1.0 / (d as f64).sqrt();
         let mut rows = Vec::with_capacity(b);
         for row in 0..b {

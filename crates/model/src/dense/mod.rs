@@ -123,7 +123,7 @@ impl Dense {
             let LayerState::Attention(kv) = layer_state else {
                 return Err(ModelError::Invalid(format!("a dense layer got {} state", layer_state.kind())));
             };
-            x = (&x + layer.attn.forward(&layer.input_norm.forward(&x)?, kv, &self.rotary, &rope)?)?;
+            x = (&x + layer.attn.forward(&layer.input_norm.forward(&x)?, kv, &rope)?)?;
             x = (&x + layer.mlp.forward(&layer.post_norm.forward(&x)?)?)?;
         }
         for p in &mut state.positions {

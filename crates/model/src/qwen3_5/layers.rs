@@ -227,7 +227,9 @@ impl Mlp {
     }
 }
 
-/// Rotary embedding on the first `rotary_dim` dims of each head (NeoX half-split).
+/// The rotary embedding's frequencies for the first `rotary_dim` dims of each head (NeoX
+/// half-split): [`Rotary::tables`] gives the cos/sin that `attention::rope` and
+/// [`RmsNorm::forward_rope`] apply.
 pub struct Rotary {
     pub(crate) inv_freq: Vec<f32>,
 }
@@ -254,10 +256,5 @@ impl Rotary {
         }
         let shape = (starts.len(), 1, t_len, half);
         Ok((Tensor::from_vec(cos, shape, device)?, Tensor::from_vec(sin, shape, device)?))
-    }
-
-    /// `x` `[B, H, T, D]`.
-    pub fn apply(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        Ok(attention::rope(x, cos, sin)?)
     }
 }
