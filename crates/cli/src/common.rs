@@ -54,10 +54,7 @@ fn cuda(index: usize) -> Result<Device> {
         .with_context(|| format!("--device cuda:{index}: no usable GPU (is the NVIDIA driver installed?)"))?;
     #[cfg(feature = "cuda")]
     if let Device::Cuda(gpu) = &device {
-        // SAFETY: candle runs every op of a device on that device's one stream, so ordering
-        // is the stream's; the per-buffer events cudarc records for cross-stream safety are
-        // two driver calls per op for nothing.
-        unsafe { gpu.disable_event_tracking() };
+        strata_kernels::prepare_device(gpu).with_context(|| format!("--device cuda:{index}: setting up the GPU"))?;
     }
     Ok(device)
 }

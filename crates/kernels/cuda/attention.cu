@@ -8,6 +8,7 @@ constexpr int MAX_PER_LANE = MAX_HEAD_DIM / 32;
 // Keys per split: a query's visible keys are cut at fixed multiples of this, whatever the
 // batch or block, so its result is the same bits alone or batched, decoded or verified.
 constexpr int SPLIT_KEYS = 512;
+constexpr int KEY_GROUP = 4;
 
 // Per row of a batch: its keys' and values' addresses, their head strides (the KV store's
 // capacity times D) and its length L.
@@ -18,7 +19,7 @@ struct KvRow {
 // Flash-decoding, first half: one block per (query head and query, row, split of SPLIT_KEYS
 // keys). q [B, Hq, T, D]; query i of a row sits at position L - T + i and sees keys
 // first..=pos (first = 0, or the window's start). The block's warps each walk every
-// ATTN_WARPS-th key of the split with an online softmax in f32, then merge; the block writes
+// ATTN_WARPS-th group of KEY_GROUP keys of the split with an online softmax in f32, then merge; the block writes
 // its partial (max, sum of exponentials, weighted sum of values [D]) to `partial`
 // [B, Hq, T, splits, D + 2] — an empty one (max -inf) when it sees no key.
 template <typename T>
@@ -42,23 +43,46 @@ __device__ void attention_split(const T* q, const KvRow* rows, float* partial, i
         qv[e] = d < D ? to_f32(qr[d]) * scale : 0.0f;
         acc[e] = 0.0f;
     }
+    // Each warp takes KEY_GROUP consecutive keys at a time (every ATTN_WARPS-th group of the
+    // split): their dot products and reductions are independent, so their memory and shuffle
+    // latencies overlap instead of adding up key after key.
     float m = -INFINITY, l = 0.0f;
-    for (int j = from + warp; j <= to; j += ATTN_WARPS) {
-        const T* kj = kh + (long long)j * D;
-        float s = 0.0f;
+    for (int j0 = from + warp * KEY_GROUP; j0 <= to; j0 += ATTN_WARPS * KEY_GROUP) {
+        float s[KEY_GROUP];
 #pragma unroll
-        for (int e = 0; e < MAX_PER_LANE; ++e) {
-            const int d = lane + 32 * e;
-            if (d < D) s += qv[e] * to_f32(kj[d]);
+        for (int g = 0; g < KEY_GROUP; ++g) {
+            const T* kj = kh + (long long)min(j0 + g, to) * D;
+            s[g] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < MAX_PER_LANE; ++e) {
+                const int d = lane + 32 * e;
+                if (d < D) s[g] += qv[e] * to_f32(kj[d]);
+            }
         }
-        s = warp_sum(s);
-        const float m_new = fmaxf(m, s), correction = expf(m - m_new), p = expf(s - m_new);
-        l = l * correction + p;
-        const T* vj = vh + (long long)j * D;
+        float m_new = m;
+#pragma unroll
+        for (int g = 0; g < KEY_GROUP; ++g) {
+            s[g] = j0 + g <= to ? warp_sum(s[g]) : -INFINITY;
+            m_new = fmaxf(m_new, s[g]);
+        }
+        const float correction = expf(m - m_new);
+        float p[KEY_GROUP];
+        l *= correction;
+#pragma unroll
+        for (int g = 0; g < KEY_GROUP; ++g) {
+            p[g] = expf(s[g] - m_new);
+            l += p[g];
+        }
 #pragma unroll
         for (int e = 0; e < MAX_PER_LANE; ++e) {
             const int d = lane + 32 * e;
-            if (d < D) acc[e] = acc[e] * correction + p * to_f32(vj[d]);
+            if (d >= D) continue;
+            float x = acc[e] * correction;
+#pragma unroll
+            for (int g = 0; g < KEY_GROUP; ++g) {
+                if (j0 + g <= to) x += p[g] * to_f32(vh[(long long)(j0 + g) * D + d]);
+            }
+            acc[e] = x;
         }
         m = m_new;
     }

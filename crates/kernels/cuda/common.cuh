@@ -1,4 +1,4 @@
-// Shared by strata's CUDA kernels: dtype conversions and warp reductions.
+// Shared by strata's CUDA kernels: dtype conversions and warp / block reductions.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -19,6 +19,17 @@ __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);
     return x;
+}
+
+// Sum over a block of `blockDim.x` threads (a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float x) {
+    __shared__ float partial[32];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    x = warp_sum(x);
+    __syncthreads();  // a previous call's readers are done with `partial`
+    if (lane == 0) partial[warp] = x;
+    __syncthreads();
+    return warp_sum(lane < warps ? partial[lane] : 0.0f);
 }
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }

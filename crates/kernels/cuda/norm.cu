@@ -1,11 +1,14 @@
 // Normalisations and the SwiGLU product, each one launch where tensor ops take three to ten.
 // Arithmetic is f32; intermediates are rounded to the model dtype T where transformers
-// stores them in it. One warp per row of D elements.
+// stores them in it. The model-width norms take one block per row (a decode step has one row
+// per request, and a warp alone walks a 2560-wide row in ~80 dependent loads); the per-head
+// norms one warp per row.
 #include "common.cuh"
 
 constexpr int NORM_WARPS = 4;
+constexpr int MAX_ROW_ITEMS = 16;  // per thread of a row block: D <= 16 * blockDim.x
 
-// Sum of squares of a row, the row read as f32 through `load`.
+// Sum of squares of a row, the row read as f32 through `load`, one warp.
 template <typename Load>
 __device__ __forceinline__ float row_sum_sq(Load load, int D, int lane) {
     float acc = 0.0f;
@@ -16,26 +19,51 @@ __device__ __forceinline__ float row_sum_sq(Load load, int D, int lane) {
     return warp_sum(acc);
 }
 
-// y = x rsqrt(mean(x^2) + eps) scale, for rows of D.
+// y = x rsqrt(mean(x^2) + eps) scale for the block's row of D, which its threads hold in
+// registers between the sum and the scaling.
 template <typename T>
-__device__ void rms_norm(const T* x, const float* scale, T* y, int rows, int D, float eps) {
-    const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const T* xr = x + (long long)row * D;
-    const float inv = rsqrtf(row_sum_sq([&](int d) { return to_f32(xr[d]); }, D, lane) / D + eps);
-    for (int d = lane; d < D; d += 32) y[(long long)row * D + d] = from_f32<T>(to_f32(xr[d]) * inv * scale[d]);
+__device__ __forceinline__ void rms_norm_block_row(float (&v)[MAX_ROW_ITEMS], const float* scale, T* y, int D,
+                                                   float eps) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < MAX_ROW_ITEMS; ++i) acc += v[i] * v[i];
+    const float inv = rsqrtf(block_sum(acc) / D + eps);
+#pragma unroll
+    for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
+        const int d = threadIdx.x + i * blockDim.x;
+        if (d < D) y[d] = from_f32<T>(v[i] * inv * scale[d]);
+    }
 }
 
-// sum = x + h (in T), y = rms_norm(sum): a residual add and the norm after it.
+// y = x rsqrt(mean(x^2) + eps) scale, one block per row of D.
 template <typename T>
-__device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum, T* y, int rows, int D, float eps) {
-    const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (row >= rows) return;
-    const long long base = (long long)row * D;
-    for (int d = lane; d < D; d += 32) sum[base + d] = from_f32<T>(to_f32(x[base + d]) + to_f32(h[base + d]));
-    __syncwarp();
-    const float inv = rsqrtf(row_sum_sq([&](int d) { return to_f32(sum[base + d]); }, D, lane) / D + eps);
-    for (int d = lane; d < D; d += 32) y[base + d] = from_f32<T>(to_f32(sum[base + d]) * inv * scale[d]);
+__device__ void rms_norm(const T* x, const float* scale, T* y, int D, float eps) {
+    const long long base = (long long)blockIdx.x * D;
+    float v[MAX_ROW_ITEMS];
+#pragma unroll
+    for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
+        const int d = threadIdx.x + i * blockDim.x;
+        v[i] = d < D ? to_f32(x[base + d]) : 0.0f;
+    }
+    rms_norm_block_row(v, scale, y + base, D, eps);
+}
+
+// sum = x + h (in T), y = rms_norm(sum): a residual add and the norm after it, one block per row.
+template <typename T>
+__device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum, T* y, int D, float eps) {
+    const long long base = (long long)blockIdx.x * D;
+    float v[MAX_ROW_ITEMS];
+#pragma unroll
+    for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
+        const int d = threadIdx.x + i * blockDim.x;
+        v[i] = 0.0f;
+        if (d < D) {
+            const T s = from_f32<T>(to_f32(x[base + d]) + to_f32(h[base + d]));
+            sum[base + d] = s;
+            v[i] = to_f32(s);
+        }
+    }
+    rms_norm_block_row(v, scale, y + base, D, eps);
 }
 
 // The DeltaNet output norm: x (f32 [rows, D], rounded to T first) normalised, rounded to T,
@@ -69,13 +97,12 @@ __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long
 }
 
 #define INSTANTIATE(T, NAME)                                                                                   \
-    extern "C" __global__ void rms_norm_##NAME(const T* x, const float* scale, T* y, int rows, int D,         \
-                                               float eps) {                                                    \
-        rms_norm<T>(x, scale, y, rows, D, eps);                                                                \
+    extern "C" __global__ void rms_norm_##NAME(const T* x, const float* scale, T* y, int D, float eps) {      \
+        rms_norm<T>(x, scale, y, D, eps);                                                                      \
     }                                                                                                          \
     extern "C" __global__ void add_rms_norm_##NAME(const T* x, const T* h, const float* scale, T* sum, T* y,  \
-                                                   int rows, int D, float eps) {                               \
-        add_rms_norm<T>(x, h, scale, sum, y, rows, D, eps);                                                    \
+                                                   int D, float eps) {                                         \
+        add_rms_norm<T>(x, h, scale, sum, y, D, eps);                                                          \
     }                                                                                                          \
     extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, long long gate_stride,    \
                                                      const float* weight, T* y, int rows, int H, int D,        \

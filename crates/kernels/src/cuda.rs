@@ -67,6 +67,34 @@ fn function(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType)
     Ok(f)
 }
 
+/// Readies a freshly opened GPU for inference. Both settings remove host-side cost from every
+/// op of a forward, which at decode sizes is what bounds a step:
+/// - cudarc's per-buffer events (for cross-stream safety) are off: candle runs every op of a
+///   device on that device's one stream, so ordering is the stream's;
+/// - the device's default memory pool keeps freed memory instead of handing it back to the
+///   driver at every synchronisation (its release threshold is 0 by default, so each decode
+///   step — which syncs to read the sampled tokens — would map its few hundred buffers anew).
+pub fn prepare_device(dev: &CudaDevice) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::sys;
+    // SAFETY: no tensor of this device exists yet, so none was created with event tracking.
+    unsafe { dev.disable_event_tracking() };
+    let cu_device = dev.cuda_stream().context().cu_device();
+    let mut keep_all = u64::MAX;
+    // SAFETY: `cu_device` is a live device handle; the attribute takes a u64 by pointer.
+    unsafe {
+        let mut pool = std::ptr::null_mut();
+        sys::cuDeviceGetDefaultMemPool(&mut pool, cu_device).result().map_err(candle_core::Error::wrap)?;
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep_all as *mut u64).cast(),
+        )
+        .result()
+        .map_err(candle_core::Error::wrap)?;
+    }
+    Ok(())
+}
+
 /// Whether the kernels have an instance for `dtype` (the float dtypes a model computes in).
 pub(crate) fn supports(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::BF16 | DType::F16)

@@ -212,7 +212,7 @@ mod gpu {
     /// The kernel's tiling (cuda/recurrent.cu): warps per block, state rows per warp, and the
     /// widest key head its registers hold.
     const WARPS: usize = 4;
-    const ROWS_PER_WARP: usize = 4;
+    const ROWS_PER_WARP: usize = 2;
     const MAX_KEY_DIM: usize = 256;
 
     pub(super) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, a: &Tensor, b: &Tensor) -> Result<bool> {
@@ -235,7 +235,7 @@ mod gpu {
         Ok((x.contiguous()?, h * d))
     }
 
-    /// One block per (row, value head, 16 state rows); each warp keeps 4 rows of the state in
+    /// One block per (row, value head, 8 state rows); each warp keeps 2 rows of the state in
     /// registers across all tokens.
     pub(super) fn steps(
         q: &Tensor,

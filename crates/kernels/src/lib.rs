@@ -24,6 +24,8 @@ pub mod quant;
 pub mod sampling;
 
 pub use candle_core::{Error, Result};
+#[cfg(feature = "cuda")]
+pub use cuda::prepare_device;
 
 /// Borrow a contiguous CPU tensor's f32 data.
 fn cpu_f32(t: &candle_core::Tensor) -> Result<Vec<f32>> {

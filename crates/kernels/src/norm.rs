@@ -116,6 +116,20 @@ mod gpu {
         }
     }
 
+    /// Items per thread of a row block (cuda/norm.cu's `MAX_ROW_ITEMS`).
+    const MAX_ROW_ITEMS: usize = 16;
+
+    /// One block per row of `d`, about four items per thread; `None` for rows too wide for a
+    /// block. (No rows: nothing to launch.)
+    fn block_per_row(rows: usize, d: usize) -> Option<Option<LaunchConfig>> {
+        let threads = d.div_ceil(4).next_multiple_of(32).clamp(32, 1024);
+        if d > MAX_ROW_ITEMS * threads {
+            return None;
+        }
+        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
+        Some((rows > 0).then_some(cfg))
+    }
+
     fn rows_and_dim(x: &Tensor) -> Result<(usize, usize)> {
         let d = x.dims().last().copied().unwrap_or(1);
         Ok((x.elem_count() / d.max(1), d))
@@ -129,11 +143,14 @@ mod gpu {
         if !on_cuda(x, &[scale]) {
             return Ok(None);
         }
+        let (rows, d) = rows_and_dim(x)?;
+        let Some(cfg) = block_per_row(rows, d) else { return Ok(None) };
         let (x, scale) = (x.contiguous()?, f32_param(scale)?);
-        let (rows, d) = rows_and_dim(&x)?;
         let y = cuda::output(x.shape(), x.dtype(), x.device())?;
-        let args = [Arg::at(&x)?, Arg::at(&scale)?, Arg::at(&y)?, Arg::dim(rows)?, Arg::dim(d)?, Arg::F32(eps)];
-        cuda::launch(x.device(), &cuda::NORM, "rms_norm", x.dtype(), per_row(rows), &args)?;
+        if let Some(cfg) = cfg {
+            let args = [Arg::at(&x)?, Arg::at(&scale)?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps)];
+            cuda::launch(x.device(), &cuda::NORM, "rms_norm", x.dtype(), cfg, &args)?;
+        }
         Ok(Some(y))
     }
 
@@ -141,21 +158,15 @@ mod gpu {
         if !on_cuda(x, &[h, scale]) || h.dtype() != x.dtype() || h.shape() != x.shape() {
             return Ok(None);
         }
+        let (rows, d) = rows_and_dim(x)?;
+        let Some(cfg) = block_per_row(rows, d) else { return Ok(None) };
         let (x, h, scale) = (x.contiguous()?, h.contiguous()?, f32_param(scale)?);
-        let (rows, d) = rows_and_dim(&x)?;
         let sum = cuda::output(x.shape(), x.dtype(), x.device())?;
         let y = cuda::output(x.shape(), x.dtype(), x.device())?;
-        let args = [
-            Arg::at(&x)?,
-            Arg::at(&h)?,
-            Arg::at(&scale)?,
-            Arg::at(&sum)?,
-            Arg::at(&y)?,
-            Arg::dim(rows)?,
-            Arg::dim(d)?,
-            Arg::F32(eps),
-        ];
-        cuda::launch(x.device(), &cuda::NORM, "add_rms_norm", x.dtype(), per_row(rows), &args)?;
+        if let Some(cfg) = cfg {
+            let args = [Arg::at(&x)?, Arg::at(&h)?, Arg::at(&scale)?, Arg::at(&sum)?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps)];
+            cuda::launch(x.device(), &cuda::NORM, "add_rms_norm", x.dtype(), cfg, &args)?;
+        }
         Ok(Some((sum, y)))
     }
 

@@ -316,3 +316,31 @@ fn attention_on_gpu_does_not_depend_on_block_or_batch() {
         assert_eq!(diff_bits(&f32(&alone), &f32(&block.narrow(1, i, 1).unwrap())), 0, "query {i} decoded alone differs");
     }
 }
+
+#[test]
+fn decode_attention_over_long_histories_on_gpu_matches_cpu() {
+    // Histories across several 512-key splits, lengths not multiples of the warps' key groups,
+    // the 4B shape's head width; with and without a window.
+    let gpu = gpu();
+    let (hq, hkv, d) = (16, 4, 256);
+    for (dtype, window) in [(DType::BF16, None), (DType::F32, Some(700))] {
+        let run = |dev: &Device| {
+            let history: Vec<(Tensor, Tensor)> = [1100usize, 517, 1]
+                .iter()
+                .enumerate()
+                .map(|(r, &l)| {
+                    let kv = |seed| values(&[hkv, l, d], 1.0, seed).to_dtype(dtype).unwrap().to_device(dev).unwrap();
+                    (kv(90 + r as u64), kv(95 + r as u64))
+                })
+                .collect();
+            let q = values(&[history.len(), hq, 1, d], 1.0, 99).to_dtype(dtype).unwrap().to_device(dev).unwrap();
+            causal_attention_rows(&q, &history, Scoring { scale: 1.0 / 16.0, window }).unwrap()
+        };
+        assert_close(
+            &format!("decode attention over long histories, {dtype:?}, window {window:?}"),
+            dtype,
+            &run(&gpu),
+            &run(&Device::Cpu),
+        );
+    }
+}
