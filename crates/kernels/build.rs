@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: &[&str] = &["recurrent", "norm", "attention", "sampling"];
+const KERNELS: &[&str] = &["recurrent", "norm", "attention", "sampling", "matmul"];
 
 fn main() {
     println!("cargo::rerun-if-changed=cuda");

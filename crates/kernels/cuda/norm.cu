@@ -86,14 +86,14 @@ __device__ void gated_rms_norm(const float* x, const T* gate, long long gate_str
 
 // silu(gate) * up for [rows, cols] with the inputs' rows `gate_stride` / `up_stride` apart
 // (halves of one projection's output, say); silu's result is rounded to T as a separate op
-// would. y is contiguous.
+// would. y is contiguous. blockIdx.x is the row, blockIdx.y · blockDim.x + threadIdx.x the column.
 template <typename T>
 __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long long up_stride, T* y, int rows,
                          int cols) {
-    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (long long)rows * cols) return;
-    const long long r = i / cols, c = i % cols;
-    y[i] = from_f32<T>(round_to<T>(silu(to_f32(gate[r * gate_stride + c]))) * to_f32(up[r * up_stride + c]));
+    const long long r = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (r >= rows || c >= cols) return;
+    y[r * cols + c] = from_f32<T>(round_to<T>(silu(to_f32(gate[r * gate_stride + c]))) * to_f32(up[r * up_stride + c]));
 }
 
 #define INSTANTIATE(T, NAME)                                                                                   \

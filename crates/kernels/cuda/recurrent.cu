@@ -8,15 +8,16 @@
 // index i < T it computes y[i] from the K inputs ending at token i (the first K - 1 - i of them
 // from the state), and for i < K - 1 it writes new_state[i], the input K - 1 positions before
 // the window's end. x [B, T, C] with `x_stride` between tokens, state and new_state
-// [B, K - 1, C] (token-major), w [C, K] f32, y [B, T, C]; the grid covers B · max(T, K - 1) · C
-// threads.
+// [B, K - 1, C] (token-major), w [C, K] f32, y [B, T, C]; blockIdx.x is (row, index) over
+// B · max(T, K - 1), blockIdx.y · blockDim.x + threadIdx.x the channel (no 64-bit division per
+// thread: that cost more than the convolution).
 template <typename T>
 __device__ void causal_conv1d_silu(const T* x, long long x_stride, const T* state, const float* w, T* y, T* new_state,
                                    int B, int Tn, int C, int K) {
     const int hist = K - 1, span = max(Tn, hist);
-    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (idx >= (long long)B * span * C) return;
-    const int c = idx % C, i = (idx / C) % span, b = idx / ((long long)C * span);
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C || (int)blockIdx.x >= B * span) return;
+    const int i = blockIdx.x % span, b = blockIdx.x / span;
     // Input j of the window [state; x], as f32.
     auto input = [&](int j) {
         return j < hist ? to_f32(state[((long long)b * hist + j) * C + c]) : to_f32(x[((long long)b * Tn + j - hist) * x_stride + c]);

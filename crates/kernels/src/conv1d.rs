@@ -55,7 +55,7 @@ mod gpu {
             &cuda::RECURRENT,
             "causal_conv1d_silu",
             x.dtype(),
-            cuda::grid_for(b * t.max(kernel - 1) * c, 256)?,
+            cuda::grid_rows(b * t.max(kernel - 1), c, 256)?,
             &args,
         )?;
         Ok((y, new_state))

@@ -28,6 +28,7 @@ pub(crate) const RECURRENT: Module = module!("recurrent");
 pub(crate) const ATTENTION: Module = module!("attention");
 pub(crate) const SAMPLING: Module = module!("sampling");
 pub(crate) const NORM: Module = module!("norm");
+pub(crate) const MATMUL: Module = module!("matmul");
 
 /// What is loaded, per device: modules, and kernels by (module, kernel, dtype instance).
 #[derive(Default)]
@@ -182,6 +183,14 @@ pub(crate) fn launch(
     // addresses of tensors it keeps alive across the call.
     unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
     Ok(())
+}
+
+/// One block row per each of `rows` (grid x) and `cols` threads across grid y, in blocks of `block`.
+pub(crate) fn grid_rows(rows: usize, cols: usize, block: u32) -> Result<LaunchConfig> {
+    let too_big = || candle_core::Error::Msg(format!("{rows} x {cols} threads exceed a CUDA grid"));
+    let x = u32::try_from(rows.max(1)).ok().filter(|&x| x <= i32::MAX as u32).ok_or_else(too_big)?;
+    let y = u32::try_from(cols.div_ceil(block as usize).max(1)).ok().filter(|&y| y <= 65535).ok_or_else(too_big)?;
+    Ok(LaunchConfig { grid_dim: (x, y, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 })
 }
 
 /// `n` threads in blocks of `block`.

@@ -19,8 +19,10 @@ use crate::Result;
 /// prefill chunks; exactness wins.) The input rows stay in cache up to here.
 pub const MAX_EXACT_ROWS: usize = 64;
 
-/// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. Uses the streaming path for f32 and
-/// bf16 weights on CPU when `M <= MAX_EXACT_ROWS`, and candle's matmul otherwise.
+/// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. Streams the weights for f32 and bf16
+/// on CPU when `M <= MAX_EXACT_ROWS`, and on CUDA for up to 4 rows (strata's kernel in
+/// cuda/matmul.cu: at 8 rows its re-reads of the inputs made it slower than cuBLAS, H200
+/// batch-8 decode 723 against 1061 tok/s); candle's matmul otherwise.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (m, _) = x.dims2()?;
     if matches!(x.device(), Device::Cpu) && m <= MAX_EXACT_ROWS && w.is_contiguous() {
@@ -30,7 +32,57 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
             _ => {}
         }
     }
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && m <= gpu::MAX_INPUT_ROWS {
+        if let Some(y) = gpu::matmul_rows(x, w)? {
+            return Ok(y);
+        }
+    }
     x.matmul(&w.t()?)
+}
+
+#[cfg(feature = "cuda")]
+mod gpu {
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+    use candle_core::Tensor;
+
+    use crate::cuda::{self, Arg};
+    use crate::Result;
+
+    /// Input rows the kernel takes (cuda/matmul.cu's `MAX_INPUT_ROWS`), and its warps per
+    /// block, one weight row each.
+    pub(crate) const MAX_INPUT_ROWS: usize = 4;
+    const WARPS: usize = 8;
+
+    /// `x W^T` by strata's streaming kernel, or `None` where it does not apply: another dtype,
+    /// a layout other than contiguous rows, or rows not in whole 16-byte pieces.
+    pub(super) fn matmul_rows(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+        let ((m, k), n) = (x.dims2()?, w.dim(0)?);
+        let vec = 16 / x.dtype().size_in_bytes();
+        let aligned = |t: &Tensor| -> Result<bool> { Ok(matches!(Arg::at(t)?, Arg::Ptr(p) if p % 16 == 0)) };
+        if !cuda::supports(x.dtype())
+            || w.dtype() != x.dtype()
+            || !x.is_contiguous()
+            || !w.is_contiguous()
+            || !w.device().same_device(x.device())
+            || k % vec != 0
+            || !aligned(x)?
+            || !aligned(w)?
+        {
+            return Ok(None);
+        }
+        let y = cuda::output((m, n), x.dtype(), x.device())?;
+        if m > 0 && n > 0 {
+            let cfg = LaunchConfig {
+                grid_dim: (n.div_ceil(WARPS) as u32, 1, 1),
+                block_dim: ((WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let args = [Arg::at(x)?, Arg::at(w)?, Arg::at(&y)?, Arg::dim(m)?, Arg::dim(k)?, Arg::dim(n)?];
+            cuda::launch(x.device(), &cuda::MATMUL, "matmul_rows", x.dtype(), cfg, &args)?;
+        }
+        Ok(Some(y))
+    }
 }
 
 /// A stored element widened to f32 for accumulation.

@@ -213,7 +213,7 @@ mod gpu {
             Arg::dim(rows)?,
             Arg::dim(cols)?,
         ];
-        cuda::launch(gate.device(), &cuda::NORM, "silu_mul", gate.dtype(), cuda::grid_for(rows * cols, 256)?, &args)?;
+        cuda::launch(gate.device(), &cuda::NORM, "silu_mul", gate.dtype(), cuda::grid_rows(rows, cols, 256)?, &args)?;
         Ok(Some(y))
     }
 }
