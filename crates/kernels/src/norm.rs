@@ -1,6 +1,7 @@
-//! RMS normalisations and the gated MLP products (SwiGLU, GELU). On CUDA each is one fused kernel; elsewhere the
-//! same arithmetic from tensor ops (f32 inside, intermediates rounded to the model dtype where
-//! transformers stores them in it).
+//! RMS normalisations and the gated MLP products (SwiGLU, GELU). On CUDA the norms and SwiGLU
+//! are one fused kernel each and GELU's product is candle's ops; on CPU GELU's product has its
+//! own loop; elsewhere the same arithmetic from tensor ops (f32 inside, intermediates rounded to
+//! the model dtype where transformers stores them in it).
 
 use candle_core::{DType, Tensor};
 use rayon::prelude::*;
@@ -84,8 +85,8 @@ pub fn gelu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 /// `0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`, written as `x · sigmoid(2·inner)`: the same
-/// function with one `exp` instead of a `tanh` (glibc's `tanhf` cost a millisecond per decode
-/// step of Gemma 3 270M), and no cancellation in `1 + tanh` for negative inputs.
+/// function with one `exp` instead of a `tanh` (glibc's `tanhf` stood out in a `perf` profile
+/// of Gemma 3 270M's decode), and no cancellation in `1 + tanh` for negative inputs.
 fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
     let inner = SQRT_2_OVER_PI * (x + 0.044715 * x * x * x);

@@ -650,6 +650,18 @@ mod tests {
         }
     }
 
+    /// A batch of no rows (every request of a step finished, say) gives each matrix an empty
+    /// `[0, rows]` product instead of dividing the work by zero rows.
+    #[test]
+    fn no_input_rows_give_empty_products() {
+        let cols = 256;
+        let w = Tensor::from_vec(data(9 * cols, 0.4), (9, cols), &Device::Cpu).unwrap();
+        let (_, matrix) = quantized(&w, BlockFormat::Q8_0, GgmlDType::Q8_0);
+        let x = Tensor::zeros((0, cols), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let products = QuantMatrix::matmul_t_many(&[&matrix, &matrix], &x).unwrap();
+        assert_eq!(products.iter().map(|p| p.dims().to_vec()).collect::<Vec<_>>(), [[0, 9], [0, 9]]);
+    }
+
     /// The SIMD kernels unpack blocks in registers; on arbitrary block bytes they form the same
     /// sums as decoding each block and a scalar loop.
     #[test]
