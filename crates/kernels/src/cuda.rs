@@ -68,13 +68,13 @@ fn function(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType)
     Ok(f)
 }
 
-/// Readies a freshly opened GPU for inference. Both settings remove host-side cost from every
-/// op of a forward, which at decode sizes is what bounds a step:
+/// Readies a freshly opened GPU for inference, removing host-side work from the ops of a forward:
 /// - cudarc's per-buffer events (for cross-stream safety) are off: candle runs every op of a
 ///   device on that device's one stream, so ordering is the stream's;
 /// - the device's default memory pool keeps freed memory instead of handing it back to the
-///   driver at every synchronisation (its release threshold is 0 by default, so each decode
-///   step — which syncs to read the sampled tokens — would map its few hundred buffers anew).
+///   driver at every synchronisation (its release threshold is 0 by default, and each decode
+///   step syncs to read the sampled tokens). On an H200 this measured no faster (4B-shape decode
+///   127 against 125 tok/s); it keeps the driver's unmapping out of the step regardless.
 pub fn prepare_device(dev: &CudaDevice) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::sys;
     // SAFETY: no tensor of this device exists yet, so none was created with event tracking.
@@ -185,7 +185,7 @@ pub(crate) fn launch(
     Ok(())
 }
 
-/// One block row per each of `rows` (grid x) and `cols` threads across grid y, in blocks of `block`.
+/// A grid with one block per row along x (`rows`) and `cols` threads in blocks of `block` along y.
 pub(crate) fn grid_rows(rows: usize, cols: usize, block: u32) -> Result<LaunchConfig> {
     let too_big = || candle_core::Error::Msg(format!("{rows} x {cols} threads exceed a CUDA grid"));
     let x = u32::try_from(rows.max(1)).ok().filter(|&x| x <= i32::MAX as u32).ok_or_else(too_big)?;
