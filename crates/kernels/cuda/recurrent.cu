@@ -39,8 +39,9 @@ __device__ void causal_conv1d_silu(const T* x, long long x_stride, const T* stat
 // registers (lanes split Dk) and walks all tokens. Per tile of TOKEN_TILE tokens the block first
 // stages everything a step reads from memory in shared memory — normalised q / k, the gates and
 // its rows' v — so the per-token chain is register and shared-memory work only, and writes its
-// rows' outputs for the tile at once. (Few rows per warp: the chain is latency bound, so more
-// warps per multiprocessor beat more independent rows per warp; measured on an H200.) A row's
+// rows' outputs for the tile at once. (Two rows per warp: the chain is latency bound, so more
+// warps per multiprocessor hide it better. With the staging, a 512-token launch of the 4B shape
+// went from 0.65 to 0.37 ms on an H200, against four rows per warp without it.) A row's
 // arithmetic is the same whatever the number of tokens or rows in the call, so a verify block
 // computes each position exactly as decoding it alone would. q, k, v are [B, T, H, D] with the
 // given token strides and contiguous heads; a and beta_logits [B, T, Hv] with `gate_stride`
