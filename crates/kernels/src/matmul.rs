@@ -21,8 +21,8 @@ pub const MAX_EXACT_ROWS: usize = 64;
 
 /// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. Streams the weights for f32 and bf16
 /// on CPU when `M <= MAX_EXACT_ROWS`, and on CUDA for up to 4 rows (strata's kernel in
-/// cuda/matmul.cu: at 8 rows its re-reads of the inputs made it slower than cuBLAS, H200
-/// batch-8 decode 723 against 1061 tok/s); candle's matmul otherwise.
+/// cuda/matmul.cu; past a few rows its re-reads of the inputs make it slower than cuBLAS, as
+/// commit c4ccd01 records); candle's matmul otherwise.
 pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (m, _) = x.dims2()?;
     if matches!(x.device(), Device::Cpu) && m <= MAX_EXACT_ROWS && w.is_contiguous() {
