@@ -35,6 +35,9 @@ pub struct Args {
     device: String,
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
+    #[arg(long)]
+    no_cuda_graphs: bool,
     /// One JSON object per configuration instead of a table.
     #[arg(long)]
     json: bool,
@@ -177,10 +180,12 @@ pub fn run(mut a: Args) -> Result<()> {
     };
     let machine = machine();
     let load = |dtype: DTypeArg| -> Result<Model> {
-        Ok(match &folder {
+        let model = match &folder {
             Some(f) => f.load(dtype.dtype(), &device)?,
             None => synthetic::build(a.synthetic.as_deref().expect("checked above"), dtype.dtype(), &device)?,
-        })
+        };
+        model.set_decode_graphs(!a.no_cuda_graphs);
+        Ok(model)
     };
     if a.cache_ttft {
         let identity = |dtype: DTypeArg| match (&a.model, &a.synthetic) {
@@ -191,7 +196,8 @@ pub fn run(mut a: Args) -> Result<()> {
     }
     if !a.json {
         let draft = a.draft.describe();
-        println!("strata bench: {name} on {} ({machine}){draft}", a.device);
+        let graphs = if device.is_cuda() && a.no_cuda_graphs { ", no CUDA graphs" } else { "" };
+        println!("strata bench: {name} on {} ({machine}){draft}{graphs}", a.device);
         println!(
             "{:<6} {:>5} {:>7} {:>5} {:>14} {:>14} {:>10} {:>10} {:>10} {:>8}",
             "dtype", "conc", "prompt", "gen", "prefill tok/s", "decode tok/s", "TTFT p50", "ITL p50", "ITL p99", "accepted"
@@ -231,6 +237,7 @@ pub fn run(mut a: Args) -> Result<()> {
                         "prefill_tok_s": m.prefill_tok_s, "aggregate_decode_tok_s": m.aggregate_decode_tok_s,
                         "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,
                         "draft": a.draft.describe().trim_start_matches(", "), "acceptance": m.acceptance,
+                        "cuda_graphs": !a.no_cuda_graphs && device.is_cuda(),
                     })
                 );
             } else {

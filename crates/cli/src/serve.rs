@@ -44,6 +44,9 @@ pub struct Args {
     /// one chunk per step.
     #[arg(long, default_value_t = 512)]
     prefill_chunk: usize,
+    /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
+    #[arg(long)]
+    no_cuda_graphs: bool,
     /// Most requests decoded together (default: 16 on CPU, 64 on GPU).
     #[arg(long)]
     max_batch: Option<usize>,
@@ -85,6 +88,7 @@ pub fn run(a: Args) -> Result<()> {
     };
     let cache = a.cache.config(&device, || folder_identity(&dir, dtype.name()))?;
     let model = folder.load(dtype.dtype(), &device)?;
+    model.set_decode_graphs(!a.no_cuda_graphs);
     let speculation = a.draft.speculation(
         folder.config.vocab_size,
         || Ok(folder.load(dtype.dtype(), &device)?),

@@ -11,7 +11,8 @@ constexpr int SPLIT_KEYS = 512;
 constexpr int KEY_GROUP = 4;
 
 // Per row of a batch: its keys' and values' addresses, their head strides (the KV store's
-// capacity times D) and its length L.
+// capacity times D) and its length L. A captured decode step replays with other lengths, so the
+// kernels take them from `lens` ([B] int, device) instead where it is given.
 struct KvRow {
     long long k, v, k_head_stride, v_head_stride, len;
 };
@@ -23,14 +24,15 @@ struct KvRow {
 // its partial (max, sum of exponentials, weighted sum of values [D]) to `partial`
 // [B, Hq, T, splits, D + 2] — an empty one (max -inf) when it sees no key.
 template <typename T>
-__device__ void attention_split(const T* q, const KvRow* rows, float* partial, int Hq, int Hkv, int Tq, int D,
-                                int splits, float scale, int window) {
+__device__ void attention_split(const T* q, const KvRow* rows, const int* lens, float* partial, int Hq, int Hkv,
+                                int Tq, int D, int splits, float scale, int window) {
     __shared__ float warp_max[ATTN_WARPS], warp_sum_exp[ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][MAX_HEAD_DIM];
     const KvRow r = rows[blockIdx.y];
     const int h = blockIdx.x / Tq, i = blockIdx.x % Tq, kvh = h / (Hq / Hkv), split = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int pos = (int)r.len - Tq + i, first = window > 0 ? max(0, pos + 1 - window) : 0;
+    const int len = lens ? lens[blockIdx.y] : (int)r.len;
+    const int pos = len - Tq + i, first = window > 0 ? max(0, pos + 1 - window) : 0;
     const int from = max(first, split * SPLIT_KEYS), to = min(pos, (split + 1) * SPLIT_KEYS - 1);
     const long long query = ((long long)blockIdx.y * Hq + h) * Tq + i;
     const T* qr = q + query * D;
@@ -216,27 +218,29 @@ __device__ void causal_softmax(const T* scores, T* probs, int L, int Tq, float s
 
 // Writes src [B, H, T, D] (strides in elements for b, h, t; d contiguous) into each row's
 // buffer [H, capacity, D] at that row's position: `rows` holds, per row, the buffer's address,
-// its head stride and the first position to write. One thread per element.
+// its head stride and the first position to write (or, with `lens`, the row's length after the
+// write less T). One thread per element.
 struct KvDestination {
     long long ptr, head_stride, position;
 };
 
 template <typename T>
-__device__ void write_rows(const T* src, const KvDestination* rows, int B, int H, int Tn, int D, long long sb,
-                           long long sh, long long st) {
+__device__ void write_rows(const T* src, const KvDestination* rows, const int* lens, int B, int H, int Tn, int D,
+                           long long sb, long long sh, long long st) {
     const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (idx >= (long long)B * H * Tn * D) return;
     const int d = idx % D, t = (idx / D) % Tn, h = (idx / ((long long)D * Tn)) % H, b = idx / ((long long)D * Tn * H);
     const KvDestination r = rows[b];
     T* dst = reinterpret_cast<T*>(r.ptr);
-    dst[h * r.head_stride + (r.position + t) * D + d] = src[b * sb + h * sh + t * st + d];
+    const long long position = lens ? lens[b] - Tn : r.position;
+    dst[h * r.head_stride + (position + t) * D + d] = src[b * sb + h * sh + t * st + d];
 }
 
 #define INSTANTIATE(T, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
-        attention_split_##NAME(const T* q, const KvRow* rows, float* partial, int Hq, int Hkv, int Tq, int D,  \
-                               int splits, float scale, int window) {                                          \
-        attention_split<T>(q, rows, partial, Hq, Hkv, Tq, D, splits, scale, window);                           \
+        attention_split_##NAME(const T* q, const KvRow* rows, const int* lens, float* partial, int Hq, int Hkv, \
+                               int Tq, int D, int splits, float scale, int window) {                           \
+        attention_split<T>(q, rows, lens, partial, Hq, Hkv, Tq, D, splits, scale, window);                     \
     }                                                                                                          \
     extern "C" __global__ void attention_combine_##NAME(const float* partial, T* out, int queries, int splits,  \
                                                         int D) {                                               \
@@ -246,9 +250,10 @@ __device__ void write_rows(const T* src, const KvDestination* rows, int B, int H
         causal_softmax_##NAME(const T* scores, T* probs, int L, int Tq, float scale, int window) {             \
         causal_softmax<T>(scores, probs, L, Tq, scale, window);                                                \
     }                                                                                                          \
-    extern "C" __global__ void write_rows_##NAME(const T* src, const KvDestination* rows, int B, int H, int Tn, \
-                                                 int D, long long sb, long long sh, long long st) {            \
-        write_rows<T>(src, rows, B, H, Tn, D, sb, sh, st);                                                     \
+    extern "C" __global__ void write_rows_##NAME(const T* src, const KvDestination* rows, const int* lens,     \
+                                                 int B, int H, int Tn, int D, long long sb, long long sh,      \
+                                                 long long st) {                                               \
+        write_rows<T>(src, rows, lens, B, H, Tn, D, sb, sh, st);                                               \
     }                                                                                                          \
     extern "C" __global__ void norm_rope_##NAME(const T* x, const float* scale, const float* cos,             \
                                                 const float* sin, T* out, int B, int Tn, int H, int D,         \

@@ -237,6 +237,9 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     Tensor::cat(&parts, D::Minus1)
 }
 
+#[cfg(feature = "cuda")]
+pub use gpu::DecodeRows;
+
 /// Per-head RMSNorm (`scale` f32 `[D]`, result rounded to `x`'s dtype) then [`rope`]: `x`
 /// `[B, T, H, D]` in, `[B, H, T, D]` out (the layout attention reads). One kernel on CUDA.
 pub fn norm_rope(x: &Tensor, scale: &Tensor, eps: f32, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -325,12 +328,23 @@ mod gpu {
     /// Flash-decoding: one block per (query head and query, row, split of `SPLIT_KEYS` keys)
     /// writes a partial softmax, then one block per query merges its row's partials.
     pub(super) fn attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring) -> Result<Tensor> {
+        let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
+        let (table, _held) = kv_table(kv, q.device())?;
+        attend_table(q, &table, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), None, scoring)
+    }
+
+    /// [`attention_rows`] over the rows of a `KvRow` table, each row's length from `lens` where
+    /// given; `splits` must cover the longest row.
+    fn attend_table(
+        q: &Tensor,
+        table: &Tensor,
+        hkv: usize,
+        splits: usize,
+        lens: Option<&Tensor>,
+        scoring: Scoring,
+    ) -> Result<Tensor> {
         let q = q.contiguous()?;
         let (b, hq, t_len, d) = q.dims4()?;
-        let hkv = kv[0].0.dim(0)?;
-        let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
-        let splits = longest.div_ceil(SPLIT_KEYS).max(1);
-        let (table, _held) = kv_table(kv, q.device())?;
         let queries = b * hq * t_len;
         let partial = cuda::output(queries * splits * (d + 2), DType::F32, q.device())?;
         let block = (32 * WARPS, 1, 1);
@@ -338,7 +352,8 @@ mod gpu {
             LaunchConfig { grid_dim: ((hq * t_len) as u32, b as u32, splits as u32), block_dim: block, shared_mem_bytes: 0 };
         let args = [
             Arg::at(&q)?,
-            Arg::at(&table)?,
+            Arg::at(table)?,
+            Arg::at_or_null(lens)?,
             Arg::at(&partial)?,
             Arg::dim(hq)?,
             Arg::dim(hkv)?,
@@ -358,18 +373,31 @@ mod gpu {
 
     /// One thread per element written.
     pub(super) fn write_rows(src: &Tensor, dst: &[(&Tensor, usize)]) -> Result<()> {
-        let (b, h, t, d) = src.dims4()?;
-        let src = if src.stride()[3] == 1 { src.clone() } else { src.contiguous()? };
-        let s = src.stride();
-        let mut table = Vec::with_capacity(3 * b);
+        let table = destinations(dst, src.device())?;
+        write_table(src, &table, None)
+    }
+
+    /// Per destination buffer: its address, head stride and first position to write, as the
+    /// kernel's `KvDestination` table.
+    fn destinations(dst: &[(&Tensor, usize)], device: &candle_core::Device) -> Result<Tensor> {
+        let mut table = Vec::with_capacity(3 * dst.len());
         for (buf, position) in dst {
             let Arg::Ptr(p) = Arg::at(buf)? else { unreachable!("an address") };
             table.extend([p as i64, buf.stride()[0] as i64, *position as i64]);
         }
-        let table = Tensor::from_vec(table, (b, 3), src.device())?;
+        Tensor::from_vec(table, (dst.len(), 3), device)
+    }
+
+    /// Writes `src` `[B, H, T, D]` through a `KvDestination` table, each row from `lens - T`
+    /// where `lens` is given.
+    fn write_table(src: &Tensor, table: &Tensor, lens: Option<&Tensor>) -> Result<()> {
+        let (b, h, t, d) = src.dims4()?;
+        let src = if src.stride()[3] == 1 { src.clone() } else { src.contiguous()? };
+        let s = src.stride();
         let args = [
             Arg::at(&src)?,
-            Arg::at(&table)?,
+            Arg::at(table)?,
+            Arg::at_or_null(lens)?,
             Arg::dim(b)?,
             Arg::dim(h)?,
             Arg::dim(t)?,
@@ -379,6 +407,62 @@ mod gpu {
             Arg::I64(s[2] as i64),
         ];
         cuda::launch(src.device(), &cuda::ATTENTION, "write_rows", src.dtype(), cuda::grid_for(b * h * t * d, 256)?, &args)
+    }
+
+    /// A KV store's row buffers (`[Hkv, capacity, D]` each) as the decode kernels read them,
+    /// made once for a captured decode step: the tables hold the buffers' addresses, and each
+    /// replay's row lengths come from a device tensor the step uploads. The attention splits
+    /// cover the buffers' capacity (empty splits add nothing), so the result is the same bits as
+    /// [`super::causal_attention_rows`] over the same histories.
+    pub struct DecodeRows {
+        keys: Tensor,
+        values: Tensor,
+        rows: Tensor,
+        kv_heads: usize,
+        splits: usize,
+        /// The buffers the tables point into, kept alive with them.
+        buffers: Vec<(Tensor, Tensor)>,
+    }
+
+    impl DecodeRows {
+        pub fn new(buffers: &[(Tensor, Tensor)]) -> Result<Self> {
+            let Some((first, _)) = buffers.first() else { candle_core::bail!("DecodeRows: no rows") };
+            let device = first.device();
+            let mut capacity = 0;
+            for (k, v) in buffers {
+                let (_, cap, _) = k.dims3()?;
+                if !k.is_contiguous() || !v.is_contiguous() || v.dims() != k.dims() || k.dtype() != first.dtype() {
+                    candle_core::bail!("DecodeRows: buffers {:?} / {:?} are not a KV store's", k.shape(), v.shape());
+                }
+                capacity = capacity.max(cap);
+            }
+            let at = |side: fn(&(Tensor, Tensor)) -> &Tensor| -> Vec<(&Tensor, usize)> {
+                buffers.iter().map(|kv| (side(kv), 0)).collect()
+            };
+            let (keys, values) = (destinations(&at(|kv| &kv.0), device)?, destinations(&at(|kv| &kv.1), device)?);
+            let (rows, _) = kv_table(buffers, device)?;
+            Ok(Self {
+                keys,
+                values,
+                rows,
+                kv_heads: first.dim(0)?,
+                splits: capacity.div_ceil(SPLIT_KEYS).max(1),
+                buffers: buffers.to_vec(),
+            })
+        }
+
+        /// Appends `k`, `v` (`[B, Hkv, T, D]`) to each row and attends `q` (`[B, Hq, T, D]`)
+        /// over its history; `lens` (`[B]` i32, device) holds each row's length after the append.
+        pub fn append_attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor, scoring: Scoring) -> Result<Tensor> {
+            let (keys, values) = &self.buffers[0];
+            if !takes(&q.get(0)?, keys, values)? || q.dim(0)? != self.buffers.len() {
+                candle_core::bail!("DecodeRows: queries {:?} do not fit KV buffers {:?}", q.shape(), keys.shape());
+            }
+            let dtype = keys.dtype();
+            write_table(&k.to_dtype(dtype)?, &self.keys, Some(lens))?;
+            write_table(&v.to_dtype(dtype)?, &self.values, Some(lens))?;
+            attend_table(q, &self.rows, self.kv_heads, self.splits, Some(lens), scoring)
+        }
     }
 
     /// One warp per (row, token, head).

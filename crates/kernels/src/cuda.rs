@@ -117,21 +117,32 @@ impl Arg {
 
     /// The device address of `t`'s first element (its layout's start offset included).
     pub(crate) fn at(t: &Tensor) -> Result<Self> {
-        let (storage, layout) = t.storage_and_layout();
-        let Storage::Cuda(cs) = &*storage else { bail!("{:?} is not on a CUDA device", t.device()) };
-        let base = match t.dtype() {
-            DType::F32 => address::<f32>(cs)?,
-            DType::BF16 => address::<half::bf16>(cs)?,
-            DType::F16 => address::<half::f16>(cs)?,
-            DType::U32 => address::<u32>(cs)?,
-            DType::I64 => address::<i64>(cs)?,
-            other => bail!("strata's CUDA kernels take no {other:?} tensors"),
-        };
-        Ok(Arg::Ptr(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64))
+        Ok(Arg::Ptr(address(t)?))
+    }
+
+    /// [`Arg::at`], or a null address for an absent optional input.
+    pub(crate) fn at_or_null(t: Option<&Tensor>) -> Result<Self> {
+        t.map_or(Ok(Arg::Ptr(0)), Arg::at)
     }
 }
 
-fn address<T: CudaDType>(cs: &CudaStorage) -> Result<u64> {
+/// The device address of `t`'s first element (its layout's start offset included).
+pub fn address(t: &Tensor) -> Result<u64> {
+    let (storage, layout) = t.storage_and_layout();
+    let Storage::Cuda(cs) = &*storage else { bail!("{:?} is not on a CUDA device", t.device()) };
+    let base = match t.dtype() {
+        DType::F32 => slice_address::<f32>(cs)?,
+        DType::BF16 => slice_address::<half::bf16>(cs)?,
+        DType::F16 => slice_address::<half::f16>(cs)?,
+        DType::U32 => slice_address::<u32>(cs)?,
+        DType::I32 => slice_address::<i32>(cs)?,
+        DType::I64 => slice_address::<i64>(cs)?,
+        other => bail!("strata's CUDA kernels take no {other:?} tensors"),
+    };
+    Ok(base + (layout.start_offset() * t.dtype().size_in_bytes()) as u64)
+}
+
+fn slice_address<T: CudaDType>(cs: &CudaStorage) -> Result<u64> {
     let stream = cs.device.cuda_stream();
     let (ptr, _recorded) = cs.as_cuda_slice::<T>()?.device_ptr(&stream);
     Ok(ptr)
@@ -198,4 +209,72 @@ pub(crate) fn grid_for(n: usize, block: u32) -> Result<LaunchConfig> {
     let blocks = n.div_ceil(block as usize).max(1);
     let blocks = u32::try_from(blocks).map_err(|_| candle_core::Error::Msg(format!("{n} threads exceed a CUDA grid")))?;
     Ok(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: 0 })
+}
+
+/// Copies `data` from the host into `dst` in place (contiguous, `data.len()` elements of its
+/// dtype), in order on its device's stream: how a captured step's inputs change between replays.
+pub fn upload<T: candle_core::WithDType>(dst: &Tensor, data: &[T]) -> Result<()> {
+    let Device::Cuda(dev) = dst.device() else { bail!("{:?} is not a CUDA device", dst.device()) };
+    if dst.dtype() != T::DTYPE || !dst.is_contiguous() || dst.elem_count() != data.len() {
+        bail!("upload: {} {:?} values into a {:?} {:?} tensor", data.len(), T::DTYPE, dst.dtype(), dst.shape());
+    }
+    let stream = dev.cuda_stream();
+    // SAFETY: `dst` holds `data.len()` elements of T at its address and stays alive (the caller
+    // holds it); a copy from pageable memory is staged before the call returns.
+    unsafe { candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(address(dst)?, data, stream.cu_stream()) }
+        .map_err(candle_core::Error::wrap)
+}
+
+/// Launches recorded once on a device's stream and replayed with one call: what a decode step
+/// costs the host becomes one launch instead of hundreds. The recording bakes in every address
+/// and scalar argument, so a replay computes on exactly the tensors the recording used.
+pub struct StepGraph {
+    graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+}
+
+// SAFETY: the graph handles are used by one thread at a time (the owner serialises access, as
+// CUDA requires of graph objects); nothing in them is tied to the creating thread.
+unsafe impl Send for StepGraph {}
+
+impl StepGraph {
+    /// Whether launches on `device` can be recorded: a CUDA device readied by [`prepare_device`]
+    /// (cudarc's per-buffer events, which a recording could not wait on, are off).
+    pub fn can_capture(device: &Device) -> bool {
+        matches!(device, Device::Cuda(dev) if !dev.is_event_tracking())
+    }
+
+    /// Runs `step` (its launches execute), then records a second call of it as the graph (those
+    /// launches do not execute). Memory the recorded call allocates and frees becomes the
+    /// graph's own; what it reads or writes that outlives it must exist before. `step` must not
+    /// read device memory back or free a tensor made before it. Candle's ops upload small layout
+    /// descriptions (dims and strides) as they launch, and a recording cannot copy from the
+    /// host: the first call leaves them in candle's per-thread upload cache, where the recorded
+    /// one finds them (an upload it misses fails the recording with an error).
+    pub fn run_and_record<E: From<candle_core::Error>>(
+        device: &Device,
+        step: impl Fn() -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E> {
+        use candle_core::cuda_backend::cudarc::driver::sys;
+        let wrap = candle_core::Error::wrap;
+        let Device::Cuda(dev) = device else {
+            return Err(candle_core::Error::Msg(format!("{device:?} is not a CUDA device")).into());
+        };
+        let _cached_uploads = dev.enable_cuda_graph_htod_cache();
+        step()?;
+        let stream = dev.cuda_stream();
+        // Relaxed: a kernel module loaded on first use during the recording is allowed.
+        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(wrap)?;
+        let recorded = step();
+        // The capture ends whatever happened, so the stream runs launches again.
+        let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(wrap);
+        recorded?;
+        let graph = graph?.ok_or_else(|| candle_core::Error::Msg("the recorded step launched nothing".into()))?;
+        graph.upload().map_err(wrap)?;
+        Ok(Self { graph })
+    }
+
+    /// Runs the recorded launches once more, in order on the stream they were recorded on.
+    pub fn replay(&self) -> Result<()> {
+        self.graph.launch().map_err(candle_core::Error::wrap)
+    }
 }

@@ -45,10 +45,30 @@ pub fn gated_delta_rule(
     match q.device() {
         Device::Cpu => cpu::run(q, k, v, a, b, gating, state),
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) if gpu::takes(q, k, v, a, b)? => gpu::steps(q, k, v, a, b, gating, state),
+        Device::Cuda(_) if gpu::takes(q, k, v, a, b)? => gpu::steps(q, k, v, a, b, gating, state, false),
         _ if q.dim(1)? > STEPWISE_MAX => chunked(q, k, v, a, b, gating, state),
         _ => reference(q, k, v, a, b, gating, state),
     }
+}
+
+/// [`gated_delta_rule`] writing the new state over `state` (f32, contiguous) instead of to fresh
+/// memory, for a captured decode step whose state buffers stay put between replays; returns the
+/// output. The caller must be the state's only holder. CUDA only; the same kernel and the same
+/// bits as [`gated_delta_rule`] there (each block reads its state rows before writing them).
+#[cfg(feature = "cuda")]
+pub fn gated_delta_rule_in_place(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    a: &Tensor,
+    b: &Tensor,
+    gating: &Gating,
+    state: &Tensor,
+) -> Result<Tensor> {
+    if !q.device().is_cuda() || !gpu::takes(q, k, v, a, b)? || state.dtype() != DType::F32 || !state.is_contiguous() {
+        candle_core::bail!("the in-place gated delta rule takes CUDA inputs the kernel handles and a contiguous f32 state");
+    }
+    Ok(gpu::steps(q, k, v, a, b, gating, state, true)?.0)
 }
 
 fn softplus(x: &Tensor) -> Result<Tensor> {
@@ -236,7 +256,7 @@ mod gpu {
     }
 
     /// One block per (row, value head, 8 state rows); each warp keeps 2 rows of the state in
-    /// registers across all tokens.
+    /// registers across all tokens. The new state goes over `state` when `in_place`.
     pub(super) fn steps(
         q: &Tensor,
         k: &Tensor,
@@ -245,6 +265,7 @@ mod gpu {
         b: &Tensor,
         gating: &Gating,
         state: &Tensor,
+        in_place: bool,
     ) -> Result<(Tensor, Tensor)> {
         let (bsz, t_len, hk, dk) = q.dims4()?;
         let (hv, dv) = (v.dim(2)?, v.dim(3)?);
@@ -258,7 +279,7 @@ mod gpu {
         let (a_log, dt_bias, state) = (f32(gating.a_log)?, f32(gating.dt_bias)?, f32(state)?);
         let dev = q.device();
         let out = cuda::output((bsz, t_len, hv, dv), DType::F32, dev)?;
-        let new_state = cuda::output((bsz, hv, dv, dk), DType::F32, dev)?;
+        let new_state = if in_place { state.clone() } else { cuda::output((bsz, hv, dv, dk), DType::F32, dev)? };
         let rows_per_block = WARPS * ROWS_PER_WARP;
         let cfg = LaunchConfig {
             grid_dim: ((bsz * hv) as u32, dv.div_ceil(rows_per_block) as u32, 1),

@@ -25,7 +25,7 @@ pub mod sampling;
 
 pub use candle_core::{Error, Result};
 #[cfg(feature = "cuda")]
-pub use cuda::prepare_device;
+pub use cuda::{address as device_address, prepare_device, upload, StepGraph};
 
 /// Borrow a contiguous CPU tensor's f32 data.
 fn cpu_f32(t: &candle_core::Tensor) -> Result<Vec<f32>> {

@@ -128,6 +128,13 @@ impl Model {
         }
     }
 
+    /// Whether CUDA decode steps replay a captured graph (on by default; Qwen3.5 models).
+    pub fn set_decode_graphs(&self, on: bool) {
+        if let Model::Qwen35(m) = self {
+            m.set_decode_graphs(on);
+        }
+    }
+
     pub fn device(&self) -> &Device {
         match self {
             Model::Qwen35(m) => m.device(),

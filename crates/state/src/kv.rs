@@ -97,6 +97,31 @@ impl KvStore {
         (0..self.rows.len()).map(|row| self.history(row)).collect()
     }
 
+    /// Room for `t` more positions in every row (see [`KvStore::buffers`]).
+    pub fn reserve_rows(&mut self, t: usize) -> Result<()> {
+        (0..self.rows.len()).try_for_each(|row| self.reserve(row, t))
+    }
+
+    /// Each row's whole key and value buffers `[Hkv, capacity, D]`, for kernels that write a
+    /// step's positions in place themselves (a captured decode step); they stay these buffers
+    /// while appends fit the capacity. [`KvStore::commit_written`] then counts what was written.
+    pub fn buffers(&self) -> Vec<(Tensor, Tensor)> {
+        self.rows.iter().map(|r| (r.k.clone(), r.v.clone())).collect()
+    }
+
+    /// Counts `t` more positions in every row, written into [`KvStore::buffers`] by a device
+    /// kernel rather than through [`KvStore::append_rows`].
+    pub fn commit_written(&mut self, t: usize) -> Result<()> {
+        for r in &mut self.rows {
+            let capacity = r.k.dim(1)?;
+            if r.len + t > capacity {
+                return Err(StateError::PastCapacity { len: r.len, written: t, capacity });
+            }
+        }
+        self.rows.iter_mut().for_each(|r| r.len += t);
+        Ok(())
+    }
+
     /// Room for `t` more positions in `row`, doubling its buffers when full.
     fn reserve(&mut self, row: usize, t: usize) -> Result<()> {
         let needed = self.rows[row].len + t;

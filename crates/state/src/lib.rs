@@ -27,6 +27,8 @@ pub enum StateError {
     KindMismatch(&'static str, &'static str),
     #[error("cannot trim {kind} state from position {from} to {to}")]
     Untrimmable { kind: &'static str, from: usize, to: usize },
+    #[error("{written} positions written after {len} past a KV capacity of {capacity}")]
+    PastCapacity { len: usize, written: usize, capacity: usize },
     #[error("rows cannot join or leave a batch while a speculative round is open")]
     RoundOpen,
     #[error("stored state does not fit this model: {0}")]

@@ -41,6 +41,27 @@ impl Attention {
 
     /// `x` `[B, T, hidden]`; `rope` holds the per-row cos/sin tables for these positions.
     pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+        let Heads { q, k, v, gate } = self.heads(x, rope)?;
+        let history = kv.append_rows(&k, &v)?;
+        self.output(&causal_attention_rows(&q, &history, self.scoring())?, &gate)
+    }
+
+    /// [`Attention::forward`] of one recorded decode step: the KV append and the attention go
+    /// through `rows`' device tables, each row's length after the step read from `lens`.
+    #[cfg(feature = "cuda")]
+    pub fn forward_captured(
+        &self,
+        x: &Tensor,
+        rows: &strata_kernels::attention::DecodeRows,
+        lens: &Tensor,
+        rope: &(Tensor, Tensor),
+    ) -> Result<Tensor> {
+        let Heads { q, k, v, gate } = self.heads(x, rope)?;
+        self.output(&rows.append_attend(&q, &k, &v, lens, self.scoring())?, &gate)
+    }
+
+    /// q, k (normed and rotated, `[B, H, T, D]`), v `[B, Hkv, T, D]` and the output gate.
+    fn heads(&self, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Heads> {
         let (b, t, _) = x.dims3()?;
         let (h, d) = (self.heads, self.head_dim);
         let qg = self.q_proj.forward(x)?.reshape((b, t, h, 2 * d))?;
@@ -48,10 +69,24 @@ impl Attention {
         let gate = qg.narrow(3, d, d)?.reshape((b, t, h * d))?;
         let k = self.k_norm.forward_rope(&self.k_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?, rope)?;
         let v = self.v_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let history = kv.append_rows(&k, &v)?;
-        let out = causal_attention_rows(&q, &history, Scoring::scaled(scale))?.transpose(1, 2)?.reshape((b, t, h * d))?;
-        let out = (out * candle_nn::ops::sigmoid(&gate)?)?;
-        self.o_proj.forward(&out)
+        Ok(Heads { q, k, v, gate })
     }
+
+    fn scoring(&self) -> Scoring {
+        Scoring::scaled(1.0 / (self.head_dim as f64).sqrt())
+    }
+
+    /// Attention output `[B, H, T, D]` times `sigmoid(gate)`, through `o_proj`.
+    fn output(&self, attended: &Tensor, gate: &Tensor) -> Result<Tensor> {
+        let (b, h, t, d) = attended.dims4()?;
+        let out = attended.transpose(1, 2)?.reshape((b, t, h * d))?;
+        self.o_proj.forward(&(out * candle_nn::ops::sigmoid(gate)?)?)
+    }
+}
+
+struct Heads {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    gate: Tensor,
 }

@@ -67,7 +67,6 @@ impl GatedDeltaNet {
     /// for [`GatedDeltaNet::close_round`].
     pub fn forward(&self, x: &Tensor, state: &mut RecurrentState) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
         let [qkv, z, beta_logits, a] = self.in_proj.forward(x)?;
         let (o, conv, ssm) = self.recurrence(&qkv, &a, &beta_logits, &state.conv, &state.ssm)?;
         if let Some(round) = &mut state.round {
@@ -75,8 +74,43 @@ impl GatedDeltaNet {
         }
         state.conv = conv;
         state.ssm = ssm;
-        let o = self.norm.forward(&o, &z)?;
+        self.output(&o, &z, (b, t))
+    }
+
+    /// [`GatedDeltaNet::forward`] of one recorded decode step: the new conv window and
+    /// recurrent state are written over the old ones, which the step must hold alone.
+    #[cfg(feature = "cuda")]
+    pub fn forward_in_place(&self, x: &Tensor, state: &RecurrentState) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let [qkv, z, beta_logits, a] = self.in_proj.forward(x)?;
+        let (mixed, conv) = causal_conv1d_silu(&qkv, &state.conv, &self.conv_weight)?;
+        state.conv.slice_set(&conv, 0, 0)?;
+        let [q, k, v] = self.split_heads(&mixed)?;
+        let o = gated_delta::gated_delta_rule_in_place(&q, &k, &v, &a, &beta_logits, &self.gating(), &state.ssm)?;
+        self.output(&o, &z, (b, t))
+    }
+
+    /// Gated norm of the recurrence output `[B, T, Hv, Dv]`, then `out_proj`.
+    fn output(&self, o: &Tensor, z: &Tensor, (b, t): (usize, usize)) -> Result<Tensor> {
+        let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
+        let o = self.norm.forward(o, z)?;
         self.out_proj.forward(&o.reshape((b, t, hv * dv))?)
+    }
+
+    /// q, k `[B, T, Hk, Dk]` and v `[B, T, Hv, Dv]` from the conv output.
+    fn split_heads(&self, mixed: &Tensor) -> Result<[Tensor; 3]> {
+        let (b, t, _) = mixed.dims3()?;
+        let (hk, dk) = (self.key_heads, self.shape.key_dim);
+        let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
+        Ok([
+            mixed.narrow(2, 0, hk * dk)?.reshape((b, t, hk, dk))?,
+            mixed.narrow(2, hk * dk, hk * dk)?.reshape((b, t, hk, dk))?,
+            mixed.narrow(2, 2 * hk * dk, hv * dv)?.reshape((b, t, hv, dv))?,
+        ])
+    }
+
+    fn gating(&self) -> gated_delta::Gating<'_> {
+        gated_delta::Gating { a_log: &self.a_log, dt_bias: &self.dt_bias }
     }
 
     /// Conv + SiLU, then the gated delta rule, from the projections of `[B, T]` positions and
@@ -89,15 +123,9 @@ impl GatedDeltaNet {
         conv: &Tensor,
         ssm: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
-        let (b, t, _) = qkv.dims3()?;
-        let (hk, dk) = (self.key_heads, self.shape.key_dim);
-        let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
         let (mixed, conv) = causal_conv1d_silu(qkv, conv, &self.conv_weight)?;
-        let q = mixed.narrow(2, 0, hk * dk)?.reshape((b, t, hk, dk))?;
-        let k = mixed.narrow(2, hk * dk, hk * dk)?.reshape((b, t, hk, dk))?;
-        let v = mixed.narrow(2, 2 * hk * dk, hv * dv)?.reshape((b, t, hv, dv))?;
-        let gating = gated_delta::Gating { a_log: &self.a_log, dt_bias: &self.dt_bias };
-        let (o, ssm) = gated_delta::gated_delta_rule(&q, &k, &v, a, beta_logits, &gating, ssm)?;
+        let [q, k, v] = self.split_heads(&mixed)?;
+        let (o, ssm) = gated_delta::gated_delta_rule(&q, &k, &v, a, beta_logits, &self.gating(), ssm)?;
         Ok((o, conv, ssm))
     }
 

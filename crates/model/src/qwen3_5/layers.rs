@@ -242,6 +242,13 @@ impl Rotary {
 
     /// `cos`, `sin` `[B, 1, T, rotary_dim / 2]` for rows starting at `starts` (f32).
     pub fn tables(&self, starts: &[usize], t_len: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = self.values(starts, t_len);
+        let shape = (starts.len(), 1, t_len, self.inv_freq.len());
+        Ok((Tensor::from_vec(cos, shape, device)?, Tensor::from_vec(sin, shape, device)?))
+    }
+
+    /// [`Rotary::tables`]' values, on the host.
+    pub fn values(&self, starts: &[usize], t_len: usize) -> (Vec<f32>, Vec<f32>) {
         let half = self.inv_freq.len();
         let mut cos = Vec::with_capacity(starts.len() * t_len * half);
         let mut sin = Vec::with_capacity(cos.capacity());
@@ -254,7 +261,6 @@ impl Rotary {
                 }
             }
         }
-        let shape = (starts.len(), 1, t_len, half);
-        Ok((Tensor::from_vec(cos, shape, device)?, Tensor::from_vec(sin, shape, device)?))
+        (cos, sin)
     }
 }

@@ -3,6 +3,8 @@
 
 mod attention;
 mod deltanet;
+#[cfg(feature = "cuda")]
+mod graph;
 pub mod layers;
 mod mtp;
 
@@ -43,16 +45,49 @@ impl DecoderLayer {
         })
     }
 
-    /// `x + mixer(norm(x))`, then `+ mlp(norm(.))`.
+    /// The layer on `x` `[B, T, hidden]`, reading its state and replacing it with the next.
     fn forward(&self, x: &Tensor, state: &mut LayerState, rope: &(Tensor, Tensor)) -> Result<Tensor> {
-        let h = self.input_norm.forward(x)?;
-        let h = match (&self.mixer, state) {
-            (Mixer::Linear(m), LayerState::Recurrent(s)) => m.forward(&h, s)?,
-            (Mixer::Full(m), LayerState::Attention(s)) => m.forward(&h, s, rope)?,
-            (_, s) => return Err(ModelError::Invalid(format!("layer state of kind {} does not match its layer", s.kind()))),
-        };
+        self.forward_with(x, |mixer, h| match (mixer, state) {
+            (Mixer::Linear(m), LayerState::Recurrent(s)) => m.forward(h, s),
+            (Mixer::Full(m), LayerState::Attention(s)) => m.forward(h, s, rope),
+            (_, s) => Err(mismatched(s)),
+        })
+    }
+
+    /// `x + mixer(norm(x))`, then `+ mlp(norm(.))`, where `mix` runs the mixer (with whatever
+    /// state it reaches) on the normed input.
+    fn forward_with(&self, x: &Tensor, mix: impl FnOnce(&Mixer, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let h = mix(&self.mixer, &self.input_norm.forward(x)?)?;
         let (x, h) = self.post_norm.forward_residual(x, &h)?;
         Ok((&x + self.mlp.forward(&h)?)?)
+    }
+}
+
+fn mismatched(state: &LayerState) -> ModelError {
+    ModelError::Invalid(format!("layer state of kind {} does not match its layer", state.kind()))
+}
+
+/// A weight source that notes whether any matrix it hands out is kept block-quantized.
+#[cfg(feature = "cuda")]
+struct PlainWatch<'a> {
+    src: &'a dyn WeightSource,
+    plain: std::cell::Cell<bool>,
+}
+
+#[cfg(feature = "cuda")]
+impl WeightSource for PlainWatch<'_> {
+    fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        self.src.get(name, shape, dtype)
+    }
+
+    fn matrix(&self, name: &str, rows: usize, cols: usize, dtype: DType) -> Result<Matrix> {
+        let m = self.src.matrix(name, rows, cols, dtype)?;
+        self.plain.set(self.plain.get() && matches!(m, Matrix::Dense(_)));
+        Ok(m)
+    }
+
+    fn device(&self) -> &Device {
+        self.src.device()
     }
 }
 
@@ -99,12 +134,20 @@ pub struct Qwen35 {
     rotary: Rotary,
     dtype: DType,
     device: Device,
+    /// Whether every weight matrix is a plain tensor (none kept block-quantized).
+    #[cfg(feature = "cuda")]
+    plain_weights: bool,
+    /// The captured decode step (CUDA).
+    #[cfg(feature = "cuda")]
+    graphs: graph::DecodeGraphs,
 }
 
 impl Qwen35 {
     /// Builds the model from `src`, whose names are relative to the text model
     /// (`embed_tokens.weight`, `layers.N.…`, `norm.weight`), plus `lm_head.weight` when untied.
     pub fn load(cfg: &Qwen35Config, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
+        #[cfg(feature = "cuda")]
+        let src = &PlainWatch { src, plain: std::cell::Cell::new(true) };
         let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let embed = src.matrix("embed_tokens.weight", cfg.vocab_size, hidden, dtype)?;
         let layers = cfg
@@ -127,6 +170,10 @@ impl Qwen35 {
             rotary: Rotary::new(cfg.rotary_dim(), cfg.rope_theta),
             dtype,
             device: src.device().clone(),
+            #[cfg(feature = "cuda")]
+            plain_weights: src.plain.get(),
+            #[cfg(feature = "cuda")]
+            graphs: graph::DecodeGraphs::default(),
         })
     }
 
@@ -136,6 +183,26 @@ impl Qwen35 {
 
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Whether CUDA decode steps replay a captured graph (the default); off, every step runs
+    /// eagerly, launch by launch. Elsewhere there is nothing to switch.
+    pub fn set_decode_graphs(&self, on: bool) {
+        #[cfg(feature = "cuda")]
+        self.graphs.enabled.store(on, std::sync::atomic::Ordering::Relaxed);
+        #[cfg(not(feature = "cuda"))]
+        let _ = on;
+    }
+
+    /// Decode-step graphs recorded and replayed so far: `(recordings, replays)`.
+    pub fn decode_graph_counts(&self) -> (usize, usize) {
+        #[cfg(feature = "cuda")]
+        return (
+            self.graphs.recordings.load(std::sync::atomic::Ordering::Relaxed),
+            self.graphs.replays.load(std::sync::atomic::Ordering::Relaxed),
+        );
+        #[cfg(not(feature = "cuda"))]
+        (0, 0)
     }
 
     pub fn device(&self) -> &Device {
@@ -213,7 +280,7 @@ impl Qwen35 {
                         kv.trim(r, start + kept)?;
                     }
                 }
-                (_, s) => return Err(ModelError::Invalid(format!("layer state of kind {} does not match its layer", s.kind()))),
+                (_, s) => return Err(mismatched(s)),
             }
         }
         for (p, (&start, &kept)) in state.positions.iter_mut().zip(round.start.iter().zip(keep)) {
@@ -223,8 +290,13 @@ impl Qwen35 {
     }
 
     /// Runs `tokens` (`[B, T]`, u32) through the model, each row continuing from its own
-    /// position in `state`, and advances the state. Returns f32 logits.
+    /// position in `state`, and advances the state. Returns f32 logits. On CUDA, a decode step
+    /// (one token per row, last logits) replays a captured graph where one fits the batch.
     pub fn forward(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if let Some(logits) = self.graphs.decode(self, tokens, state, logits)? {
+            return Ok(logits);
+        }
         let x = self.decode_layers(tokens, state)?;
         let x = match logits {
             Logits::All => x,
@@ -269,11 +341,22 @@ impl Qwen35 {
 
     /// `[B, T]` token ids as `[B, T, hidden]` embeddings, refusing ids outside the vocabulary.
     fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
-        let (b, t) = tokens.dims2()?;
-        let ids = tokens.flatten_all()?;
-        if let Some(&bad) = ids.to_vec1::<u32>()?.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
-            return Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)));
+        self.check_tokens(&tokens.flatten_all()?.to_vec1::<u32>()?)?;
+        self.embed_checked(tokens)
+    }
+
+    fn check_tokens(&self, ids: &[u32]) -> Result<()> {
+        match ids.iter().find(|&&id| id as usize >= self.cfg.vocab_size) {
+            Some(bad) => {
+                Err(ModelError::Invalid(format!("token id {bad} is outside the vocabulary (size {})", self.cfg.vocab_size)))
+            }
+            None => Ok(()),
         }
-        Ok(self.embed.rows_at(&ids, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?)
+    }
+
+    /// [`Qwen35::embed_tokens`] of ids already checked.
+    fn embed_checked(&self, tokens: &Tensor) -> Result<Tensor> {
+        let (b, t) = tokens.dims2()?;
+        Ok(self.embed.rows_at(&tokens.flatten_all()?, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?)
     }
 }
