@@ -31,6 +31,36 @@ __device__ void causal_conv1d_silu(const T* x, long long x_stride, const T* stat
     if (i < hist) new_state[((long long)b * hist + i) * C + c] = from_f32<T>(input(Tn + i));
 }
 
+// One token per row of causal_conv1d_silu with the window updated in place (a recorded decode
+// step, whose window buffer stays put): one thread per (row, channel) reads its K - 1 stored
+// inputs and the new one, writes y and shifts the window by one. The same sums in the same order.
+constexpr int MAX_CONV_KERNEL = 8;
+
+template <typename T>
+__device__ void causal_conv1d_silu_step(const T* x, long long x_stride, T* state, const float* w, T* y, int B, int C,
+                                        int K) {
+    const int hist = K - 1, b = blockIdx.x;
+    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    if (c >= C || b >= B) return;
+    T* window = state + (long long)b * hist * C + c;
+    float input[MAX_CONV_KERNEL];
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
+        if (j < hist) input[j] = to_f32(window[(long long)j * C]);
+        else if (j == hist) input[j] = to_f32(x[(long long)b * x_stride + c]);
+    }
+    float acc = input[0] * w[(long long)c * K];
+#pragma unroll
+    for (int j = 1; j < MAX_CONV_KERNEL; ++j) {
+        if (j < K) acc += input[j] * w[(long long)c * K + j];
+    }
+    y[(long long)b * C + c] = from_f32<T>(silu(acc));
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL - 1; ++j) {
+        if (j < hist) window[(long long)j * C] = from_f32<T>(input[j + 1]);
+    }
+}
+
 // The gated delta rule over `T` tokens, per value head h (key head h / (Hv / Hk)):
 //   q, k = l2norm(q), l2norm(k); q *= 1 / sqrt(Dk)
 //   g = -exp(A_log) softplus(a + dt_bias); beta = sigmoid(b)
@@ -170,6 +200,10 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
                                                          const float* w, T* y, T* new_state, int B, int Tn,     \
                                                          int C, int K) {                                        \
         causal_conv1d_silu<T>(x, x_stride, state, w, y, new_state, B, Tn, C, K);                                \
+    }                                                                                                            \
+    extern "C" __global__ void causal_conv1d_silu_step_##NAME(const T* x, long long x_stride, T* state,       \
+                                                              const float* w, T* y, int B, int C, int K) {  \
+        causal_conv1d_silu_step<T>(x, x_stride, state, w, y, B, C, K);                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32) gated_delta_steps_##NAME(                     \
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \

@@ -1,51 +1,31 @@
 // The greedy sampling tail on the device: each row's argmax, so only token ids cross to the host.
 #include "common.cuh"
 
-constexpr int ARGMAX_THREADS = 1024;
+constexpr int ARGMAX_THREADS = 256;
+constexpr int ARGMAX_CHUNK = 8192;  // logits per block: a 248K vocabulary takes 31 blocks a row
 
-// Whether candidate (value, index) beats the best so far (best, at), `at == none` meaning no
-// candidate yet: the larger value wins, ties go to the lower index, NaN never wins — the first
-// maximum, as a left-to-right scan finds it.
-__device__ __forceinline__ bool beats(float value, int index, float best, int at, int none) {
-    if (index == none || isnan(value)) return false;
-    return at == none || value > best || (value == best && index < at);
+// A candidate as one 64-bit key that orders as the first maximum does: the value's bits mapped
+// to an unsigned order above, the index's complement below (ties go to the lower index). -0.0
+// counts as +0.0; every real value's key is non-zero, so 0 means "none" and NaN never enters.
+__device__ __forceinline__ unsigned long long argmax_key(float value, int index) {
+    const unsigned int bits = __float_as_uint(value == 0.0f ? 0.0f : value);
+    const unsigned int ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+    return ((unsigned long long)ordered << 32) | (0xFFFFFFFFu - (unsigned int)index);
 }
 
-// One block per row of logits [R, V] (f32); ids [R] u32 (0 for a row of NaN).
-extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS) argmax_rows_f32(const float* logits, unsigned int* ids, int V) {
-    __shared__ float best_value[ARGMAX_THREADS / 32];
-    __shared__ int best_index[ARGMAX_THREADS / 32];
-    const float* row = logits + (long long)blockIdx.x * V;
-    float best = 0.0f;
-    int at = V;
-    for (int i = threadIdx.x; i < V; i += ARGMAX_THREADS) {
-        if (beats(row[i], i, best, at, V)) {
-            best = row[i];
-            at = i;
-        }
+// Grid (chunks of ARGMAX_CHUNK, rows) over logits [R, V] (f32); each block folds the best key of
+// its chunk into keys[row] (zeroed before) with one atomic max per warp. The id is the key's
+// low word complemented, 0 for a row of NaN (key 0): the caller decodes it.
+extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
+    argmax_keys_f32(const float* logits, unsigned long long* keys, int V) {
+    const float* row = logits + (long long)blockIdx.y * V;
+    const int end = min(V, (int)(blockIdx.x + 1) * ARGMAX_CHUNK);
+    unsigned long long best = 0;
+    for (int i = blockIdx.x * ARGMAX_CHUNK + threadIdx.x; i < end; i += ARGMAX_THREADS) {
+        const float value = row[i];
+        if (!isnan(value)) best = max(best, argmax_key(value, i));
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        const float other = __shfl_xor_sync(0xffffffffu, best, offset);
-        const int other_at = __shfl_xor_sync(0xffffffffu, at, offset);
-        if (beats(other, other_at, best, at, V)) {
-            best = other;
-            at = other_at;
-        }
-    }
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    if (lane == 0) {
-        best_value[warp] = best;
-        best_index[warp] = at;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        for (int w = 1; w < ARGMAX_THREADS / 32; ++w) {
-            if (beats(best_value[w], best_index[w], best, at, V)) {
-                best = best_value[w];
-                at = best_index[w];
-            }
-        }
-        ids[blockIdx.x] = at == V ? 0 : at;
-    }
+    for (int offset = 16; offset > 0; offset >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, offset));
+    if (threadIdx.x % 32 == 0 && best != 0) atomicMax(keys + blockIdx.y, best);
 }

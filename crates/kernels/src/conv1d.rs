@@ -19,12 +19,38 @@ pub fn causal_conv1d_silu(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result
     }
 }
 
+/// [`causal_conv1d_silu`] of one token per row (`x` `[B, 1, C]`) writing the new window over
+/// `state` (contiguous) instead of to fresh memory, for a recorded decode step whose buffers stay
+/// put; returns the output. The caller must be the state's only holder. CUDA only; the same sums
+/// as [`causal_conv1d_silu`] there.
+#[cfg(feature = "cuda")]
+pub fn causal_conv1d_silu_step_in_place(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    let (b, t, c) = x.dims3()?;
+    let kernel = weight.dim(1)?;
+    if !x.device().is_cuda()
+        || !gpu::takes(x, state, weight)?
+        || t != 1
+        || !state.is_contiguous()
+        || state.dims() != [b, kernel - 1, c]
+        || kernel > gpu::MAX_KERNEL
+    {
+        candle_core::bail!(
+            "the in-place conv step takes one CUDA token per row, a contiguous window and a kernel of at most {} taps",
+            gpu::MAX_KERNEL
+        );
+    }
+    gpu::step_in_place(x, state, weight)
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use candle_core::{DType, Tensor};
 
     use crate::cuda::{self, Arg};
     use crate::Result;
+
+    /// The widest conv the one-token kernel holds (cuda/recurrent.cu's `MAX_CONV_KERNEL`).
+    pub(super) const MAX_KERNEL: usize = 8;
 
     pub(super) fn takes(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<bool> {
         Ok(cuda::supports(x.dtype()) && state.dtype() == x.dtype() && weight.dim(1)? >= 1)
@@ -59,6 +85,27 @@ mod gpu {
             &args,
         )?;
         Ok((y, new_state))
+    }
+
+    /// One thread per (row, channel).
+    pub(super) fn step_in_place(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<Tensor> {
+        let (b, _, c) = x.dims3()?;
+        let kernel = weight.dim(1)?;
+        let (x, x_stride) = cuda::row_strided(x)?;
+        let weight = weight.to_dtype(DType::F32)?.contiguous()?;
+        let y = cuda::output((b, 1, c), x.dtype(), x.device())?;
+        let args = [
+            Arg::at(&x)?,
+            Arg::I64(x_stride as i64),
+            Arg::at(state)?,
+            Arg::at(&weight)?,
+            Arg::at(&y)?,
+            Arg::dim(b)?,
+            Arg::dim(c)?,
+            Arg::dim(kernel)?,
+        ];
+        cuda::launch(x.device(), &cuda::RECURRENT, "causal_conv1d_silu_step", x.dtype(), cuda::grid_rows(b, c, 256)?, &args)?;
+        Ok(y)
     }
 }
 

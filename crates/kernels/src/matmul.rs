@@ -50,9 +50,21 @@ mod gpu {
     use crate::Result;
 
     /// Input rows the kernel takes (cuda/matmul.cu's `MAX_INPUT_ROWS`), and its warps per
-    /// block, one weight row each.
+    /// block, `split` of them per weight row.
     pub(crate) const MAX_INPUT_ROWS: usize = 4;
     const WARPS: usize = 8;
+
+    /// Warps per weight row: the most (up to a block's) that keep the grid within about 16K
+    /// warps — an H200 holds 8.4K at a time — so narrow matrices keep enough loads in flight.
+    /// (On the H200, the 4B shape's 2560-row matrices ran at ~60% of the copy bandwidth with
+    /// one warp per row.)
+    fn split(n: usize) -> usize {
+        let mut split = 1;
+        while split < WARPS && n * split * 2 <= 16 * 1024 {
+            split *= 2;
+        }
+        split
+    }
 
     /// `x W^T` by strata's streaming kernel, or `None` where it does not apply: another dtype,
     /// a layout other than contiguous rows, or rows not in whole 16-byte pieces.
@@ -73,12 +85,13 @@ mod gpu {
         }
         let y = cuda::output((m, n), x.dtype(), x.device())?;
         if m > 0 && n > 0 {
+            let split = split(n);
             let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(WARPS) as u32, 1, 1),
+                grid_dim: (n.div_ceil(WARPS / split) as u32, 1, 1),
                 block_dim: ((WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let args = [Arg::at(x)?, Arg::at(w)?, Arg::at(&y)?, Arg::dim(m)?, Arg::dim(k)?, Arg::dim(n)?];
+            let args = [Arg::at(x)?, Arg::at(w)?, Arg::at(&y)?, Arg::dim(m)?, Arg::dim(k)?, Arg::dim(n)?, Arg::dim(split)?];
             cuda::launch(x.device(), &cuda::MATMUL, "matmul_rows", x.dtype(), cfg, &args)?;
         }
         Ok(Some(y))

@@ -34,14 +34,26 @@ mod gpu {
     use crate::cuda::{self, Arg};
     use crate::Result;
 
-    /// One block of 1024 threads per row (cuda/sampling.cu).
+    /// Logits per block and threads per block of the kernel (cuda/sampling.cu).
+    const CHUNK: usize = 8192;
+    const THREADS: u32 = 256;
+
+    /// Every block of a row folds its chunk's best (value, index) key into the row's key with
+    /// an atomic max (a row is ~31 blocks, not one block walking the whole vocabulary).
     pub(super) fn argmax_rows(logits: &Tensor) -> Result<Vec<u32>> {
         let (rows, vocab) = logits.dims2()?;
-        let ids = cuda::output(rows, DType::U32, logits.device())?;
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let args = [Arg::at(logits)?, Arg::at(&ids)?, Arg::dim(vocab)?];
-        cuda::launch(logits.device(), &cuda::SAMPLING, "argmax_rows", DType::F32, cfg, &args)?;
-        ids.to_vec1::<u32>()
+        if rows == 0 || vocab == 0 {
+            return Ok(vec![0; rows]);
+        }
+        let keys = Tensor::zeros(rows, DType::I64, logits.device())?;
+        let chunks = u32::try_from(vocab.div_ceil(CHUNK)).map_err(candle_core::Error::wrap)?;
+        let rows_y = u32::try_from(rows).ok().filter(|&r| r <= 65_535);
+        let rows_y = rows_y.ok_or_else(|| candle_core::Error::Msg(format!("argmax of {rows} rows exceeds a CUDA grid")))?;
+        let cfg = LaunchConfig { grid_dim: (chunks, rows_y, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+        let args = [Arg::at(logits)?, Arg::at(&keys)?, Arg::dim(vocab)?];
+        cuda::launch(logits.device(), &cuda::SAMPLING, "argmax_keys", DType::F32, cfg, &args)?;
+        // The key's low word is the index complemented; no key (0) is a row of NaN.
+        Ok(keys.to_vec1::<i64>()?.into_iter().map(|key| if key == 0 { 0 } else { u32::MAX - key as u32 }).collect())
     }
 }
 

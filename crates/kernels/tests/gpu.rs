@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention::{causal_attention, causal_attention_rows, norm_rope, write_rows, Scoring};
-use strata_kernels::conv1d::causal_conv1d_silu;
+use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
 use strata_kernels::gated_delta::{gated_delta_rule, Gating};
 use strata_kernels::matmul::matmul_t;
 use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
@@ -136,6 +136,14 @@ fn causal_conv1d_on_gpu_matches_cpu() {
         let (y, new_state) = causal_conv1d_silu(&on(&x), &on(&state), &on(&w)).unwrap();
         assert_close("conv1d output", dtype, &y, &want_y);
         assert_close("conv1d state", dtype, &new_state, &want_state);
+        if t == 1 {
+            // The in-place step of a recorded decode step: the same bits as the fresh-output
+            // kernel, the window updated where it lies.
+            let window = on(&state).copy().unwrap();
+            let stepped = causal_conv1d_silu_step_in_place(&on(&x), &window, &on(&w)).unwrap();
+            let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            assert!(bits(&stepped) == bits(&y) && bits(&window) == bits(&new_state), "in-place conv step differs");
+        }
     }
 }
 
@@ -164,14 +172,31 @@ fn causal_attention_on_gpu_matches_cpu() {
 fn matmul_t_on_gpu_matches_cpu() {
     let gpu = gpu();
     // Decode batches through strata's streaming kernel (one with the widest batch it takes and
-    // a long row), a row length it leaves to cuBLAS, and a prefill block.
-    for (m, k, n) in [(1, 256, 384), (4, 2560, 300), (7, 512, 128), (3, 100, 50), (130, 256, 96)] {
+    // a long row; 8, 2 and 1 warps per weight row, the last two with a partial last block), a
+    // row length it leaves to cuBLAS, and a prefill block.
+    let shapes = [(1, 256, 384), (4, 2560, 300), (2, 512, 4099), (3, 64, 9001), (7, 512, 128), (3, 100, 50), (130, 256, 96)];
+    for (m, k, n) in shapes {
         for dtype in [DType::F32, DType::BF16] {
             let x = values(&[m, k], 1.0, 31).to_dtype(dtype).unwrap();
             let w = values(&[n, k], 0.1, 32).to_dtype(dtype).unwrap();
             let want = matmul_t(&x, &w).unwrap();
             let got = matmul_t(&x.to_device(&gpu).unwrap(), &w.to_device(&gpu).unwrap()).unwrap();
             assert_close(&format!("matmul {m}x{k}x{n}"), dtype, &got, &want);
+        }
+    }
+}
+
+#[test]
+fn streaming_matmul_gives_each_row_the_same_bits_alone_or_batched() {
+    let gpu = gpu();
+    for (k, n) in [(2560, 2560), (512, 4099), (64, 9001)] {
+        let x = values(&[4, k], 1.0, 41).to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
+        let w = values(&[n, k], 0.1, 42).to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
+        let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let batched = matmul_t(&x, &w).unwrap();
+        for r in 0..4 {
+            let alone = matmul_t(&x.narrow(0, r, 1).unwrap(), &w).unwrap();
+            assert!(bits(&alone) == bits(&batched.narrow(0, r, 1).unwrap()), "{k}x{n}: row {r} differs alone");
         }
     }
 }
@@ -281,17 +306,21 @@ fn batched_kv_append_and_attention_on_gpu_match_cpu() {
 #[test]
 fn argmax_rows_on_gpu_takes_the_first_maximum() {
     let gpu = gpu();
-    let (rows, vocab) = (5, 248_320);
+    let (rows, vocab) = (7, 248_320);
     let logits = values(&[rows, vocab], 8.0, 91).to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
     let mut data = logits.to_vec2::<f32>().unwrap();
-    // Row 1: the maximum twice, far apart; row 2: a NaN before its maximum; row 3: all equal.
+    // Row 1: the maximum twice, in different blocks; row 2: a NaN before its maximum; row 3: all
+    // equal; row 4: all NaN; row 5: a maximum of 0 as -0.0 before +0.0 (equal, so the first).
     data[1][7] = 100.0;
     data[1][vocab - 3] = 100.0;
     data[2][0] = f32::NAN;
     data[2][vocab - 1] = 200.0;
     data[3].iter_mut().for_each(|x| *x = -1.0);
+    data[4].iter_mut().for_each(|x| *x = f32::NAN);
+    data[5].iter_mut().for_each(|x| *x = -1.0);
+    (data[5][20], data[5][9000]) = (-0.0, 0.0);
     let want: Vec<u32> = data.iter().map(|row| first_max(row)).collect();
-    assert_eq!(&want[1..4], &[7, vocab as u32 - 1, 0]);
+    assert_eq!(&want[1..6], &[7, vocab as u32 - 1, 0, 0, 20]);
     let logits = Tensor::new(data, &gpu).unwrap();
     assert_eq!(argmax_rows(&logits).unwrap(), want);
 }

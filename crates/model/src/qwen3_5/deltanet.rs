@@ -83,8 +83,7 @@ impl GatedDeltaNet {
     pub fn forward_in_place(&self, x: &Tensor, state: &RecurrentState) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let [qkv, z, beta_logits, a] = self.in_proj.forward(x)?;
-        let (mixed, conv) = causal_conv1d_silu(&qkv, &state.conv, &self.conv_weight)?;
-        state.conv.slice_set(&conv, 0, 0)?;
+        let mixed = strata_kernels::conv1d::causal_conv1d_silu_step_in_place(&qkv, &state.conv, &self.conv_weight)?;
         let [q, k, v] = self.split_heads(&mixed)?;
         let o = gated_delta::gated_delta_rule_in_place(&q, &k, &v, &a, &beta_logits, &self.gating(), &state.ssm)?;
         self.output(&o, &z, (b, t))
