@@ -71,16 +71,17 @@ mod gpu {
     pub(super) fn matmul_rows(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         let ((m, k), n) = (x.dims2()?, w.dim(0)?);
         let vec = 16 / x.dtype().size_in_bytes();
-        let aligned = |t: &Tensor| -> Result<bool> { Ok(matches!(Arg::at(t)?, Arg::Ptr(p) if p % 16 == 0)) };
         if !cuda::supports(x.dtype())
             || w.dtype() != x.dtype()
             || !x.is_contiguous()
             || !w.is_contiguous()
             || !w.device().same_device(x.device())
             || k % vec != 0
-            || !aligned(x)?
-            || !aligned(w)?
         {
+            return Ok(None);
+        }
+        let (x_at, w_at) = (cuda::address(x)?, cuda::address(w)?);
+        if x_at % 16 != 0 || w_at % 16 != 0 {
             return Ok(None);
         }
         let y = cuda::output((m, n), x.dtype(), x.device())?;
@@ -91,7 +92,7 @@ mod gpu {
                 block_dim: ((WARPS * 32) as u32, 1, 1),
                 shared_mem_bytes: 0,
             };
-            let args = [Arg::at(x)?, Arg::at(w)?, Arg::at(&y)?, Arg::dim(m)?, Arg::dim(k)?, Arg::dim(n)?, Arg::dim(split)?];
+            let args = [Arg::Ptr(x_at), Arg::Ptr(w_at), Arg::at(&y)?, Arg::dim(m)?, Arg::dim(k)?, Arg::dim(n)?, Arg::dim(split)?];
             cuda::launch(x.device(), &cuda::MATMUL, "matmul_rows", x.dtype(), cfg, &args)?;
         }
         Ok(Some(y))

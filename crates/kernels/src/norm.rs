@@ -120,15 +120,11 @@ mod gpu {
     /// Items per thread of a row block (cuda/norm.cu's `MAX_ROW_ITEMS`).
     const MAX_ROW_ITEMS: usize = 16;
 
-    /// One block per row of `d`, about four items per thread; `None` for rows too wide for a
-    /// block. (No rows: nothing to launch.)
-    fn block_per_row(rows: usize, d: usize) -> Option<Option<LaunchConfig>> {
+    /// Threads of the block that takes a row of `d` (about four items each), `None` for rows too
+    /// wide for a block.
+    fn row_block(d: usize) -> Option<usize> {
         let threads = d.div_ceil(4).next_multiple_of(32).clamp(32, 1024);
-        if d > MAX_ROW_ITEMS * threads {
-            return None;
-        }
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (threads as u32, 1, 1), shared_mem_bytes: 0 };
-        Some((rows > 0).then_some(cfg))
+        (d <= MAX_ROW_ITEMS * threads).then_some(threads)
     }
 
     fn rows_and_dim(x: &Tensor) -> Result<(usize, usize)> {
@@ -145,10 +141,11 @@ mod gpu {
             return Ok(None);
         }
         let (rows, d) = rows_and_dim(x)?;
-        let Some(cfg) = block_per_row(rows, d) else { return Ok(None) };
+        let Some(threads) = row_block(d) else { return Ok(None) };
         let (x, scale) = (x.contiguous()?, f32_param(scale)?);
         let y = cuda::output(x.shape(), x.dtype(), x.device())?;
-        if let Some(cfg) = cfg {
+        if rows > 0 {
+            let cfg = cuda::grid_rows(rows, threads, threads as u32)?;
             let args = [Arg::at(&x)?, Arg::at(&scale)?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps)];
             cuda::launch(x.device(), &cuda::NORM, "rms_norm", x.dtype(), cfg, &args)?;
         }
@@ -160,11 +157,12 @@ mod gpu {
             return Ok(None);
         }
         let (rows, d) = rows_and_dim(x)?;
-        let Some(cfg) = block_per_row(rows, d) else { return Ok(None) };
+        let Some(threads) = row_block(d) else { return Ok(None) };
         let (x, h, scale) = (x.contiguous()?, h.contiguous()?, f32_param(scale)?);
         let sum = cuda::output(x.shape(), x.dtype(), x.device())?;
         let y = cuda::output(x.shape(), x.dtype(), x.device())?;
-        if let Some(cfg) = cfg {
+        if rows > 0 {
+            let cfg = cuda::grid_rows(rows, threads, threads as u32)?;
             let args = [Arg::at(&x)?, Arg::at(&h)?, Arg::at(&scale)?, Arg::at(&sum)?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps)];
             cuda::launch(x.device(), &cuda::NORM, "add_rms_norm", x.dtype(), cfg, &args)?;
         }
