@@ -136,6 +136,8 @@ pub(crate) struct SharedCache {
     pub stats: Arc<CacheStats>,
     pub ram: Mutex<RamCache>,
     pub writer: Option<SsdWriter>,
+    /// The model's device, where the cached states live.
+    pub device: candle_core::Device,
 }
 
 impl SharedCache {
@@ -202,6 +204,7 @@ impl Worker {
             config: cache,
             stats: cache_stats,
             writer,
+            device: model.device().clone(),
         });
         let (to_engine, queue) = mpsc::channel::<Queued>();
         let jobs = match &shared.writer {
@@ -279,7 +282,11 @@ impl Worker {
     /// Drops every RAM entry and, with `ssd`, every SSD entry of this model; returns how many
     /// of each went.
     pub fn flush_cache(&self, ssd: bool) -> (usize, usize) {
-        let ram = self.cache.ram().clear();
+        // Dropping the RAM tier's device tensors queues frees on the device.
+        let ram = {
+            let _device = strata_kernels::device_use(&self.cache.device);
+            self.cache.ram().clear()
+        };
         let ssd = match (&self.cache.writer, ssd) {
             (Some(w), true) => w.store().clear().unwrap_or_else(|e| {
                 tracing::warn!(error = %e, "could not clear the SSD cache");
@@ -307,7 +314,9 @@ fn spawn_prefetch(cache: Arc<SharedCache>, template: BatchState, engine: mpsc::S
                 if !queued.job.sink.is_closed() {
                     queued.restored = prefetch(&cache, &template, &queued.job);
                 }
-                if engine.send(queued).is_err() {
+                if let Err(unsent) = engine.send(queued) {
+                    let _device = strata_kernels::device_use(&cache.device);
+                    drop(unsent);
                     return;
                 }
             }
@@ -334,6 +343,8 @@ fn prefetch(cache: &SharedCache, template: &BatchState, job: &Job) -> Option<Sna
         }
     };
     let started = Instant::now();
+    // Creating the state on the device must not land in a decode step being recorded.
+    let _device = strata_kernels::device_use(&cache.device);
     match store.load(&hit, template) {
         Ok(snap) => {
             tracing::debug!(tokens = hit.usable, micros = started.elapsed().as_micros() as u64, "restored from SSD");

@@ -1,7 +1,8 @@
 // The Gated DeltaNet layer's recurrent kernels: causal conv1d + SiLU, and the gated delta rule
-// stepped token by token. Every output is written to fresh memory (state in, new state out):
-// strata's state tensors are immutable, which is what lets a speculative round keep the state
-// from before it by reference.
+// stepped token by token. Outputs go to fresh memory (state in, new state out), which is what
+// lets a speculative round keep the state from before it by reference — except in a recorded
+// CUDA-graph decode step, whose state buffers the graph holds alone and updates in place (the
+// one-token conv step below, and the delta rule given the same buffer as input and output).
 #include "common.cuh"
 
 // Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, index, channel): for

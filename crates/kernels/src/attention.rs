@@ -410,7 +410,8 @@ mod gpu {
     }
 
     /// A KV store's row buffers (`[Hkv, capacity, D]` each) as the decode kernels read them,
-    /// made once for a captured decode step: the tables hold the buffers' addresses, and each
+    /// made once for a captured decode step: the tables hold the buffers' addresses (the caller
+    /// keeps those buffers, and only uses the tables while they are still the store's), and each
     /// replay's row lengths come from a device tensor the step uploads. The attention splits
     /// cover the buffers' capacity (empty splits add nothing), so the result is the same bits as
     /// [`super::causal_attention_rows`] over the same histories.
@@ -418,10 +419,11 @@ mod gpu {
         keys: Tensor,
         values: Tensor,
         rows: Tensor,
+        batch: usize,
         kv_heads: usize,
+        head_dim: usize,
+        dtype: DType,
         splits: usize,
-        /// The buffers the tables point into, kept alive with them.
-        buffers: Vec<(Tensor, Tensor)>,
     }
 
     impl DecodeRows {
@@ -441,26 +443,35 @@ mod gpu {
             };
             let (keys, values) = (destinations(&at(|kv| &kv.0), device)?, destinations(&at(|kv| &kv.1), device)?);
             let (rows, _) = kv_table(buffers, device)?;
+            let (kv_heads, _, head_dim) = first.dims3()?;
             Ok(Self {
                 keys,
                 values,
                 rows,
-                kv_heads: first.dim(0)?,
+                batch: buffers.len(),
+                kv_heads,
+                head_dim,
+                dtype: first.dtype(),
                 splits: capacity.div_ceil(SPLIT_KEYS).max(1),
-                buffers: buffers.to_vec(),
             })
         }
 
         /// Appends `k`, `v` (`[B, Hkv, T, D]`) to each row and attends `q` (`[B, Hq, T, D]`)
         /// over its history; `lens` (`[B]` i32, device) holds each row's length after the append.
         pub fn append_attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor, scoring: Scoring) -> Result<Tensor> {
-            let (keys, values) = &self.buffers[0];
-            if !takes(&q.get(0)?, keys, values)? || q.dim(0)? != self.buffers.len() {
-                candle_core::bail!("DecodeRows: queries {:?} do not fit KV buffers {:?}", q.shape(), keys.shape());
+            let (b, hq, _, d) = q.dims4()?;
+            if b != self.batch || d != self.head_dim || d > MAX_HEAD_DIM || hq % self.kv_heads != 0 || q.dtype() != self.dtype {
+                candle_core::bail!(
+                    "DecodeRows: queries {:?} ({:?}) do not fit {} rows of {} KV heads of {}",
+                    q.shape(),
+                    q.dtype(),
+                    self.batch,
+                    self.kv_heads,
+                    self.head_dim
+                );
             }
-            let dtype = keys.dtype();
-            write_table(&k.to_dtype(dtype)?, &self.keys, Some(lens))?;
-            write_table(&v.to_dtype(dtype)?, &self.values, Some(lens))?;
+            write_table(&k.to_dtype(self.dtype)?, &self.keys, Some(lens))?;
+            write_table(&v.to_dtype(self.dtype)?, &self.values, Some(lens))?;
             attend_table(q, &self.rows, self.kv_heads, self.splits, Some(lens), scoring)
         }
     }

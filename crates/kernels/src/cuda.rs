@@ -219,6 +219,7 @@ pub fn upload<T: candle_core::WithDType>(dst: &Tensor, data: &[T]) -> Result<()>
         bail!("upload: {} {:?} values into a {:?} {:?} tensor", data.len(), T::DTYPE, dst.dtype(), dst.shape());
     }
     let stream = dev.cuda_stream();
+    stream.context().bind_to_thread().map_err(candle_core::Error::wrap)?;
     // SAFETY: `dst` holds `data.len()` elements of T at its address and stays alive (the caller
     // holds it); a copy from pageable memory is staged before the call returns.
     unsafe { candle_core::cuda_backend::cudarc::driver::result::memcpy_htod_async(address(dst)?, data, stream.cu_stream()) }
@@ -230,6 +231,16 @@ pub fn upload<T: candle_core::WithDType>(dst: &Tensor, data: &[T]) -> Result<()>
 /// and scalar argument, so a replay computes on exactly the tensors the recording used.
 pub struct StepGraph {
     graph: candle_core::cuda_backend::cudarc::driver::CudaGraph,
+    context: Arc<candle_core::cuda_backend::cudarc::driver::CudaContext>,
+}
+
+impl Drop for StepGraph {
+    /// cudarc destroys a graph without making its context current, so a graph dropped on a
+    /// thread that never used the device (the model outliving the engine thread) would leave
+    /// an invalid-context error for the device's next call to report.
+    fn drop(&mut self) {
+        let _ = self.context.bind_to_thread();
+    }
 }
 
 // SAFETY: the graph handles are used by one thread at a time (the owner serialises access, as
@@ -238,22 +249,28 @@ unsafe impl Send for StepGraph {}
 
 impl StepGraph {
     /// Whether launches on `device` can be recorded: a CUDA device readied by [`prepare_device`]
-    /// (cudarc's per-buffer events, which a recording could not wait on, are off).
+    /// (cudarc's per-buffer events, which a recording could not wait on, are off) whose driver
+    /// allocates in stream order (allocations inside a recording become the graph's own).
     pub fn can_capture(device: &Device) -> bool {
-        matches!(device, Device::Cuda(dev) if !dev.is_event_tracking())
+        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
+        let Device::Cuda(dev) = device else { return false };
+        let pools = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED);
+        !dev.is_event_tracking() && pools.is_ok_and(|supported| supported > 0)
     }
 
     /// Runs `step` (its launches execute), then records a second call of it as the graph (those
-    /// launches do not execute). Memory the recorded call allocates and frees becomes the
-    /// graph's own; what it reads or writes that outlives it must exist before. `step` must not
-    /// read device memory back or free a tensor made before it. Candle's ops upload small layout
-    /// descriptions (dims and strides) as they launch, and a recording cannot copy from the
-    /// host: the first call leaves them in candle's per-thread upload cache, where the recorded
-    /// one finds them (an upload it misses fails the recording with an error).
-    pub fn run_and_record<E: From<candle_core::Error>>(
+    /// launches do not execute). The outer error is the executed call's; the inner one says the
+    /// recording failed after the step itself ran. Memory the recorded call allocates and frees
+    /// becomes the graph's own; what it reads or writes that outlives it must exist before.
+    /// `step` must not read device memory back or free a tensor made before it. Candle's ops
+    /// upload small layout descriptions (dims and strides) as they launch, and a recording
+    /// cannot copy from the host: the first call leaves them in candle's upload caches, where the
+    /// recorded one finds them (one it misses fails the recording with an error). Other threads'
+    /// device work waits meanwhile ([`crate::device_use`]).
+    pub fn run_and_record<E: From<candle_core::Error> + std::fmt::Display>(
         device: &Device,
         step: impl Fn() -> std::result::Result<(), E>,
-    ) -> std::result::Result<Self, E> {
+    ) -> std::result::Result<Result<Self>, E> {
         use candle_core::cuda_backend::cudarc::driver::sys;
         let wrap = candle_core::Error::wrap;
         let Device::Cuda(dev) = device else {
@@ -261,16 +278,24 @@ impl StepGraph {
         };
         let _cached_uploads = dev.enable_cuda_graph_htod_cache();
         step()?;
+        let _alone = crate::DEVICE_USE.write().unwrap_or_else(std::sync::PoisonError::into_inner);
         let stream = dev.cuda_stream();
         // Relaxed: a kernel module loaded on first use during the recording is allowed.
-        stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED).map_err(wrap)?;
+        if let Err(e) = stream.begin_capture(sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED) {
+            return Ok(Err(wrap(e)));
+        }
         let recorded = step();
         // The capture ends whatever happened, so the stream runs launches again.
         let graph = stream.end_capture(sys::CUgraphInstantiate_flags(0)).map_err(wrap);
-        recorded?;
-        let graph = graph?.ok_or_else(|| candle_core::Error::Msg("the recorded step launched nothing".into()))?;
-        graph.upload().map_err(wrap)?;
-        Ok(Self { graph })
+        if let Err(e) = recorded {
+            return Ok(Err(candle_core::Error::Msg(format!("an op of the step could not be recorded: {e}"))));
+        }
+        let graph = match graph {
+            Ok(Some(graph)) => graph,
+            Ok(None) => return Ok(Err(candle_core::Error::Msg("the recorded step launched nothing".into()))),
+            Err(e) => return Ok(Err(e)),
+        };
+        Ok(graph.upload().map_err(wrap).map(|()| Self { graph, context: stream.context().clone() }))
     }
 
     /// Runs the recorded launches once more, in order on the stream they were recorded on.

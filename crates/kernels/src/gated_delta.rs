@@ -65,7 +65,14 @@ pub fn gated_delta_rule_in_place(
     gating: &Gating,
     state: &Tensor,
 ) -> Result<Tensor> {
-    if !q.device().is_cuda() || !gpu::takes(q, k, v, a, b)? || state.dtype() != DType::F32 || !state.is_contiguous() {
+    let (bsz, _, _, dk) = q.dims4()?;
+    let (_, _, hv, dv) = v.dims4()?;
+    if !q.device().is_cuda()
+        || !gpu::takes(q, k, v, a, b)?
+        || state.dtype() != DType::F32
+        || !state.is_contiguous()
+        || state.dims() != [bsz, hv, dv, dk]
+    {
         candle_core::bail!("the in-place gated delta rule takes CUDA inputs the kernel handles and a contiguous f32 state");
     }
     Ok(gpu::steps(q, k, v, a, b, gating, state, true)?.0)

@@ -27,6 +27,26 @@ pub use candle_core::{Error, Result};
 #[cfg(feature = "cuda")]
 pub use cuda::{address as device_address, prepare_device, upload, StepGraph};
 
+static DEVICE_USE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Taken by a thread other than the one running the model before it queues work on `device` —
+/// copies, launches, or dropping device tensors (a free is queued too) — and held until done:
+/// - a decode step being recorded as a CUDA graph holds it exclusively, since anything queued on
+///   the device's stream meanwhile would land in the recording;
+/// - it makes the device's context current on this thread (cudarc frees a tensor without doing
+///   so, and a free on a thread without it leaves an error for the device's next call).
+pub fn device_use(device: &candle_core::Device) -> std::sync::RwLockReadGuard<'static, ()> {
+    let guard = DEVICE_USE.read().unwrap_or_else(std::sync::PoisonError::into_inner);
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        // A failure here is the device's own, and its next call reports it.
+        let _ = dev.cuda_stream().context().bind_to_thread();
+    }
+    #[cfg(not(feature = "cuda"))]
+    let _ = device;
+    guard
+}
+
 /// Borrow a contiguous CPU tensor's f32 data.
 fn cpu_f32(t: &candle_core::Tensor) -> Result<Vec<f32>> {
     t.to_dtype(candle_core::DType::F32)?.flatten_all()?.to_vec1::<f32>()

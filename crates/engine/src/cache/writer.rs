@@ -146,6 +146,10 @@ fn write_loop(store: &SsdStore, shared: &Shared) {
     // count, so the log stays readable.
     let mut reported = HashSet::new();
     while let Some(snap) = shared.next() {
+        // The snapshot's device reads and its drop (device frees) must not land in a decode step
+        // being recorded on the engine thread.
+        let device = snap.state.layers.first().map(|layer| layer.device()).unwrap_or(candle_core::Device::Cpu);
+        let _device = strata_kernels::device_use(&device);
         if let Err(e) = store.store(&snap) {
             shared.stats.ssd_write_failures.fetch_add(1, Relaxed);
             if reported.insert(e.kind()) {
@@ -154,6 +158,7 @@ fn write_loop(store: &SsdStore, shared: &Shared) {
                 tracing::debug!(error = %e, "SSD cache write failed");
             }
         }
+        drop(snap);
         shared.finished();
     }
 }

@@ -160,11 +160,12 @@ impl DecodeGraphs {
             Some(g) => g.layout == layout && g.recurrent == recurrent_addresses(state)?,
             None => false,
         };
-        if recorded {
+        let logits = if recorded {
             let graph = slot.graph.as_ref().expect("checked above");
             graph.inputs.upload(model, &ids, state)?;
             graph.graph.replay()?;
             self.replays.fetch_add(1, Ordering::Relaxed);
+            graph.logits.clone()
         } else {
             let seen = slot.last.as_ref() == Some(&layout);
             slot.last = Some(layout.clone());
@@ -172,17 +173,42 @@ impl DecodeGraphs {
             if !seen {
                 return Ok(None);
             }
-            slot.graph = Some(DecodeGraph::run_and_record(model, &ids, state, layout)?);
-            self.recordings.fetch_add(1, Ordering::Relaxed);
-        }
-        slot.graph.as_ref().expect("replayed or recorded above").finish(state).map(Some)
+            let (graph, logits) = DecodeGraph::run_and_record(model, &ids, state, layout)?;
+            match graph {
+                Some(graph) => {
+                    slot.graph = Some(graph);
+                    self.recordings.fetch_add(1, Ordering::Relaxed);
+                }
+                None => self.enabled.store(false, Ordering::Relaxed),
+            }
+            logits
+        };
+        finish(state, &logits).map(Some)
     }
+}
+
+/// After a step ran: advances the state's bookkeeping as the eager forward would, and returns a
+/// copy of the logits (a graph's own are overwritten by its next step).
+fn finish(state: &mut BatchState, logits: &Tensor) -> Result<Tensor> {
+    for layer in &mut state.layers {
+        if let LayerState::Attention(kv) = layer {
+            kv.commit_written(1)?;
+        }
+    }
+    state.positions.iter_mut().for_each(|p| *p += 1);
+    Ok(logits.copy()?)
 }
 
 impl DecodeGraph {
     /// Runs this step through the launches a graph records, then records them for the steps
-    /// after it.
-    fn run_and_record(model: &Qwen35, ids: &[u32], state: &mut BatchState, layout: BatchLayout) -> Result<Self> {
+    /// after it; returns the graph (none where the recording failed, which is logged: the step
+    /// itself ran, and later ones run eagerly) and the step's logits.
+    fn run_and_record(
+        model: &Qwen35,
+        ids: &[u32],
+        state: &mut BatchState,
+        layout: BatchLayout,
+    ) -> Result<(Option<Self>, Tensor)> {
         // The replays write the recurrent state in place: make it this graph's alone.
         for layer in &mut state.layers {
             if let LayerState::Recurrent(s) = layer {
@@ -208,21 +234,20 @@ impl DecodeGraph {
         };
         let logits = Tensor::zeros((rows, model.cfg.vocab_size), DType::F32, dev)?;
         inputs.upload(model, ids, state)?;
-        let state = &*state;
-        let graph = StepGraph::run_and_record(dev, || model.record_step(state, &inputs, &logits))?;
-        Ok(Self { layout, recurrent: recurrent_addresses(state)?, graph, inputs, logits })
-    }
-
-    /// After the step ran: advances the state's bookkeeping as the eager forward would, and
-    /// returns a copy of the logits (the graph's own are overwritten by the next step).
-    fn finish(&self, state: &mut BatchState) -> Result<Tensor> {
-        for layer in &mut state.layers {
-            if let LayerState::Attention(kv) = layer {
-                kv.commit_written(1)?;
+        let recorded = {
+            let state = &*state;
+            StepGraph::run_and_record(dev, || model.record_step(state, &inputs, &logits))?
+        };
+        match recorded {
+            Ok(graph) => {
+                let recurrent = recurrent_addresses(state)?;
+                Ok((Some(Self { layout, recurrent, graph, inputs, logits: logits.clone() }), logits))
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "recording the decode step as a CUDA graph failed; decoding launch by launch from now on");
+                Ok((None, logits))
             }
         }
-        state.positions.iter_mut().for_each(|p| *p += 1);
-        Ok(self.logits.copy()?)
     }
 }
 

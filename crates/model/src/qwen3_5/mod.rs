@@ -253,7 +253,8 @@ impl Qwen35 {
     }
 
     /// Opens a speculative round on `state`: forwards until [`Qwen35::close_round`] can be
-    /// taken back, per row. Opening is cheap: tensors are immutable, the round keeps references.
+    /// taken back, per row. Opening is cheap: the round keeps references (state tensors are only
+    /// written in place by a recorded CUDA decode step, which does not run while a round is open).
     pub fn open_round(&self, state: &mut BatchState) -> Round {
         for layer in &mut state.layers {
             if let LayerState::Recurrent(s) = layer {
