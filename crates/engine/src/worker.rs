@@ -317,9 +317,13 @@ fn spawn_prefetch(cache: Arc<SharedCache>, template: BatchState, engine: mpsc::S
                 if let Err(unsent) = engine.send(queued) {
                     let _device = strata_kernels::device_use(&cache.device);
                     drop(unsent);
-                    return;
+                    break;
                 }
             }
+            // The template's device tensors are freed on this thread, which may never have
+            // touched the device (nothing was restored).
+            let _device = strata_kernels::device_use(&cache.device);
+            drop(template);
         })
         .expect("the OS can start a thread");
     jobs
