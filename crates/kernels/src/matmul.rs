@@ -56,8 +56,8 @@ mod gpu {
 
     /// Warps per weight row: the most (up to a block's) that keep the grid within about 16K
     /// warps — an H200 holds 8.4K at a time — so narrow matrices keep enough loads in flight.
-    /// (On the H200, the 4B shape's 2560-row matrices ran at ~60% of the copy bandwidth with
-    /// one warp per row.)
+    /// (With one warp per row, the 4B shape's 2560-row matrices showed well under the copy
+    /// bandwidth in Nsight Compute profiles on the H200; see commit 0ecea46 for the timings.)
     fn split(n: usize) -> usize {
         let mut split = 1;
         while split < WARPS && n * split * 2 <= 16 * 1024 {
