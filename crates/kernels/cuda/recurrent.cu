@@ -3,6 +3,8 @@
 // lets a speculative round keep the state from before it by reference — except in a recorded
 // CUDA-graph decode step, whose state buffers the graph holds alone and updates in place (the
 // one-token conv step below, and the delta rule given the same buffer as input and output).
+#include <mma.h>
+
 #include "common.cuh"
 
 // Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, index, channel): for
@@ -196,6 +198,403 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
     }
 }
 
+// The gated delta rule over a prompt in the chunk-parallel (WY / UT-transform) form on tensor
+// cores, for bf16 / f16 inputs with 128-wide heads (see `chunked` in src/gated_delta.rs for the
+// algebra). Within a chunk of CHUNK tokens every interaction is a matrix product; only the state
+// passes from chunk to chunk. Two kernels:
+//  - chunk_prepare, one block per (chunk, row · value head), all chunks at once: the gates, the
+//    normalised q / k, the chunk's causal q·k scores, and the UT transform T = (I + L)⁻¹ by
+//    forward substitution, giving per chunk W = T diag(β e^G) K (stored negated) and
+//    U = T diag(β) V;
+//  - chunk_scan, one block per (SCAN_COLS state columns, row · value head), walking the chunks
+//    in order with its slice of the state in tensor-core accumulators: V' = U − W Sᵀ,
+//    O = e^G Q Sᵀ + P V', S = e^{G_last} S + V'ᵀ (e^{G_last − G} K).
+// Operands of the products are in the model dtype, products accumulate in f32, the state is f32
+// between chunks (rounded to the model dtype as an operand, as V' is).
+constexpr int CHUNK = 64;
+constexpr int CHUNK_HEAD = 128;  // Dk and Dv the chunked kernels take
+constexpr int CHUNK_WARPS = 4;
+constexpr int SCAN_COLS = 32;
+constexpr int HEAD_TILES = CHUNK_HEAD / 16;
+constexpr int PIECES = CHUNK_HEAD / 8;  // 16-byte pieces of a head's 16-bit row
+static_assert(CHUNK == 16 * CHUNK_WARPS, "each warp owns 16 tokens of a chunk");
+static_assert(CHUNK_HEAD == 32 * CHUNK_WARPS, "each scan warp owns 32 key dims of the state");
+
+namespace wm = nvcuda::wmma;
+template <typename T, typename Layout> using OperandA = wm::fragment<wm::matrix_a, 16, 16, 16, T, Layout>;
+template <typename T, typename Layout> using OperandB = wm::fragment<wm::matrix_b, 16, 16, 16, T, Layout>;
+using Accumulator = wm::fragment<wm::accumulator, 16, 16, 16, float>;
+
+// q, k, v [B, T, H, 128] with token strides; a, beta_logits [B, T, Hv] with `gate_stride`.
+// Rows of q, k, v start 16-byte aligned (token strides multiples of 8). Outputs per (row · value head), rows padded to N · CHUNK tokens: qg = e^G q̂ / √Dk, kw =
+// e^{G_last − G} k̂, w_neg = −W, u = U [·, N·CHUNK, 128]; p [·, N, CHUNK, CHUNK] = lower(q k̂ᵀ ∘ Γ);
+// chunk_decay [·, N] = e^{G_last}. Tokens past T are zero with g = β = 0, which leaves the state
+// alone.
+template <typename T>
+__device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, long long q_stride, long long k_stride,
+                                          long long v_stride, const T* a, const T* beta_logits,
+                                          long long gate_stride, const float* a_log, const float* dt_bias, T* qg,
+                                          T* kw, T* w_neg, float* u, T* p, float* chunk_decay, int Tn, int Hk,
+                                          int Hv, int N) {
+    // Dynamic shared memory (49920 bytes, over the 48 KiB a static array may take): two
+    // [CHUNK][128] tiles of T, a [CHUNK][CHUNK] f32 matrix, three f32 vectors of CHUNK.
+    extern __shared__ __align__(128) unsigned char shared[];
+    T* kb = reinterpret_cast<T*>(shared);  // [CHUNK][128]: k̂, later β e^G k̂
+    T* xb = kb + CHUNK * CHUNK_HEAD;       // [CHUNK][128]: q̂ / √Dk; later T in f32; later β v
+    float* mat = reinterpret_cast<float*>(xb + CHUNK * CHUNK_HEAD);  // [CHUNK][CHUNK]: q k̂ᵀ, then L
+    float* cum = mat + CHUNK * CHUNK;      // G, the within-chunk cumulative log decay
+    float* beta = cum + CHUNK;
+    float* k_write = beta + CHUNK;         // per token: β e^G / |k|
+    const int n = blockIdx.x, bh = blockIdx.y, b = bh / Hv, h = bh % Hv, hk = h / (Hv / Hk);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t0 = n * CHUNK;
+    const long long rows = ((long long)bh * N + n) * CHUNK;  // this chunk's first row in the outputs
+
+    if (threadIdx.x < CHUNK) {
+        const int t = t0 + threadIdx.x;
+        float g = 0.0f, bt = 0.0f;
+        if (t < Tn) {
+            const long long tok = (long long)b * Tn + t;
+            const float x = to_f32(a[tok * gate_stride + h]) + dt_bias[h];
+            g = -expf(a_log[h]) * (fmaxf(x, 0.0f) + log1pf(expf(-fabsf(x))));
+            bt = 1.0f / (1.0f + expf(-to_f32(beta_logits[tok * gate_stride + h])));
+        }
+        cum[threadIdx.x] = g;
+        beta[threadIdx.x] = bt;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        for (int i = 1; i < CHUNK; ++i) cum[i] += cum[i - 1];
+        chunk_decay[(long long)bh * N + n] = expf(cum[CHUNK - 1]);
+    }
+    __syncthreads();
+
+    // The chunk's raw q and k, in 16-byte pieces by every thread at once, then normalised in
+    // place by a warp per token, as the step kernel normalises them.
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    auto piece = [&](const T* x, long long stride, int head, int e) {
+        const int tt = e / PIECES, t = t0 + tt;
+        const T* at = x + ((long long)b * Tn + t) * stride + (long long)head * CHUNK_HEAD + (e % PIECES) * 8;
+        return t < Tn ? *reinterpret_cast<const uint4*>(at) : zero;
+    };
+    for (int e = threadIdx.x; e < CHUNK * PIECES; e += blockDim.x) {
+        reinterpret_cast<uint4*>(kb)[e] = piece(k, k_stride, hk, e);
+        reinterpret_cast<uint4*>(xb)[e] = piece(q, q_stride, hk, e);
+    }
+    __syncthreads();
+    const float q_scale = rsqrtf((float)CHUNK_HEAD);
+    for (int tt = warp; tt < CHUNK; tt += CHUNK_WARPS) {
+        float qv[CHUNK_HEAD / 32], kv[CHUNK_HEAD / 32], qq = 0.0f, kk = 0.0f;
+#pragma unroll
+        for (int i = 0; i < CHUNK_HEAD / 32; ++i) {
+            const int d = lane + 32 * i;
+            qv[i] = to_f32(xb[tt * CHUNK_HEAD + d]);
+            kv[i] = to_f32(kb[tt * CHUNK_HEAD + d]);
+            qq += qv[i] * qv[i];
+            kk += kv[i] * kv[i];
+        }
+        const float q_inv = rsqrtf(warp_sum(qq) + 1e-6f) * q_scale, k_inv = rsqrtf(warp_sum(kk) + 1e-6f);
+        const float from_start = expf(cum[tt]), to_end = expf(cum[CHUNK - 1] - cum[tt]);
+        if (lane == 0) k_write[tt] = beta[tt] * from_start * k_inv;
+#pragma unroll
+        for (int i = 0; i < CHUNK_HEAD / 32; ++i) {
+            const int d = lane + 32 * i;
+            kb[tt * CHUNK_HEAD + d] = from_f32<T>(kv[i] * k_inv);
+            xb[tt * CHUNK_HEAD + d] = from_f32<T>(qv[i] * q_inv);
+            qg[(rows + tt) * CHUNK_HEAD + d] = from_f32<T>(qv[i] * q_inv * from_start);
+            kw[(rows + tt) * CHUNK_HEAD + d] = from_f32<T>(kv[i] * k_inv * to_end);
+        }
+    }
+    __syncthreads();
+
+    // mat = x k̂ᵀ on and below the diagonal blocks (warp w: token block w).
+    auto scores = [&](const T* x) {
+        for (int j = 0; j <= warp; ++j) {
+            Accumulator acc;
+            wm::fill_fragment(acc, 0.0f);
+#pragma unroll
+            for (int kk = 0; kk < HEAD_TILES; ++kk) {
+                OperandA<T, wm::row_major> fx;
+                OperandB<T, wm::col_major> fk;
+                wm::load_matrix_sync(fx, x + warp * 16 * CHUNK_HEAD + kk * 16, CHUNK_HEAD);
+                wm::load_matrix_sync(fk, kb + j * 16 * CHUNK_HEAD + kk * 16, CHUNK_HEAD);
+                wm::mma_sync(acc, fx, fk, acc);
+            }
+            wm::store_matrix_sync(mat + warp * 16 * CHUNK + j * 16, acc, CHUNK, wm::mem_row_major);
+        }
+    };
+    scores(xb);
+    __syncthreads();
+    T* pc = p + rows * CHUNK;
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
+        const int i = e / CHUNK, j = e % CHUNK;
+        pc[e] = from_f32<T>(j <= i ? mat[e] * expf(cum[i] - cum[j]) : 0.0f);
+    }
+    __syncthreads();
+    scores(kb);
+    __syncthreads();
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
+        const int i = e / CHUNK, j = e % CHUNK;
+        mat[e] = j < i ? beta[i] * mat[e] * expf(cum[i] - cum[j]) : 0.0f;  // L
+    }
+    __syncthreads();
+
+    // T = (I + L)⁻¹ by blocks of 16 tokens. Warp w inverts diagonal block w by forward
+    // substitution (lane c < 16 takes column c: T_ic = δ_ic − Σ_{c≤j<i} L_ij T_jc); then the
+    // blocks below the diagonal, one diagonal distance at a time (each distance's blocks are
+    // independent): T_ij = −T_ii Σ_{j≤k<i} L_ik T_kj, lane (c, half) taking 8 rows of column c.
+    float* tf = reinterpret_cast<float*>(xb);
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) tf[e] = 0.0f;
+    __syncthreads();
+    if (lane < 16) {
+        const int base = 16 * warp, c = lane;
+        for (int i = 0; i < 16; ++i) {
+            float acc = 0.0f;
+            for (int j = c; j < i; ++j) acc += mat[(base + i) * CHUNK + base + j] * tf[(base + j) * CHUNK + base + c];
+            tf[(base + i) * CHUNK + base + c] = i < c ? 0.0f : i == c ? 1.0f : -acc;
+        }
+    }
+    for (int distance = 1; distance < CHUNK_WARPS; ++distance) {
+        __syncthreads();
+        if (warp + distance >= CHUNK_WARPS) continue;
+        const int bi = 16 * (warp + distance), bj = 16 * warp, c = lane % 16, r0 = 8 * (lane / 16);
+        float acc[8] = {};
+        for (int kk = bj; kk < bi; ++kk) {
+            const float t_kc = tf[kk * CHUNK + bj + c];
+#pragma unroll
+            for (int r = 0; r < 8; ++r) acc[r] += mat[(bi + r0 + r) * CHUNK + kk] * t_kc;
+        }
+        float* block = tf + bi * CHUNK + bj;  // holds the sum until T_ij replaces it
+#pragma unroll
+        for (int r = 0; r < 8; ++r) block[(r0 + r) * CHUNK + c] = acc[r];
+        __syncwarp();
+        float out[8] = {};
+        for (int m = 0; m < 16; ++m) {
+            const float sum_mc = block[m * CHUNK + c];
+#pragma unroll
+            for (int r = 0; r < 8; ++r) out[r] -= tf[(bi + r0 + r) * CHUNK + bi + m] * sum_mc;
+        }
+        __syncwarp();
+#pragma unroll
+        for (int r = 0; r < 8; ++r) block[(r0 + r) * CHUNK + c] = out[r];
+    }
+    __syncthreads();
+    T* tb = reinterpret_cast<T*>(mat);  // T as an operand; L is done with
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) tb[e] = from_f32<T>(tf[e]);
+    __syncthreads();
+    for (int e = threadIdx.x; e < CHUNK * PIECES; e += blockDim.x) {
+        const int tt = e / PIECES;
+        const uint4 kp = piece(k, k_stride, hk, e), vp = piece(v, v_stride, h, e);
+        const T* kx = reinterpret_cast<const T*>(&kp);
+        const T* vx = reinterpret_cast<const T*>(&vp);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+            kb[8 * e + i] = from_f32<T>(to_f32(kx[i]) * k_write[tt]);
+            xb[8 * e + i] = from_f32<T>(to_f32(vx[i]) * beta[tt]);
+        }
+    }
+    __syncthreads();
+
+    // W and U, token block `warp` (T is lower triangular: blocks past the diagonal are zero).
+    float* scratch = mat + CHUNK * CHUNK / 2 + warp * 256;  // after tb
+    for (int ct = 0; ct < HEAD_TILES; ++ct) {
+        Accumulator w_acc, u_acc;
+        wm::fill_fragment(w_acc, 0.0f);
+        wm::fill_fragment(u_acc, 0.0f);
+        for (int kk = 0; kk <= warp; ++kk) {
+            OperandA<T, wm::row_major> ft;
+            OperandB<T, wm::row_major> fk, fv;
+            wm::load_matrix_sync(ft, tb + warp * 16 * CHUNK + kk * 16, CHUNK);
+            wm::load_matrix_sync(fk, kb + kk * 16 * CHUNK_HEAD + ct * 16, CHUNK_HEAD);
+            wm::load_matrix_sync(fv, xb + kk * 16 * CHUNK_HEAD + ct * 16, CHUNK_HEAD);
+            wm::mma_sync(w_acc, ft, fk, w_acc);
+            wm::mma_sync(u_acc, ft, fv, u_acc);
+        }
+        wm::store_matrix_sync(u + (rows + warp * 16) * CHUNK_HEAD + ct * 16, u_acc, CHUNK_HEAD, wm::mem_row_major);
+        wm::store_matrix_sync(scratch, w_acc, 16, wm::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 256; e += 32)
+            w_neg[(rows + warp * 16 + e / 16) * CHUNK_HEAD + ct * 16 + e % 16] = from_f32<T>(-scratch[e]);
+        __syncwarp();
+    }
+}
+
+// Asynchronous 16-byte copies from global to shared memory (they bypass registers and L1).
+__device__ __forceinline__ void copy_async(void* shared_at, const void* global_at) {
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(shared_at));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(global_at));
+}
+__device__ __forceinline__ void copies_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int PENDING> __device__ __forceinline__ void copies_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING));
+}
+
+// One chunk's operands of the scan in shared memory, rows padded by 16 bytes so the 16 rows of
+// a tensor-core tile fall in different banks.
+constexpr int WIDE_ROW = CHUNK_HEAD + 8, P_ROW = CHUNK + 8, U_ROW = SCAN_COLS + 8;
+template <typename T> struct ScanChunk {
+    T w_neg[CHUNK * WIDE_ROW], qg[CHUNK * WIDE_ROW], kw[CHUNK * WIDE_ROW], p[CHUNK * P_ROW];
+    float u[CHUNK * U_ROW];
+};
+
+// s_in, s_out [B, Hv, 128, 128] f32 (S as [Dv, Dk]); o [B, T, Hv, 128] f32. Block
+// (blockIdx.x, row · value head) keeps state columns (value dims) blockIdx.x · SCAN_COLS onward
+// as Sᵀ tiles: warp w holds key dims 32w..32w+31. While it works on a chunk, the next chunk's
+// operands are on their way into the other of two buffers (dynamic shared memory, 2 ScanChunk).
+template <typename T>
+__device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg, const float* u, const T* p,
+                                       const float* chunk_decay, const float* s_in, float* s_out, float* o, int Tn,
+                                       int Hv, int N) {
+    extern __shared__ __align__(128) unsigned char shared[];
+    ScanChunk<T>* buffers = reinterpret_cast<ScanChunk<T>*>(shared);
+    __shared__ __align__(32) T sb[CHUNK_HEAD * SCAN_COLS];           // Sᵀ as an operand, [key][col]
+    __shared__ __align__(32) T vb[CHUNK * SCAN_COLS];                // V' as an operand, [token][col]
+    __shared__ __align__(32) float scratch[CHUNK_HEAD * SCAN_COLS];  // accumulators on their way
+    const int bh = blockIdx.y, b = bh / Hv, h = bh % Hv, col0 = blockIdx.x * SCAN_COLS;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const long long head = (long long)bh * CHUNK_HEAD * CHUNK_HEAD;
+
+    auto fetch = [&](int n) {
+        ScanChunk<T>& to = buffers[n % 2];
+        const long long rows = ((long long)bh * N + n) * CHUNK;
+        for (int e = threadIdx.x; e < CHUNK * PIECES; e += blockDim.x) {
+            const int r = e / PIECES, at = r * WIDE_ROW + (e % PIECES) * 8;
+            const long long from = (rows + r) * CHUNK_HEAD + (e % PIECES) * 8;
+            copy_async(to.w_neg + at, w_neg + from);
+            copy_async(to.qg + at, qg + from);
+            copy_async(to.kw + at, kw + from);
+        }
+        for (int e = threadIdx.x; e < CHUNK * CHUNK / 8; e += blockDim.x) {
+            const int r = e / (CHUNK / 8), c = (e % (CHUNK / 8)) * 8;
+            copy_async(to.p + r * P_ROW + c, p + (rows + r) * CHUNK + c);
+        }
+        for (int e = threadIdx.x; e < CHUNK * SCAN_COLS / 4; e += blockDim.x) {
+            const int r = e / (SCAN_COLS / 4), c = (e % (SCAN_COLS / 4)) * 4;
+            copy_async(to.u + r * U_ROW + c, u + (rows + r) * CHUNK_HEAD + col0 + c);
+        }
+        copies_commit();
+    };
+
+    Accumulator s[2][2];  // Sᵀ[32 warp + 16 r .., col0 + 16 c ..]
+    auto state_at = [&](int r, int c) { return head + (long long)(col0 + 16 * c) * CHUNK_HEAD + 32 * warp + 16 * r; };
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) wm::load_matrix_sync(s[r][c], s_in + state_at(r, c), CHUNK_HEAD, wm::mem_col_major);
+    fetch(0);
+
+    for (int n = 0; n < N; ++n) {
+        const ScanChunk<T>& at = buffers[n % 2];
+        __syncthreads();  // the previous chunk is done with sb, vb, scratch and the other buffer
+        if (n + 1 < N) {
+            fetch(n + 1);
+            copies_wait<1>();  // this thread's copies of chunk n have landed
+        } else {
+            copies_wait<0>();
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+                wm::store_matrix_sync(scratch + (32 * warp + 16 * r) * SCAN_COLS + 16 * c, s[r][c], SCAN_COLS,
+                                      wm::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 32 * SCAN_COLS; e += 32) {
+            const int i = 32 * warp * SCAN_COLS + e;
+            sb[i] = from_f32<T>(scratch[i]);
+        }
+        __syncthreads();  // sb, and every thread's copies of chunk n
+
+        // V' = U − W Sᵀ, this warp's 16 tokens
+        const int own = 16 * warp;
+        Accumulator fresh[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) wm::load_matrix_sync(fresh[c], at.u + own * U_ROW + 16 * c, U_ROW, wm::mem_row_major);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_TILES; ++kk) {
+            OperandA<T, wm::row_major> fw;
+            wm::load_matrix_sync(fw, at.w_neg + own * WIDE_ROW + 16 * kk, WIDE_ROW);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                OperandB<T, wm::row_major> fs;
+                wm::load_matrix_sync(fs, sb + 16 * kk * SCAN_COLS + 16 * c, SCAN_COLS);
+                wm::mma_sync(fresh[c], fw, fs, fresh[c]);
+            }
+        }
+        float* own_scratch = scratch + own * SCAN_COLS;
+#pragma unroll
+        for (int c = 0; c < 2; ++c) wm::store_matrix_sync(own_scratch + 16 * c, fresh[c], SCAN_COLS, wm::mem_row_major);
+        __syncwarp();
+        for (int e = lane; e < 16 * SCAN_COLS; e += 32) vb[own * SCAN_COLS + e] = from_f32<T>(own_scratch[e]);
+        __syncthreads();
+
+        // O = e^G Q Sᵀ + P V' (P is lower triangular: token blocks up to this warp's)
+        Accumulator out[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) wm::fill_fragment(out[c], 0.0f);
+#pragma unroll
+        for (int kk = 0; kk < HEAD_TILES; ++kk) {
+            OperandA<T, wm::row_major> fq;
+            wm::load_matrix_sync(fq, at.qg + own * WIDE_ROW + 16 * kk, WIDE_ROW);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                OperandB<T, wm::row_major> fs;
+                wm::load_matrix_sync(fs, sb + 16 * kk * SCAN_COLS + 16 * c, SCAN_COLS);
+                wm::mma_sync(out[c], fq, fs, out[c]);
+            }
+        }
+        for (int kk = 0; kk <= warp; ++kk) {
+            OperandA<T, wm::row_major> fp;
+            wm::load_matrix_sync(fp, at.p + own * P_ROW + 16 * kk, P_ROW);
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                OperandB<T, wm::row_major> fv;
+                wm::load_matrix_sync(fv, vb + 16 * kk * SCAN_COLS + 16 * c, SCAN_COLS);
+                wm::mma_sync(out[c], fp, fv, out[c]);
+            }
+        }
+        const int first = n * CHUNK + own, valid = min(16, Tn - first);
+        float* o_rows = o + (((long long)b * Tn + first) * Hv + h) * CHUNK_HEAD + col0;
+        const long long o_stride = (long long)Hv * CHUNK_HEAD;
+        if (valid == 16) {
+#pragma unroll
+            for (int c = 0; c < 2; ++c) wm::store_matrix_sync(o_rows + 16 * c, out[c], o_stride, wm::mem_row_major);
+        } else if (valid > 0) {  // the prompt's last, partial chunk
+#pragma unroll
+            for (int c = 0; c < 2; ++c) wm::store_matrix_sync(own_scratch + 16 * c, out[c], SCAN_COLS, wm::mem_row_major);
+            __syncwarp();
+            for (int e = lane; e < valid * SCAN_COLS; e += 32)
+                o_rows[(e / SCAN_COLS) * o_stride + e % SCAN_COLS] = own_scratch[e];
+        }
+
+        // S = e^{G_last} S + (e^{G_last − G} K)ᵀ V'
+        const float decay = chunk_decay[(long long)bh * N + n];
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int c = 0; c < 2; ++c)
+#pragma unroll
+                for (int i = 0; i < s[r][c].num_elements; ++i) s[r][c].x[i] *= decay;
+#pragma unroll
+        for (int kk = 0; kk < CHUNK / 16; ++kk) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                OperandA<T, wm::col_major> fk;
+                wm::load_matrix_sync(fk, at.kw + 16 * kk * WIDE_ROW + 32 * warp + 16 * r, WIDE_ROW);
+#pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    OperandB<T, wm::row_major> fv;
+                    wm::load_matrix_sync(fv, vb + 16 * kk * SCAN_COLS + 16 * c, SCAN_COLS);
+                    wm::mma_sync(s[r][c], fk, fv, s[r][c]);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < 2; ++c) wm::store_matrix_sync(s_out + state_at(r, c), s[r][c], CHUNK_HEAD, wm::mem_col_major);
+}
+
 #define INSTANTIATE(T, NAME)                                                                                     \
     extern "C" __global__ void causal_conv1d_silu_##NAME(const T* x, long long x_stride, const T* state,        \
                                                          const float* w, T* y, T* new_state, int B, int Tn,     \
@@ -214,3 +613,20 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
                              s_in, s_out, o, B, Tn, Hk, Hv, Dk, Dv);                                            \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)
+
+// The chunked kernels take tensor-core operand types only.
+#define INSTANTIATE_CHUNKED(T, NAME)                                                                             \
+    extern "C" __global__ void __launch_bounds__(CHUNK_WARPS * 32) gated_delta_chunk_prepare_##NAME(             \
+        const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
+        const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias, T* qg, \
+        T* kw, T* w_neg, float* u, T* p, float* chunk_decay, int Tn, int Hk, int Hv, int N) {                   \
+        gated_delta_chunk_prepare<T>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log,  \
+                                     dt_bias, qg, kw, w_neg, u, p, chunk_decay, Tn, Hk, Hv, N);                  \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(CHUNK_WARPS * 32) gated_delta_chunk_scan_##NAME(                \
+        const T* qg, const T* kw, const T* w_neg, const float* u, const T* p, const float* chunk_decay,         \
+        const float* s_in, float* s_out, float* o, int Tn, int Hv, int N) {                                      \
+        gated_delta_chunk_scan<T>(qg, kw, w_neg, u, p, chunk_decay, s_in, s_out, o, Tn, Hv, N);                  \
+    }
+INSTANTIATE_CHUNKED(__nv_bfloat16, bf16)
+INSTANTIATE_CHUNKED(__half, f16)

@@ -169,6 +169,9 @@ pub(crate) fn output(shape: impl Into<Shape>, dtype: DType, device: &Device) -> 
     unsafe { Tensor::empty(shape, dtype, device) }
 }
 
+/// The shared memory a block may have without the kernel opting in to more.
+const STATIC_SHARED_MAX: u32 = 48 * 1024;
+
 /// Launches `module`'s kernel `name` instantiated for `dtype` (`name_f32`, `name_bf16`, …).
 pub(crate) fn launch(
     device: &Device,
@@ -180,6 +183,12 @@ pub(crate) fn launch(
 ) -> Result<()> {
     let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
     let func = function(dev, module, name, dtype)?;
+    if cfg.shared_mem_bytes > STATIC_SHARED_MAX {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+        // More dynamic shared memory than the default cap is an opt-in per kernel.
+        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
+            .map_err(candle_core::Error::wrap)?;
+    }
     let stream = dev.cuda_stream();
     let mut builder = stream.launch_builder(&func);
     for arg in args {

@@ -1,4 +1,5 @@
-//! Gated DeltaNet recurrence (Qwen3.5 / Qwen3-Next linear attention), one token at a time.
+//! Gated DeltaNet recurrence (Qwen3.5 / Qwen3-Next linear attention): token by token, or by
+//! chunks of tokens in the equivalent chunk-parallel form.
 //!
 //! Per value head `h` with key head `h / (Hv / Hk)` and state `S` laid out `[Dv, Dk]`:
 //! ```text
@@ -8,7 +9,9 @@
 //! S    += (beta * (v - S k)) k^T
 //! o     = S q
 //! ```
-//! Inputs are taken in any float dtype; the state and all arithmetic are f32, as in transformers.
+//! Inputs are taken in any float dtype; the state and the arithmetic are f32, as in transformers
+//! (CUDA's chunked kernels round the operands of their tensor-core products to the 16-bit input
+//! dtype and accumulate in f32).
 //! The state layout `[B, Hv, Dv, Dk]` keeps every inner loop contiguous over `Dk`.
 
 use candle_core::{DType, Device, Tensor, D};
@@ -37,15 +40,19 @@ pub fn gated_delta_rule(
     gating: &Gating,
     state: &Tensor,
 ) -> Result<(Tensor, Tensor)> {
-    // CUDA runs the fused step kernel at every length (measured faster than `chunked` as
-    // tensor ops for prompts of 2K and 8K tokens; see commit 8480ff2). Other devices
-    // step token by token for decode steps and verify blocks, and go by chunks for prefill.
+    // Decode steps and verify blocks go token by token (on CUDA the fused step kernel, whose
+    // arithmetic per token does not depend on the block's length: what speculative rollback
+    // relies on); prompts go by chunks (on CUDA, the tensor-core kernels for 16-bit inputs with
+    // 128-wide heads; f32 inputs keep the step kernel's exact f32 arithmetic at every length).
     // (A rollback re-folds its kept positions through this same dispatch, so it matches a
     // forward over only those tokens.)
     match q.device() {
         Device::Cpu => cpu::run(q, k, v, a, b, gating, state),
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) if gpu::takes(q, k, v, a, b)? => gpu::steps(q, k, v, a, b, gating, state, false),
+        Device::Cuda(_) if gpu::takes(q, k, v, a, b)? => match gpu::takes_chunked(q, v)? {
+            true => gpu::chunked(q, k, v, a, b, gating, state),
+            false => gpu::steps(q, k, v, a, b, gating, state, false),
+        },
         _ if q.dim(1)? > STEPWISE_MAX => chunked(q, k, v, a, b, gating, state),
         _ => reference(q, k, v, a, b, gating, state),
     }
@@ -143,8 +150,9 @@ pub const CHUNK: usize = 64;
 /// The same recurrence in the chunk-parallel (WY / UT-transform) form: within a chunk of
 /// `CHUNK` tokens every interaction is a matrix product, and only the state passes from chunk
 /// to chunk — a few dozen batched matmuls per chunk instead of a dozen ops per token. Runs on
-/// any device; the path for long inputs on devices without a fused kernel (CUDA's step kernel
-/// beats it as tensor ops; as a fused tensor-core kernel it is the way to faster prefill). With `G` the within-chunk cumulative log decay and
+/// any device from tensor ops: the path for long inputs on devices without a fused kernel, and
+/// the algebra CUDA's chunked tensor-core kernels (cuda/recurrent.cu) implement. With `G` the
+/// within-chunk cumulative log decay and
 /// `Γ[i, j] = exp(G_i − G_j)` for `j ≤ i`:
 /// ```text
 /// T      = (I + strict_lower(diag(β) K Kᵀ ∘ Γ))⁻¹          (the UT transform)
@@ -262,6 +270,128 @@ mod gpu {
         Ok((x.contiguous()?, h * d))
     }
 
+    /// Tokens per chunk and head width of the chunked kernels (cuda/recurrent.cu).
+    const CHUNK: usize = super::CHUNK;
+    const CHUNK_HEAD: usize = 128;
+    /// State columns per block of the chunk scan. The kernels' dynamic shared memory: the
+    /// preparation's two `[CHUNK][128]` 16-bit tiles, `[CHUNK][CHUNK]` f32 matrix and three f32
+    /// vectors; the scan's two chunk buffers (`ScanChunk`: three `[CHUNK][128 + 8]` and a
+    /// `[CHUNK][CHUNK + 8]` 16-bit tile, a `[CHUNK][SCAN_COLS + 8]` f32 tile).
+    const SCAN_COLS: usize = 32;
+    const PREPARE_SHARED: u32 = (2 * CHUNK * CHUNK_HEAD * 2 + CHUNK * CHUNK * 4 + 3 * CHUNK * 4) as u32;
+    const SCAN_SHARED: u32 =
+        (2 * (3 * CHUNK * (CHUNK_HEAD + 8) * 2 + CHUNK * (CHUNK + 8) * 2 + CHUNK * (SCAN_COLS + 8) * 4)) as u32;
+
+    /// Whether a call goes to the chunked tensor-core kernels: a prompt (at least a chunk of
+    /// tokens) of 16-bit inputs with 128-wide heads.
+    pub(super) fn takes_chunked(q: &Tensor, v: &Tensor) -> Result<bool> {
+        Ok(matches!(q.dtype(), DType::BF16 | DType::F16)
+            && q.dim(1)? >= CHUNK
+            && q.dim(3)? == CHUNK_HEAD
+            && v.dim(3)? == CHUNK_HEAD)
+    }
+
+    /// The chunk-parallel form on tensor cores (cuda/recurrent.cu): every chunk's products and
+    /// UT transform at once, then one pass over the chunks carrying the state.
+    pub(super) fn chunked(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        a: &Tensor,
+        b: &Tensor,
+        gating: &Gating,
+        state: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (bsz, t_len, hk, _) = q.dims4()?;
+        let hv = v.dim(2)?;
+        let chunks = t_len.div_ceil(CHUNK);
+        let pieces = |x: &Tensor| token_strided(x).and_then(in_pieces);
+        let ((q, qs), (k, ks), (v, vs)) = (pieces(q)?, pieces(k)?, pieces(v)?);
+        let ((a, b), gate_stride) = gates(a, b, hv)?;
+        let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
+        let (a_log, dt_bias, state) = (f32(gating.a_log)?, f32(gating.dt_bias)?, f32(state)?);
+        let (dev, dtype) = (q.device(), q.dtype());
+        let heads = bsz * hv;
+        let per_token = (heads, chunks * CHUNK, CHUNK_HEAD);
+        let (qg, kw, w_neg) =
+            (cuda::output(per_token, dtype, dev)?, cuda::output(per_token, dtype, dev)?, cuda::output(per_token, dtype, dev)?);
+        let u = cuda::output(per_token, DType::F32, dev)?;
+        let p = cuda::output((heads, chunks, CHUNK, CHUNK), dtype, dev)?;
+        let chunk_decay = cuda::output((heads, chunks), DType::F32, dev)?;
+        let blocks = |x: usize| u32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{x} blocks exceed a CUDA grid")));
+        let threads = (CHUNK / 16 * 32) as u32;
+        let prepare = LaunchConfig {
+            grid_dim: (blocks(chunks)?, blocks(heads)?, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: PREPARE_SHARED,
+        };
+        let args = [
+            Arg::at(&q)?,
+            Arg::at(&k)?,
+            Arg::at(&v)?,
+            Arg::I64(qs as i64),
+            Arg::I64(ks as i64),
+            Arg::I64(vs as i64),
+            Arg::at(&a)?,
+            Arg::at(&b)?,
+            Arg::I64(gate_stride as i64),
+            Arg::at(&a_log)?,
+            Arg::at(&dt_bias)?,
+            Arg::at(&qg)?,
+            Arg::at(&kw)?,
+            Arg::at(&w_neg)?,
+            Arg::at(&u)?,
+            Arg::at(&p)?,
+            Arg::at(&chunk_decay)?,
+            Arg::dim(t_len)?,
+            Arg::dim(hk)?,
+            Arg::dim(hv)?,
+            Arg::dim(chunks)?,
+        ];
+        cuda::launch(dev, &cuda::RECURRENT, "gated_delta_chunk_prepare", dtype, prepare, &args)?;
+        let out = cuda::output((bsz, t_len, hv, CHUNK_HEAD), DType::F32, dev)?;
+        let new_state = cuda::output((bsz, hv, CHUNK_HEAD, CHUNK_HEAD), DType::F32, dev)?;
+        let scan = LaunchConfig {
+            grid_dim: ((CHUNK_HEAD / SCAN_COLS) as u32, blocks(heads)?, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: SCAN_SHARED,
+        };
+        let args = [
+            Arg::at(&qg)?,
+            Arg::at(&kw)?,
+            Arg::at(&w_neg)?,
+            Arg::at(&u)?,
+            Arg::at(&p)?,
+            Arg::at(&chunk_decay)?,
+            Arg::at(&state)?,
+            Arg::at(&new_state)?,
+            Arg::at(&out)?,
+            Arg::dim(t_len)?,
+            Arg::dim(hv)?,
+            Arg::dim(chunks)?,
+        ];
+        cuda::launch(dev, &cuda::RECURRENT, "gated_delta_chunk_scan", dtype, scan, &args)?;
+        Ok((out, new_state))
+    }
+
+    /// `x` (with `stride` between tokens) as the chunked kernels read it, in 16-byte pieces: its
+    /// first element and token stride 16-byte aligned, copied otherwise.
+    fn in_pieces((x, stride): (Tensor, usize)) -> Result<(Tensor, usize)> {
+        let bytes = x.dtype().size_in_bytes();
+        if (stride * bytes) % 16 == 0 && cuda::address(&x)? % 16 == 0 {
+            return Ok((x, stride));
+        }
+        let (_, _, h, d) = x.dims4()?;
+        Ok((x.force_contiguous()?, h * d))
+    }
+
+    /// The gate inputs `a` and `b` `[B, T, Hv]` with one distance between tokens (two narrows of
+    /// one projection's output have the same), copied when they do not share one.
+    fn gates(a: &Tensor, b: &Tensor, hv: usize) -> Result<((Tensor, Tensor), usize)> {
+        let ((a, a_stride), (b, b_stride)) = (cuda::row_strided(a)?, cuda::row_strided(b)?);
+        Ok(if a_stride == b_stride { ((a, b), a_stride) } else { ((a.contiguous()?, b.contiguous()?), hv) })
+    }
+
     /// One block per (row, value head, 8 state rows); each warp keeps 2 rows of the state in
     /// registers across all tokens. The new state goes over `state` when `in_place`.
     pub(super) fn steps(
@@ -277,11 +407,7 @@ mod gpu {
         let (bsz, t_len, hk, dk) = q.dims4()?;
         let (hv, dv) = (v.dim(2)?, v.dim(3)?);
         let ((q, qs), (k, ks), (v, vs)) = (token_strided(q)?, token_strided(k)?, token_strided(v)?);
-        // The gate inputs [B, T, Hv] with one distance between tokens (two narrows of one
-        // projection's output have the same).
-        let ((a, a_stride), (b, b_stride)) = (cuda::row_strided(a)?, cuda::row_strided(b)?);
-        let ((a, b), gate_stride) =
-            if a_stride == b_stride { ((a, b), a_stride) } else { ((a.contiguous()?, b.contiguous()?), hv) };
+        let ((a, b), gate_stride) = gates(a, b, hv)?;
         let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
         let (a_log, dt_bias, state) = (f32(gating.a_log)?, f32(gating.dt_bias)?, f32(state)?);
         let dev = q.device();

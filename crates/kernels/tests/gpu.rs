@@ -1,7 +1,8 @@
 //! Each kernel on the GPU against the CPU kernel (the reference). Compiled only with
 //! `--features cuda` and run on a GPU machine (scripts/cuda/build.sh --tests, then the binary).
-//! Tolerances: f32 1e-4 absolute (other summation orders); bf16 2e-2 of the output's scale
-//! (inputs and outputs rounded to 8 mantissa bits). Recurrent state is f32 on both.
+//! Tolerances: f32 1e-4 absolute (other summation orders); bf16 / f16 2e-2 of the output's scale
+//! (inputs and outputs rounded to 8 mantissa bits, and in the chunked DeltaNet the operands of
+//! its tensor-core products too). Recurrent state is f32 on both.
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
@@ -82,11 +83,12 @@ impl DeltaInputs {
 #[test]
 fn gated_delta_rule_on_gpu_matches_cpu() {
     let gpu = gpu();
-    // Step by step (a decode step, a verify block: the fused kernel) and by chunks (prefill:
-    // three, the last padded); small heads and Qwen3.5's 128-wide ones with grouped keys.
+    // Step by step (a decode step, a verify block, f32 at any length: the step kernel) and, for
+    // 16-bit inputs with Qwen3.5's 128-wide heads (keys grouped), by chunks on tensor cores:
+    // exactly one chunk, three with the last padded, and eleven carrying the state further.
     for heads in [(2, 4, 32, 16), (1, 2, 128, 128)] {
-        for (b, t) in [(1, 1), (2, 1), (2, 7), (2, 150)] {
-            for dtype in [DType::F32, DType::BF16] {
+        for (b, t) in [(1, 1), (2, 1), (2, 7), (1, 64), (2, 150), (1, 700)] {
+            for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let inputs = DeltaInputs::new(b, t, heads, dtype);
                 let (want_out, want_state) = inputs.run(&Device::Cpu, 0, t, &inputs.state);
                 let (out, new_state) = inputs.run(&gpu, 0, t, &inputs.state);

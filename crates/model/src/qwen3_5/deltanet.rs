@@ -96,11 +96,16 @@ impl GatedDeltaNet {
         self.out_proj.forward(&o.reshape((b, t, hv * dv))?)
     }
 
-    /// q, k `[B, T, Hk, Dk]` and v `[B, T, Hv, Dv]` from the conv output.
+    /// q, k `[B, T, Hk, Dk]` and v `[B, T, Hv, Dv]` from the conv output: views of it when key
+    /// and value heads are as wide (candle copies a reshaped narrow, the other way round).
     fn split_heads(&self, mixed: &Tensor) -> Result<[Tensor; 3]> {
-        let (b, t, _) = mixed.dims3()?;
+        let (b, t, c) = mixed.dims3()?;
         let (hk, dk) = (self.key_heads, self.shape.key_dim);
         let (hv, dv) = (self.shape.value_heads, self.shape.value_dim);
+        if dk == dv && mixed.is_contiguous() {
+            let heads = mixed.reshape((b, t, c / dk, dk))?;
+            return Ok([heads.narrow(2, 0, hk)?, heads.narrow(2, hk, hk)?, heads.narrow(2, 2 * hk, hv)?]);
+        }
         Ok([
             mixed.narrow(2, 0, hk * dk)?.reshape((b, t, hk, dk))?,
             mixed.narrow(2, hk * dk, hk * dk)?.reshape((b, t, hk, dk))?,
