@@ -7,37 +7,57 @@
 
 #include "common.cuh"
 
-// Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, index, channel): for
-// index i < T it computes y[i] from the K inputs ending at token i (the first K - 1 - i of them
-// from the state), and for i < K - 1 it writes new_state[i], the input K - 1 positions before
-// the window's end. x [B, T, C] with `x_stride` between tokens, state and new_state
-// [B, K - 1, C] (token-major), w [C, K] f32, y [B, T, C]; blockIdx.x is (row, index) over
-// B · max(T, K - 1), blockIdx.y · blockDim.x + threadIdx.x the channel (no 64-bit division per
-// thread: that cost more than the convolution).
+constexpr int MAX_CONV_KERNEL = 8;
+constexpr int CONV_TOKENS = 16;
+
+// Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, run of CONV_TOKENS
+// indices, channel): output i < T is computed from the K inputs ending at token i (the first
+// K - 1 - i of them from the state), the thread sliding its window of inputs in registers along
+// the run; index i < K - 1 also writes new_state[i], the input K - 1 positions before the
+// window's end. x [B, T, C] with `x_stride` between tokens, state and new_state [B, K - 1, C]
+// (token-major), w [C, K] f32, y [B, T, C]; blockIdx.x is (row, run) over B · runs of
+// max(T, K - 1) indices, blockIdx.y · blockDim.x + threadIdx.x the channel (no 64-bit division
+// per thread: that cost more than the convolution).
 template <typename T>
 __device__ void causal_conv1d_silu(const T* x, long long x_stride, const T* state, const float* w, T* y, T* new_state,
                                    int B, int Tn, int C, int K) {
-    const int hist = K - 1, span = max(Tn, hist);
+    const int hist = K - 1, span = max(Tn, hist), runs = (span + CONV_TOKENS - 1) / CONV_TOKENS;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c >= C || (int)blockIdx.x >= B * span) return;
-    const int i = blockIdx.x % span, b = blockIdx.x / span;
+    if (c >= C || (int)blockIdx.x >= B * runs) return;
+    const int b = blockIdx.x / runs, i0 = (blockIdx.x % runs) * CONV_TOKENS;
     // Input j of the window [state; x], as f32.
     auto input = [&](int j) {
         return j < hist ? to_f32(state[((long long)b * hist + j) * C + c]) : to_f32(x[((long long)b * Tn + j - hist) * x_stride + c]);
     };
-    if (i < Tn) {
-        // Oldest input first, as the reference sums.
-        float acc = input(i) * w[(long long)c * K];
-        for (int j = 1; j < K; ++j) acc += input(i + j) * w[(long long)c * K + j];
-        y[((long long)b * Tn + i) * C + c] = from_f32<T>(silu(acc));
+    float weight[MAX_CONV_KERNEL], window[MAX_CONV_KERNEL];
+#pragma unroll
+    for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
+        weight[j] = j < K ? w[(long long)c * K + j] : 0.0f;
+        window[j] = j < hist ? input(i0 + j) : 0.0f;
     }
-    if (i < hist) new_state[((long long)b * hist + i) * C + c] = from_f32<T>(input(Tn + i));
+    for (int i = i0; i < min(i0 + CONV_TOKENS, span); ++i) {
+        if (i < Tn) {
+#pragma unroll
+            for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
+                if (j == hist) window[j] = input(i + hist);
+            }
+            // Oldest input first, as the reference sums.
+            float acc = window[0] * weight[0];
+#pragma unroll
+            for (int j = 1; j < MAX_CONV_KERNEL; ++j) {
+                if (j < K) acc += window[j] * weight[j];
+            }
+            y[((long long)b * Tn + i) * C + c] = from_f32<T>(silu(acc));
+        }
+        if (i < hist) new_state[((long long)b * hist + i) * C + c] = from_f32<T>(input(Tn + i));
+#pragma unroll
+        for (int j = 0; j + 1 < MAX_CONV_KERNEL; ++j) window[j] = window[j + 1];
+    }
 }
 
 // One token per row of causal_conv1d_silu with the window updated in place (a recorded decode
 // step, whose window buffer stays put): one thread per (row, channel) reads its K - 1 stored
 // inputs and the new one, writes y and shifts the window by one. The same sums in the same order.
-constexpr int MAX_CONV_KERNEL = 8;
 
 template <typename T>
 __device__ void causal_conv1d_silu_step(const T* x, long long x_stride, T* state, const float* w, T* y, int B, int C,
@@ -214,6 +234,7 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
 constexpr int CHUNK = 64;
 constexpr int CHUNK_HEAD = 128;  // Dk and Dv the chunked kernels take
 constexpr int CHUNK_WARPS = 4;
+constexpr int CHUNK_THREADS = 32 * CHUNK_WARPS;  // the chunked kernels' block size; loops unroll over it
 constexpr int SCAN_COLS = 32;
 constexpr int HEAD_TILES = CHUNK_HEAD / 16;
 constexpr int PIECES = CHUNK_HEAD / 8;  // 16-byte pieces of a head's 16-bit row
@@ -276,7 +297,8 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
         const T* at = x + ((long long)b * Tn + t) * stride + (long long)head * CHUNK_HEAD + (e % PIECES) * 8;
         return t < Tn ? *reinterpret_cast<const uint4*>(at) : zero;
     };
-    for (int e = threadIdx.x; e < CHUNK * PIECES; e += blockDim.x) {
+#pragma unroll
+    for (int e = threadIdx.x; e < CHUNK * PIECES; e += CHUNK_THREADS) {
         reinterpret_cast<uint4*>(kb)[e] = piece(k, k_stride, hk, e);
         reinterpret_cast<uint4*>(xb)[e] = piece(q, q_stride, hk, e);
     }
@@ -325,14 +347,14 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
     scores(xb);
     __syncthreads();
     T* pc = p + rows * CHUNK;
-    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += CHUNK_THREADS) {
         const int i = e / CHUNK, j = e % CHUNK;
         pc[e] = from_f32<T>(j <= i ? mat[e] * expf(cum[i] - cum[j]) : 0.0f);
     }
     __syncthreads();
     scores(kb);
     __syncthreads();
-    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) {
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += CHUNK_THREADS) {
         const int i = e / CHUNK, j = e % CHUNK;
         mat[e] = j < i ? beta[i] * mat[e] * expf(cum[i] - cum[j]) : 0.0f;  // L
     }
@@ -343,7 +365,7 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
     // blocks below the diagonal, one diagonal distance at a time (each distance's blocks are
     // independent): T_ij = −T_ii Σ_{j≤k<i} L_ik T_kj, lane (c, half) taking 8 rows of column c.
     float* tf = reinterpret_cast<float*>(xb);
-    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) tf[e] = 0.0f;
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += CHUNK_THREADS) tf[e] = 0.0f;
     __syncthreads();
     if (lane < 16) {
         const int base = 16 * warp, c = lane;
@@ -379,9 +401,10 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
     }
     __syncthreads();
     T* tb = reinterpret_cast<T*>(mat);  // T as an operand; L is done with
-    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += blockDim.x) tb[e] = from_f32<T>(tf[e]);
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += CHUNK_THREADS) tb[e] = from_f32<T>(tf[e]);
     __syncthreads();
-    for (int e = threadIdx.x; e < CHUNK * PIECES; e += blockDim.x) {
+#pragma unroll
+    for (int e = threadIdx.x; e < CHUNK * PIECES; e += CHUNK_THREADS) {
         const int tt = e / PIECES;
         const uint4 kp = piece(k, k_stride, hk, e), vp = piece(v, v_stride, h, e);
         const T* kx = reinterpret_cast<const T*>(&kp);
@@ -456,18 +479,18 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
     auto fetch = [&](int n) {
         ScanChunk<T>& to = buffers[n % 2];
         const long long rows = ((long long)bh * N + n) * CHUNK;
-        for (int e = threadIdx.x; e < CHUNK * PIECES; e += blockDim.x) {
+        for (int e = threadIdx.x; e < CHUNK * PIECES; e += CHUNK_THREADS) {
             const int r = e / PIECES, at = r * WIDE_ROW + (e % PIECES) * 8;
             const long long from = (rows + r) * CHUNK_HEAD + (e % PIECES) * 8;
             copy_async(to.w_neg + at, w_neg + from);
             copy_async(to.qg + at, qg + from);
             copy_async(to.kw + at, kw + from);
         }
-        for (int e = threadIdx.x; e < CHUNK * CHUNK / 8; e += blockDim.x) {
+        for (int e = threadIdx.x; e < CHUNK * CHUNK / 8; e += CHUNK_THREADS) {
             const int r = e / (CHUNK / 8), c = (e % (CHUNK / 8)) * 8;
             copy_async(to.p + r * P_ROW + c, p + (rows + r) * CHUNK + c);
         }
-        for (int e = threadIdx.x; e < CHUNK * SCAN_COLS / 4; e += blockDim.x) {
+        for (int e = threadIdx.x; e < CHUNK * SCAN_COLS / 4; e += CHUNK_THREADS) {
             const int r = e / (SCAN_COLS / 4), c = (e % (SCAN_COLS / 4)) * 4;
             copy_async(to.u + r * U_ROW + c, u + (rows + r) * CHUNK_HEAD + col0 + c);
         }
@@ -616,14 +639,14 @@ STRATA_FOR_DTYPES(INSTANTIATE)
 
 // The chunked kernels take tensor-core operand types only.
 #define INSTANTIATE_CHUNKED(T, NAME)                                                                             \
-    extern "C" __global__ void __launch_bounds__(CHUNK_WARPS * 32) gated_delta_chunk_prepare_##NAME(             \
+    extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) gated_delta_chunk_prepare_##NAME(             \
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
         const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias, T* qg, \
         T* kw, T* w_neg, float* u, T* p, float* chunk_decay, int Tn, int Hk, int Hv, int N) {                   \
         gated_delta_chunk_prepare<T>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log,  \
                                      dt_bias, qg, kw, w_neg, u, p, chunk_decay, Tn, Hk, Hv, N);                  \
     }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(CHUNK_WARPS * 32) gated_delta_chunk_scan_##NAME(                \
+    extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) gated_delta_chunk_scan_##NAME(                \
         const T* qg, const T* kw, const T* w_neg, const float* u, const T* p, const float* chunk_decay,         \
         const float* s_in, float* s_out, float* o, int Tn, int Hv, int N) {                                      \
         gated_delta_chunk_scan<T>(qg, kw, w_neg, u, p, chunk_decay, s_in, s_out, o, Tn, Hv, N);                  \

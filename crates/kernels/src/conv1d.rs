@@ -49,14 +49,17 @@ mod gpu {
     use crate::cuda::{self, Arg};
     use crate::Result;
 
-    /// The widest conv the one-token kernel holds (cuda/recurrent.cu's `MAX_CONV_KERNEL`).
+    /// The widest conv the kernels hold in registers (cuda/recurrent.cu's `MAX_CONV_KERNEL`),
+    /// and the run of tokens one thread of the window kernel slides along (`CONV_TOKENS`).
     pub(super) const MAX_KERNEL: usize = 8;
+    const RUN: usize = 16;
 
     pub(super) fn takes(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<bool> {
-        Ok(cuda::supports(x.dtype()) && state.dtype() == x.dtype() && weight.dim(1)? >= 1)
+        let kernel = weight.dim(1)?;
+        Ok(cuda::supports(x.dtype()) && state.dtype() == x.dtype() && (1..=MAX_KERNEL).contains(&kernel))
     }
 
-    /// One thread per output element (and per element of the new state).
+    /// One thread per (row, run of RUN tokens, channel).
     pub(super) fn run(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, c) = x.dims3()?;
         let kernel = weight.dim(1)?;
@@ -81,7 +84,7 @@ mod gpu {
             &cuda::RECURRENT,
             "causal_conv1d_silu",
             x.dtype(),
-            cuda::grid_rows(b * t.max(kernel - 1), c, 256)?,
+            cuda::grid_rows(b * t.max(kernel - 1).div_ceil(RUN), c, 256)?,
             &args,
         )?;
         Ok((y, new_state))

@@ -127,8 +127,16 @@ fn diff_bits(a: &Tensor, b: &Tensor) -> usize {
 fn causal_conv1d_on_gpu_matches_cpu() {
     let gpu = gpu();
     let (b, c, kernel) = (2, 48, 4);
-    // A decode step and a window; the model keeps its conv weight in f32.
-    for (t, dtype, w_dtype) in [(1, DType::BF16, DType::F32), (5, DType::F32, DType::F32), (5, DType::BF16, DType::BF16)] {
+    // A decode step, windows shorter than the state (the new state mixes old state and input),
+    // within one thread's run of tokens and across runs; the model keeps its conv weight in f32.
+    for (t, dtype, w_dtype) in [
+        (1, DType::BF16, DType::F32),
+        (2, DType::F32, DType::F32),
+        (5, DType::F32, DType::F32),
+        (5, DType::BF16, DType::BF16),
+        (40, DType::F32, DType::F32),
+        (40, DType::BF16, DType::F32),
+    ] {
         // The input as a narrow of a wider projection output, as the model passes it.
         let x = values(&[b, t, c + 8], 1.0, 11).to_dtype(dtype).unwrap().narrow(2, 0, c).unwrap();
         let state = values(&[b, kernel - 1, c], 1.0, 12).to_dtype(dtype).unwrap();
