@@ -1,7 +1,8 @@
 //! With the `cuda` feature, compiles the CUDA kernels in `cuda/` with the toolkit's `nvcc` (on
 //! PATH, as scripts/cuda/env.sh sets it up) into fat binaries for `CUDA_COMPUTE_CAP` (default
 //! 90): machine code for that GPU generation, so nothing is compiled at run time, plus PTX the
-//! driver can compile for newer ones. They are embedded in the library.
+//! driver can compile for newer ones. They are embedded in the library. Line information is kept
+//! (it leaves the code as it is) so profilers can place time at source lines.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -18,7 +19,14 @@ fn main() {
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     for name in KERNELS {
         let status = Command::new("nvcc")
-            .args(["--fatbin", "-O3", "-std=c++17", "-gencode", &format!("arch=compute_{cap},code=[sm_{cap},compute_{cap}]")])
+            .args([
+                "--fatbin",
+                "-O3",
+                "-lineinfo",
+                "-std=c++17",
+                "-gencode",
+                &format!("arch=compute_{cap},code=[sm_{cap},compute_{cap}]"),
+            ])
             .arg("-o")
             .arg(out.join(format!("{name}.fatbin")))
             .arg(format!("cuda/{name}.cu"))

@@ -33,8 +33,9 @@ pub struct Args {
     dtype: Vec<DTypeArg>,
     #[arg(long, default_value = "cpu")]
     device: String,
-    #[arg(long, default_value_t = 512)]
-    prefill_chunk: usize,
+    /// Prompt tokens per prefill forward (default: 512 on CPU, 2048 on GPU).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
     #[arg(long)]
     no_cuda_graphs: bool,
@@ -109,7 +110,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
             max_tokens: a.gen_len,
             sampling: SamplingParams::greedy(),
             stop_tokens: vec![],
-            prefill_chunk: a.prefill_chunk,
+            prefill_chunk: a.prefill_chunk(),
             logprobs: None,
         };
         worker.submit(Job::new(prompt, opts, Box::new(Timing(tx.clone(), i)))).map_err(anyhow::Error::msg)?;
@@ -159,8 +160,16 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     })
 }
 
+impl Args {
+    /// `--prefill-chunk`, which [`run`] fills in with the device's default when it is absent.
+    fn prefill_chunk(&self) -> usize {
+        self.prefill_chunk.expect("run resolves --prefill-chunk")
+    }
+}
+
 pub fn run(mut a: Args) -> Result<()> {
     let device = parse_device(&a.device)?;
+    a.prefill_chunk = Some(a.prefill_chunk.unwrap_or(EngineConfig::for_device(&device).prefill_chunk).max(1));
     if a.dtype.is_empty() {
         a.dtype.push(DTypeArg::or_default_for(None, &device));
     }
@@ -219,7 +228,7 @@ pub fn run(mut a: Args) -> Result<()> {
         let speculation = a.draft.speculation(vocab as usize, || load(*dtype), load_draft, load_mtp)?;
         let worker = Worker::spawn(
             model,
-            EngineConfig { max_batch: max_concurrency, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX },
+            EngineConfig { max_batch: max_concurrency, prefill_chunk: a.prefill_chunk(), state_budget_bytes: usize::MAX },
             CacheConfig::off(),
             speculation,
         )?;
@@ -320,12 +329,12 @@ fn cache_ttft(
             let options = SsdOptions { dir: dir.clone(), max_bytes: u64::MAX, verify: false };
             Ok(CacheConfig {
                 ram_bytes: usize::MAX,
-                stride: 512,
+                stride: a.prefill_chunk(),
                 ssd: Some(SsdConfig { options, identity: identity(dtype)?, queue: 1024 }),
                 checkpoint_every: 0,
             })
         };
-        let engine = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX };
+        let engine = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk(), state_budget_bytes: usize::MAX };
         let model = load(dtype)?;
         let vocab = model.vocab_size() as u64;
         let prompt: Vec<u32> = (0..a.prompt_len as u64).map(|t| ((t * 2_654_435_761 + 12_345) % vocab) as u32).collect();

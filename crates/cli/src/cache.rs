@@ -16,9 +16,10 @@ pub struct CacheArgs {
     #[arg(long)]
     prompt_cache_bytes: Option<usize>,
     /// During long prefills, snapshot the state every this many prompt tokens so a later
-    /// prompt that diverges part-way still reuses the shared part (0: only at the prompt end).
-    #[arg(long, default_value_t = 512)]
-    cache_stride: usize,
+    /// prompt that diverges part-way still reuses the shared part (0: only at the prompt end;
+    /// default: 512 on CPU, 2048 on GPU).
+    #[arg(long)]
+    cache_stride: Option<usize>,
     /// Folder for the SSD tier: snapshots persisted as files that survive restarts and crashes.
     #[arg(long)]
     ssd_cache: Option<PathBuf>,
@@ -57,7 +58,7 @@ impl CacheArgs {
         };
         Ok(CacheConfig {
             ram_bytes: self.prompt_cache_bytes.unwrap_or(defaults.ram_bytes),
-            stride: self.cache_stride,
+            stride: self.cache_stride.unwrap_or(defaults.stride),
             ssd,
             checkpoint_every,
         })

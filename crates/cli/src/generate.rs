@@ -55,9 +55,9 @@ pub struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// Prompt tokens per prefill forward.
-    #[arg(long, default_value_t = 512)]
-    prefill_chunk: usize,
+    /// Prompt tokens per prefill forward (default: 512 on CPU, 2048 on GPU).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// Print, as the last line, a JSON object with the generated tokens and text.
     #[arg(long)]
     json: bool,
@@ -123,13 +123,14 @@ pub fn run(a: Args) -> Result<()> {
         || Ok(folder.load_mtp(&model)?),
     )?;
     // The same engine that serves requests, for one request.
-    let engine = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk, state_budget_bytes: usize::MAX };
+    let prefill_chunk = a.prefill_chunk.unwrap_or(EngineConfig::for_device(&device).prefill_chunk).max(1);
+    let engine = EngineConfig { max_batch: 1, prefill_chunk, state_budget_bytes: usize::MAX };
     let worker = Worker::spawn(model, engine, CacheConfig::off(), speculation)?;
     let opts = GenerationOptions {
         max_tokens: a.max_tokens,
         sampling,
         stop_tokens: if a.ignore_eos { vec![] } else { folder.eos_token_ids() },
-        prefill_chunk: a.prefill_chunk,
+        prefill_chunk,
         logprobs: None,
     };
 

@@ -41,9 +41,9 @@ pub struct Args {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Prompt tokens per prefill forward; a joining prompt holds running streams up for at most
-    /// one chunk per step.
-    #[arg(long, default_value_t = 512)]
-    prefill_chunk: usize,
+    /// one chunk per step (default: 512 on CPU, 2048 on GPU).
+    #[arg(long)]
+    prefill_chunk: Option<usize>,
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
     #[arg(long)]
     no_cuda_graphs: bool,
@@ -83,7 +83,7 @@ pub fn run(a: Args) -> Result<()> {
     let defaults = EngineConfig::for_device(&device);
     let engine = EngineConfig {
         max_batch: a.max_batch.unwrap_or(defaults.max_batch).max(1),
-        prefill_chunk: a.prefill_chunk.max(1),
+        prefill_chunk: a.prefill_chunk.unwrap_or(defaults.prefill_chunk).max(1),
         state_budget_bytes: a.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
     };
     let cache = a.cache.config(&device, || folder_identity(&dir, dtype.name()))?;

@@ -72,10 +72,13 @@ pub struct EngineConfig {
 }
 
 impl EngineConfig {
-    /// Defaults for a device: CPU decode gains little past 16 rows; GPUs batch wider.
+    /// Defaults for a device: CPU decode gains little past 16 rows; GPUs batch wider, and take
+    /// prompts in longer chunks (a GPU forward of 512 tokens leaves its matmuls and the chunked
+    /// DeltaNet kernels short of work; 2048 prefilled an 8K prompt of the 4B shape ~20% faster
+    /// on an H200, for a longer pause of running streams while a prompt joins).
     pub fn for_device(device: &candle_core::Device) -> Self {
-        let (max_batch, gib) = if device.is_cpu() { (16, 8) } else { (64, 32) };
-        Self { max_batch, prefill_chunk: 512, state_budget_bytes: gib << 30 }
+        let (max_batch, gib, prefill_chunk) = if device.is_cpu() { (16, 8, 512) } else { (64, 32, 2048) };
+        Self { max_batch, prefill_chunk, state_budget_bytes: gib << 30 }
     }
 }
 
@@ -101,10 +104,11 @@ pub struct SsdConfig {
 }
 
 impl CacheConfig {
-    /// RAM tier only, sized for a device: host memory on CPU, device memory on GPU.
+    /// RAM tier only, sized for a device: host memory on CPU, device memory on GPU. The stride
+    /// follows the device's prefill chunk (chunks end at stride points).
     pub fn for_device(device: &candle_core::Device) -> Self {
         let gib = if device.is_cpu() { 4 } else { 8 };
-        Self { ram_bytes: gib << 30, stride: 512, ssd: None, checkpoint_every: 0 }
+        Self { ram_bytes: gib << 30, stride: EngineConfig::for_device(device).prefill_chunk, ssd: None, checkpoint_every: 0 }
     }
 
     pub fn off() -> Self {

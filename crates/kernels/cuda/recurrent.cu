@@ -238,6 +238,10 @@ constexpr int CHUNK_THREADS = 32 * CHUNK_WARPS;  // the chunked kernels' block s
 constexpr int SCAN_COLS = 32;
 constexpr int HEAD_TILES = CHUNK_HEAD / 16;
 constexpr int PIECES = CHUNK_HEAD / 8;  // 16-byte pieces of a head's 16-bit row
+// Row lengths of shared-memory tiles, padded by 16 bytes so the rows of a tensor-core tile fall
+// in different banks: head-wide and chunk-wide 16-bit tiles, f32 chunk-wide and scan-wide ones.
+constexpr int WIDE_ROW = CHUNK_HEAD + 8, T_ROW = CHUNK + 8, P_ROW = CHUNK + 8, MAT_ROW = CHUNK + 4,
+              U_ROW = SCAN_COLS + 8, COLS_ROW = SCAN_COLS + 8, SCRATCH_ROW = SCAN_COLS + 4;
 static_assert(CHUNK == 16 * CHUNK_WARPS, "each warp owns 16 tokens of a chunk");
 static_assert(CHUNK_HEAD == 32 * CHUNK_WARPS, "each scan warp owns 32 key dims of the state");
 
@@ -257,13 +261,14 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
                                           long long gate_stride, const float* a_log, const float* dt_bias, T* qg,
                                           T* kw, T* w_neg, float* u, T* p, float* chunk_decay, int Tn, int Hk,
                                           int Hv, int N) {
-    // Dynamic shared memory (49920 bytes, over the 48 KiB a static array may take): two
-    // [CHUNK][128] tiles of T, a [CHUNK][CHUNK] f32 matrix, three f32 vectors of CHUNK.
+    // Dynamic shared memory (52992 bytes, over the 48 KiB a static array may take): two
+    // [CHUNK][WIDE_ROW] tiles of T, a [CHUNK][MAT_ROW] f32 matrix, three f32 vectors of CHUNK.
+    // Rows are padded by 16 bytes so a tensor-core tile's rows fall in different banks.
     extern __shared__ __align__(128) unsigned char shared[];
-    T* kb = reinterpret_cast<T*>(shared);  // [CHUNK][128]: k̂, later β e^G k̂
-    T* xb = kb + CHUNK * CHUNK_HEAD;       // [CHUNK][128]: q̂ / √Dk; later T in f32; later β v
-    float* mat = reinterpret_cast<float*>(xb + CHUNK * CHUNK_HEAD);  // [CHUNK][CHUNK]: q k̂ᵀ, then L
-    float* cum = mat + CHUNK * CHUNK;      // G, the within-chunk cumulative log decay
+    T* kb = reinterpret_cast<T*>(shared);  // k̂, later β e^G k̂
+    T* xb = kb + CHUNK * WIDE_ROW;         // q̂ / √Dk; later T in f32 ([CHUNK][CHUNK]); later β v
+    float* mat = reinterpret_cast<float*>(xb + CHUNK * WIDE_ROW);  // q k̂ᵀ, then L
+    float* cum = mat + CHUNK * MAT_ROW;      // G, the within-chunk cumulative log decay
     float* beta = cum + CHUNK;
     float* k_write = beta + CHUNK;         // per token: β e^G / |k|
     const int n = blockIdx.x, bh = blockIdx.y, b = bh / Hv, h = bh % Hv, hk = h / (Hv / Hk);
@@ -299,8 +304,9 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
     };
 #pragma unroll
     for (int e = threadIdx.x; e < CHUNK * PIECES; e += CHUNK_THREADS) {
-        reinterpret_cast<uint4*>(kb)[e] = piece(k, k_stride, hk, e);
-        reinterpret_cast<uint4*>(xb)[e] = piece(q, q_stride, hk, e);
+        const int at = (e / PIECES) * WIDE_ROW + (e % PIECES) * 8;
+        *reinterpret_cast<uint4*>(kb + at) = piece(k, k_stride, hk, e);
+        *reinterpret_cast<uint4*>(xb + at) = piece(q, q_stride, hk, e);
     }
     __syncthreads();
     const float q_scale = rsqrtf((float)CHUNK_HEAD);
@@ -309,8 +315,8 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
 #pragma unroll
         for (int i = 0; i < CHUNK_HEAD / 32; ++i) {
             const int d = lane + 32 * i;
-            qv[i] = to_f32(xb[tt * CHUNK_HEAD + d]);
-            kv[i] = to_f32(kb[tt * CHUNK_HEAD + d]);
+            qv[i] = to_f32(xb[tt * WIDE_ROW + d]);
+            kv[i] = to_f32(kb[tt * WIDE_ROW + d]);
             qq += qv[i] * qv[i];
             kk += kv[i] * kv[i];
         }
@@ -320,8 +326,8 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
 #pragma unroll
         for (int i = 0; i < CHUNK_HEAD / 32; ++i) {
             const int d = lane + 32 * i;
-            kb[tt * CHUNK_HEAD + d] = from_f32<T>(kv[i] * k_inv);
-            xb[tt * CHUNK_HEAD + d] = from_f32<T>(qv[i] * q_inv);
+            kb[tt * WIDE_ROW + d] = from_f32<T>(kv[i] * k_inv);
+            xb[tt * WIDE_ROW + d] = from_f32<T>(qv[i] * q_inv);
             qg[(rows + tt) * CHUNK_HEAD + d] = from_f32<T>(qv[i] * q_inv * from_start);
             kw[(rows + tt) * CHUNK_HEAD + d] = from_f32<T>(kv[i] * k_inv * to_end);
         }
@@ -337,11 +343,11 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
             for (int kk = 0; kk < HEAD_TILES; ++kk) {
                 OperandA<T, wm::row_major> fx;
                 OperandB<T, wm::col_major> fk;
-                wm::load_matrix_sync(fx, x + warp * 16 * CHUNK_HEAD + kk * 16, CHUNK_HEAD);
-                wm::load_matrix_sync(fk, kb + j * 16 * CHUNK_HEAD + kk * 16, CHUNK_HEAD);
+                wm::load_matrix_sync(fx, x + warp * 16 * WIDE_ROW + kk * 16, WIDE_ROW);
+                wm::load_matrix_sync(fk, kb + j * 16 * WIDE_ROW + kk * 16, WIDE_ROW);
                 wm::mma_sync(acc, fx, fk, acc);
             }
-            wm::store_matrix_sync(mat + warp * 16 * CHUNK + j * 16, acc, CHUNK, wm::mem_row_major);
+            wm::store_matrix_sync(mat + warp * 16 * MAT_ROW + j * 16, acc, MAT_ROW, wm::mem_row_major);
         }
     };
     scores(xb);
@@ -349,14 +355,14 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
     T* pc = p + rows * CHUNK;
     for (int e = threadIdx.x; e < CHUNK * CHUNK; e += CHUNK_THREADS) {
         const int i = e / CHUNK, j = e % CHUNK;
-        pc[e] = from_f32<T>(j <= i ? mat[e] * expf(cum[i] - cum[j]) : 0.0f);
+        pc[e] = from_f32<T>(j <= i ? mat[i * MAT_ROW + j] * expf(cum[i] - cum[j]) : 0.0f);
     }
     __syncthreads();
     scores(kb);
     __syncthreads();
     for (int e = threadIdx.x; e < CHUNK * CHUNK; e += CHUNK_THREADS) {
         const int i = e / CHUNK, j = e % CHUNK;
-        mat[e] = j < i ? beta[i] * mat[e] * expf(cum[i] - cum[j]) : 0.0f;  // L
+        mat[i * MAT_ROW + j] = j < i ? beta[i] * mat[i * MAT_ROW + j] * expf(cum[i] - cum[j]) : 0.0f;  // L
     }
     __syncthreads();
 
@@ -371,7 +377,7 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
         const int base = 16 * warp, c = lane;
         for (int i = 0; i < 16; ++i) {
             float acc = 0.0f;
-            for (int j = c; j < i; ++j) acc += mat[(base + i) * CHUNK + base + j] * tf[(base + j) * CHUNK + base + c];
+            for (int j = c; j < i; ++j) acc += mat[(base + i) * MAT_ROW + base + j] * tf[(base + j) * CHUNK + base + c];
             tf[(base + i) * CHUNK + base + c] = i < c ? 0.0f : i == c ? 1.0f : -acc;
         }
     }
@@ -383,7 +389,7 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
         for (int kk = bj; kk < bi; ++kk) {
             const float t_kc = tf[kk * CHUNK + bj + c];
 #pragma unroll
-            for (int r = 0; r < 8; ++r) acc[r] += mat[(bi + r0 + r) * CHUNK + kk] * t_kc;
+            for (int r = 0; r < 8; ++r) acc[r] += mat[(bi + r0 + r) * MAT_ROW + kk] * t_kc;
         }
         float* block = tf + bi * CHUNK + bj;  // holds the sum until T_ij replaces it
 #pragma unroll
@@ -401,24 +407,27 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
     }
     __syncthreads();
     T* tb = reinterpret_cast<T*>(mat);  // T as an operand; L is done with
-    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += CHUNK_THREADS) tb[e] = from_f32<T>(tf[e]);
+    for (int e = threadIdx.x; e < CHUNK * CHUNK; e += CHUNK_THREADS) tb[(e / CHUNK) * T_ROW + e % CHUNK] = from_f32<T>(tf[e]);
     __syncthreads();
 #pragma unroll
     for (int e = threadIdx.x; e < CHUNK * PIECES; e += CHUNK_THREADS) {
         const int tt = e / PIECES;
-        const uint4 kp = piece(k, k_stride, hk, e), vp = piece(v, v_stride, h, e);
-        const T* kx = reinterpret_cast<const T*>(&kp);
-        const T* vx = reinterpret_cast<const T*>(&vp);
+        uint4 kp = piece(k, k_stride, hk, e), vp = piece(v, v_stride, h, e);
+        T* kx = reinterpret_cast<T*>(&kp);
+        T* vx = reinterpret_cast<T*>(&vp);
 #pragma unroll
         for (int i = 0; i < 8; ++i) {
-            kb[8 * e + i] = from_f32<T>(to_f32(kx[i]) * k_write[tt]);
-            xb[8 * e + i] = from_f32<T>(to_f32(vx[i]) * beta[tt]);
+            kx[i] = from_f32<T>(to_f32(kx[i]) * k_write[tt]);
+            vx[i] = from_f32<T>(to_f32(vx[i]) * beta[tt]);
         }
+        const int at = tt * WIDE_ROW + (e % PIECES) * 8;
+        *reinterpret_cast<uint4*>(kb + at) = kp;
+        *reinterpret_cast<uint4*>(xb + at) = vp;
     }
     __syncthreads();
 
     // W and U, token block `warp` (T is lower triangular: blocks past the diagonal are zero).
-    float* scratch = mat + CHUNK * CHUNK / 2 + warp * 256;  // after tb
+    float* scratch = reinterpret_cast<float*>(tb + CHUNK * T_ROW) + warp * 256;
     for (int ct = 0; ct < HEAD_TILES; ++ct) {
         Accumulator w_acc, u_acc;
         wm::fill_fragment(w_acc, 0.0f);
@@ -426,9 +435,9 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
         for (int kk = 0; kk <= warp; ++kk) {
             OperandA<T, wm::row_major> ft;
             OperandB<T, wm::row_major> fk, fv;
-            wm::load_matrix_sync(ft, tb + warp * 16 * CHUNK + kk * 16, CHUNK);
-            wm::load_matrix_sync(fk, kb + kk * 16 * CHUNK_HEAD + ct * 16, CHUNK_HEAD);
-            wm::load_matrix_sync(fv, xb + kk * 16 * CHUNK_HEAD + ct * 16, CHUNK_HEAD);
+            wm::load_matrix_sync(ft, tb + warp * 16 * T_ROW + kk * 16, T_ROW);
+            wm::load_matrix_sync(fk, kb + kk * 16 * WIDE_ROW + ct * 16, WIDE_ROW);
+            wm::load_matrix_sync(fv, xb + kk * 16 * WIDE_ROW + ct * 16, WIDE_ROW);
             wm::mma_sync(w_acc, ft, fk, w_acc);
             wm::mma_sync(u_acc, ft, fv, u_acc);
         }
@@ -453,7 +462,6 @@ template <int PENDING> __device__ __forceinline__ void copies_wait() {
 
 // One chunk's operands of the scan in shared memory, rows padded by 16 bytes so the 16 rows of
 // a tensor-core tile fall in different banks.
-constexpr int WIDE_ROW = CHUNK_HEAD + 8, P_ROW = CHUNK + 8, U_ROW = SCAN_COLS + 8;
 template <typename T> struct ScanChunk {
     T w_neg[CHUNK * WIDE_ROW], qg[CHUNK * WIDE_ROW], kw[CHUNK * WIDE_ROW], p[CHUNK * P_ROW];
     float u[CHUNK * U_ROW];
@@ -469,9 +477,9 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
                                        int Hv, int N) {
     extern __shared__ __align__(128) unsigned char shared[];
     ScanChunk<T>* buffers = reinterpret_cast<ScanChunk<T>*>(shared);
-    __shared__ __align__(32) T sb[CHUNK_HEAD * SCAN_COLS];           // Sᵀ as an operand, [key][col]
-    __shared__ __align__(32) T vb[CHUNK * SCAN_COLS];                // V' as an operand, [token][col]
-    __shared__ __align__(32) float scratch[CHUNK_HEAD * SCAN_COLS];  // accumulators on their way
+    __shared__ __align__(32) T sb[CHUNK_HEAD * COLS_ROW];              // Sᵀ as an operand, [key][col]
+    __shared__ __align__(32) T vb[CHUNK * COLS_ROW];                   // V' as an operand, [token][col]
+    __shared__ __align__(32) float scratch[CHUNK_HEAD * SCRATCH_ROW];  // accumulators on their way
     const int bh = blockIdx.y, b = bh / Hv, h = bh % Hv, col0 = blockIdx.x * SCAN_COLS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long head = (long long)bh * CHUNK_HEAD * CHUNK_HEAD;
@@ -518,12 +526,12 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
         for (int r = 0; r < 2; ++r)
 #pragma unroll
             for (int c = 0; c < 2; ++c)
-                wm::store_matrix_sync(scratch + (32 * warp + 16 * r) * SCAN_COLS + 16 * c, s[r][c], SCAN_COLS,
+                wm::store_matrix_sync(scratch + (32 * warp + 16 * r) * SCRATCH_ROW + 16 * c, s[r][c], SCRATCH_ROW,
                                       wm::mem_row_major);
         __syncwarp();
         for (int e = lane; e < 32 * SCAN_COLS; e += 32) {
-            const int i = 32 * warp * SCAN_COLS + e;
-            sb[i] = from_f32<T>(scratch[i]);
+            const int row = 32 * warp + e / SCAN_COLS, col = e % SCAN_COLS;
+            sb[row * COLS_ROW + col] = from_f32<T>(scratch[row * SCRATCH_ROW + col]);
         }
         __syncthreads();  // sb, and every thread's copies of chunk n
 
@@ -539,15 +547,18 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 OperandB<T, wm::row_major> fs;
-                wm::load_matrix_sync(fs, sb + 16 * kk * SCAN_COLS + 16 * c, SCAN_COLS);
+                wm::load_matrix_sync(fs, sb + 16 * kk * COLS_ROW + 16 * c, COLS_ROW);
                 wm::mma_sync(fresh[c], fw, fs, fresh[c]);
             }
         }
-        float* own_scratch = scratch + own * SCAN_COLS;
+        float* own_scratch = scratch + own * SCRATCH_ROW;
 #pragma unroll
-        for (int c = 0; c < 2; ++c) wm::store_matrix_sync(own_scratch + 16 * c, fresh[c], SCAN_COLS, wm::mem_row_major);
+        for (int c = 0; c < 2; ++c) wm::store_matrix_sync(own_scratch + 16 * c, fresh[c], SCRATCH_ROW, wm::mem_row_major);
         __syncwarp();
-        for (int e = lane; e < 16 * SCAN_COLS; e += 32) vb[own * SCAN_COLS + e] = from_f32<T>(own_scratch[e]);
+        for (int e = lane; e < 16 * SCAN_COLS; e += 32) {
+            const int row = e / SCAN_COLS, col = e % SCAN_COLS;
+            vb[(own + row) * COLS_ROW + col] = from_f32<T>(own_scratch[row * SCRATCH_ROW + col]);
+        }
         __syncthreads();
 
         // O = e^G Q Sᵀ + P V' (P is lower triangular: token blocks up to this warp's)
@@ -561,7 +572,7 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 OperandB<T, wm::row_major> fs;
-                wm::load_matrix_sync(fs, sb + 16 * kk * SCAN_COLS + 16 * c, SCAN_COLS);
+                wm::load_matrix_sync(fs, sb + 16 * kk * COLS_ROW + 16 * c, COLS_ROW);
                 wm::mma_sync(out[c], fq, fs, out[c]);
             }
         }
@@ -571,7 +582,7 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
 #pragma unroll
             for (int c = 0; c < 2; ++c) {
                 OperandB<T, wm::row_major> fv;
-                wm::load_matrix_sync(fv, vb + 16 * kk * SCAN_COLS + 16 * c, SCAN_COLS);
+                wm::load_matrix_sync(fv, vb + 16 * kk * COLS_ROW + 16 * c, COLS_ROW);
                 wm::mma_sync(out[c], fp, fv, out[c]);
             }
         }
@@ -583,10 +594,10 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
             for (int c = 0; c < 2; ++c) wm::store_matrix_sync(o_rows + 16 * c, out[c], o_stride, wm::mem_row_major);
         } else if (valid > 0) {  // the prompt's last, partial chunk
 #pragma unroll
-            for (int c = 0; c < 2; ++c) wm::store_matrix_sync(own_scratch + 16 * c, out[c], SCAN_COLS, wm::mem_row_major);
+            for (int c = 0; c < 2; ++c) wm::store_matrix_sync(own_scratch + 16 * c, out[c], SCRATCH_ROW, wm::mem_row_major);
             __syncwarp();
             for (int e = lane; e < valid * SCAN_COLS; e += 32)
-                o_rows[(e / SCAN_COLS) * o_stride + e % SCAN_COLS] = own_scratch[e];
+                o_rows[(e / SCAN_COLS) * o_stride + e % SCAN_COLS] = own_scratch[(e / SCAN_COLS) * SCRATCH_ROW + e % SCAN_COLS];
         }
 
         // S = e^{G_last} S + (e^{G_last − G} K)ᵀ V'
@@ -606,7 +617,7 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
 #pragma unroll
                 for (int c = 0; c < 2; ++c) {
                     OperandB<T, wm::row_major> fv;
-                    wm::load_matrix_sync(fv, vb + 16 * kk * SCAN_COLS + 16 * c, SCAN_COLS);
+                    wm::load_matrix_sync(fv, vb + 16 * kk * COLS_ROW + 16 * c, COLS_ROW);
                     wm::mma_sync(s[r][c], fk, fv, s[r][c]);
                 }
             }

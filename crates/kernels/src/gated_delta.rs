@@ -273,12 +273,12 @@ mod gpu {
     /// Tokens per chunk and head width of the chunked kernels (cuda/recurrent.cu).
     const CHUNK: usize = super::CHUNK;
     const CHUNK_HEAD: usize = 128;
-    /// State columns per block of the chunk scan. The kernels' dynamic shared memory: the
-    /// preparation's two `[CHUNK][128]` 16-bit tiles, `[CHUNK][CHUNK]` f32 matrix and three f32
-    /// vectors; the scan's two chunk buffers (`ScanChunk`: three `[CHUNK][128 + 8]` and a
-    /// `[CHUNK][CHUNK + 8]` 16-bit tile, a `[CHUNK][SCAN_COLS + 8]` f32 tile).
+    /// State columns per block of the chunk scan. The kernels' dynamic shared memory (rows padded
+    /// by 16 bytes): the preparation's two `[CHUNK][128 + 8]` 16-bit tiles, `[CHUNK][CHUNK + 4]`
+    /// f32 matrix and three f32 vectors; the scan's two chunk buffers (`ScanChunk`: three
+    /// `[CHUNK][128 + 8]` and a `[CHUNK][CHUNK + 8]` 16-bit tile, a `[CHUNK][SCAN_COLS + 8]` f32 tile).
     const SCAN_COLS: usize = 32;
-    const PREPARE_SHARED: u32 = (2 * CHUNK * CHUNK_HEAD * 2 + CHUNK * CHUNK * 4 + 3 * CHUNK * 4) as u32;
+    const PREPARE_SHARED: u32 = (2 * CHUNK * (CHUNK_HEAD + 8) * 2 + CHUNK * (CHUNK + 4) * 4 + 3 * CHUNK * 4) as u32;
     const SCAN_SHARED: u32 =
         (2 * (3 * CHUNK * (CHUNK_HEAD + 8) * 2 + CHUNK * (CHUNK + 8) * 2 + CHUNK * (SCAN_COLS + 8) * 4)) as u32;
 
