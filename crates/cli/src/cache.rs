@@ -17,7 +17,7 @@ pub struct CacheArgs {
     prompt_cache_bytes: Option<usize>,
     /// During long prefills, snapshot the state every this many prompt tokens so a later
     /// prompt that diverges part-way still reuses the shared part (0: only at the prompt end;
-    /// default: 512 on CPU, 2048 on GPU).
+    /// default: the prefill chunk, as prefill chunks end at stride points).
     #[arg(long)]
     cache_stride: Option<usize>,
     /// Folder for the SSD tier: snapshots persisted as files that survive restarts and crashes.
@@ -37,7 +37,13 @@ pub struct CacheArgs {
 }
 
 impl CacheArgs {
-    pub fn config(&self, device: &Device, identity: impl FnOnce() -> Result<Identity>) -> Result<CacheConfig> {
+    /// The cache settings on `device` for an engine that prefills `prefill_chunk` tokens a forward.
+    pub fn config(
+        &self,
+        device: &Device,
+        prefill_chunk: usize,
+        identity: impl FnOnce() -> Result<Identity>,
+    ) -> Result<CacheConfig> {
         let defaults = CacheConfig::for_device(device);
         let checkpoint_every = self.checkpoint_every.unwrap_or(0);
         if self.checkpoint_every == Some(0) {
@@ -58,7 +64,7 @@ impl CacheArgs {
         };
         Ok(CacheConfig {
             ram_bytes: self.prompt_cache_bytes.unwrap_or(defaults.ram_bytes),
-            stride: self.cache_stride.unwrap_or(defaults.stride),
+            stride: self.cache_stride.unwrap_or(prefill_chunk),
             ssd,
             checkpoint_every,
         })

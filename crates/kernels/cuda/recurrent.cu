@@ -218,15 +218,18 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
     }
 }
 
+// The chunked kernels use bf16 tensor cores: compiled for compute capability 8.0 on only (the
+// launcher finds them missing otherwise and steps token by token).
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // The gated delta rule over a prompt in the chunk-parallel (WY / UT-transform) form on tensor
 // cores, for bf16 / f16 inputs with 128-wide heads (see `chunked` in src/gated_delta.rs for the
 // algebra). Within a chunk of CHUNK tokens every interaction is a matrix product; only the state
 // passes from chunk to chunk. Two kernels:
-//  - chunk_prepare, one block per (chunk, row · value head), all chunks at once: the gates, the
+//  - chunk_prepare, one block per (row · value head, chunk), all chunks at once: the gates, the
 //    normalised q / k, the chunk's causal q·k scores, and the UT transform T = (I + L)⁻¹ by
 //    forward substitution, giving per chunk W = T diag(β e^G) K (stored negated) and
 //    U = T diag(β) V;
-//  - chunk_scan, one block per (SCAN_COLS state columns, row · value head), walking the chunks
+//  - chunk_scan, one block per (row · value head, SCAN_COLS state columns), walking the chunks
 //    in order with its slice of the state in tensor-core accumulators: V' = U − W Sᵀ,
 //    O = e^G Q Sᵀ + P V', S = e^{G_last} S + V'ᵀ (e^{G_last − G} K).
 // Operands of the products are in the model dtype, products accumulate in f32, the state is f32
@@ -271,7 +274,7 @@ __device__ void gated_delta_chunk_prepare(const T* q, const T* k, const T* v, lo
     float* cum = mat + CHUNK * MAT_ROW;      // G, the within-chunk cumulative log decay
     float* beta = cum + CHUNK;
     float* k_write = beta + CHUNK;         // per token: β e^G / |k|
-    const int n = blockIdx.x, bh = blockIdx.y, b = bh / Hv, h = bh % Hv, hk = h / (Hv / Hk);
+    const int n = blockIdx.y, bh = blockIdx.x, b = bh / Hv, h = bh % Hv, hk = h / (Hv / Hk);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, t0 = n * CHUNK;
     const long long rows = ((long long)bh * N + n) * CHUNK;  // this chunk's first row in the outputs
 
@@ -468,7 +471,7 @@ template <typename T> struct ScanChunk {
 };
 
 // s_in, s_out [B, Hv, 128, 128] f32 (S as [Dv, Dk]); o [B, T, Hv, 128] f32. Block
-// (blockIdx.x, row · value head) keeps state columns (value dims) blockIdx.x · SCAN_COLS onward
+// (row · value head, blockIdx.y) keeps state columns (value dims) blockIdx.y · SCAN_COLS onward
 // as Sᵀ tiles: warp w holds key dims 32w..32w+31. While it works on a chunk, the next chunk's
 // operands are on their way into the other of two buffers (dynamic shared memory, 2 ScanChunk).
 template <typename T>
@@ -480,7 +483,7 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
     __shared__ __align__(32) T sb[CHUNK_HEAD * COLS_ROW];              // Sᵀ as an operand, [key][col]
     __shared__ __align__(32) T vb[CHUNK * COLS_ROW];                   // V' as an operand, [token][col]
     __shared__ __align__(32) float scratch[CHUNK_HEAD * SCRATCH_ROW];  // accumulators on their way
-    const int bh = blockIdx.y, b = bh / Hv, h = bh % Hv, col0 = blockIdx.x * SCAN_COLS;
+    const int bh = blockIdx.x, b = bh / Hv, h = bh % Hv, col0 = blockIdx.y * SCAN_COLS;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const long long head = (long long)bh * CHUNK_HEAD * CHUNK_HEAD;
 
@@ -629,6 +632,8 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
         for (int c = 0; c < 2; ++c) wm::store_matrix_sync(s_out + state_at(r, c), s[r][c], CHUNK_HEAD, wm::mem_col_major);
 }
 
+#endif  // compute capability 8.0
+
 #define INSTANTIATE(T, NAME)                                                                                     \
     extern "C" __global__ void causal_conv1d_silu_##NAME(const T* x, long long x_stride, const T* state,        \
                                                          const float* w, T* y, T* new_state, int B, int Tn,     \
@@ -648,6 +653,7 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
     }
 STRATA_FOR_DTYPES(INSTANTIATE)
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 800
 // The chunked kernels take tensor-core operand types only.
 #define INSTANTIATE_CHUNKED(T, NAME)                                                                             \
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) gated_delta_chunk_prepare_##NAME(             \
@@ -664,3 +670,4 @@ STRATA_FOR_DTYPES(INSTANTIATE)
     }
 INSTANTIATE_CHUNKED(__nv_bfloat16, bf16)
 INSTANTIATE_CHUNKED(__half, f16)
+#endif

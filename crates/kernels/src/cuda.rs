@@ -169,8 +169,17 @@ pub(crate) fn output(shape: impl Into<Shape>, dtype: DType, device: &Device) -> 
     unsafe { Tensor::empty(shape, dtype, device) }
 }
 
-/// The shared memory a block may have without the kernel opting in to more.
-const STATIC_SHARED_MAX: u32 = 48 * 1024;
+/// Whether `module`'s kernel `name` for `dtype` exists on `device` (kernels that need a newer GPU
+/// generation than the build's are compiled out) and fits its blocks' shared memory — its own
+/// static arrays and `dynamic` bytes — in what the GPU grants a block.
+pub(crate) fn fits(device: &Device, module: &Module, name: &'static str, dtype: DType, dynamic: u32) -> bool {
+    use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+    let Device::Cuda(dev) = device else { return false };
+    let Ok(func) = function(dev, module, name, dtype) else { return false };
+    let own = func.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES);
+    let limit = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
+    matches!((own, limit), (Ok(own), Ok(limit)) if own as i64 + dynamic as i64 <= limit as i64)
+}
 
 /// Launches `module`'s kernel `name` instantiated for `dtype` (`name_f32`, `name_bf16`, …).
 pub(crate) fn launch(
@@ -183,9 +192,9 @@ pub(crate) fn launch(
 ) -> Result<()> {
     let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
     let func = function(dev, module, name, dtype)?;
-    if cfg.shared_mem_bytes > STATIC_SHARED_MAX {
+    if cfg.shared_mem_bytes > 0 {
         use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-        // More dynamic shared memory than the default cap is an opt-in per kernel.
+        // Static and dynamic shared memory beyond 48 KiB together is an opt-in per kernel.
         func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
             .map_err(candle_core::Error::wrap)?;
     }

@@ -27,19 +27,25 @@ pub struct Gating<'a> {
     pub dt_bias: &'a Tensor,
 }
 
-/// Runs the recurrence over `T` tokens for `B` rows.
-///
-/// Shapes: `q`, `k` `[B, T, Hk, Dk]`; `v` `[B, T, Hv, Dv]`; `a`, `b` `[B, T, Hv]` (raw projections);
-/// `state` `[B, Hv, Dv, Dk]` f32. Returns the output `[B, T, Hv, Dv]` (f32) and the new state.
-pub fn gated_delta_rule(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    gating: &Gating,
-    state: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+/// One call's per-token inputs, in any float dtype.
+#[derive(Clone, Copy)]
+pub struct Inputs<'a> {
+    /// `[B, T, Hk, Dk]`.
+    pub q: &'a Tensor,
+    /// `[B, T, Hk, Dk]`.
+    pub k: &'a Tensor,
+    /// `[B, T, Hv, Dv]`.
+    pub v: &'a Tensor,
+    /// The decay's raw projection, `[B, T, Hv]`.
+    pub a: &'a Tensor,
+    /// The write strength's raw projection (before the sigmoid), `[B, T, Hv]`.
+    pub b: &'a Tensor,
+}
+
+/// Runs the recurrence over `T` tokens for `B` rows from `state` `[B, Hv, Dv, Dk]` f32. Returns
+/// the output `[B, T, Hv, Dv]` (f32) and the new state.
+pub fn gated_delta_rule(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    let q = inputs.q;
     // Decode steps and verify blocks go token by token (on CUDA the fused step kernel, whose
     // arithmetic per token does not depend on the block's length: what speculative rollback
     // relies on); prompts go by chunks (on CUDA, the tensor-core kernels for 16-bit inputs with
@@ -47,14 +53,14 @@ pub fn gated_delta_rule(
     // (A rollback re-folds its kept positions through this same dispatch, so it matches a
     // forward over only those tokens.)
     match q.device() {
-        Device::Cpu => cpu::run(q, k, v, a, b, gating, state),
+        Device::Cpu => cpu::run(inputs, gating, state),
         #[cfg(feature = "cuda")]
-        Device::Cuda(_) if gpu::takes(q, k, v, a, b)? => match gpu::takes_chunked(q, v)? {
-            true => gpu::chunked(q, k, v, a, b, gating, state),
-            false => gpu::steps(q, k, v, a, b, gating, state, false),
+        Device::Cuda(_) if gpu::takes(inputs)? => match gpu::takes_chunked(inputs)? {
+            true => gpu::chunked(inputs, gating, state),
+            false => gpu::steps(inputs, gating, state, false),
         },
-        _ if q.dim(1)? > STEPWISE_MAX => chunked(q, k, v, a, b, gating, state),
-        _ => reference(q, k, v, a, b, gating, state),
+        _ if q.dim(1)? > STEPWISE_MAX => chunked(inputs, gating, state),
+        _ => reference(inputs, gating, state),
     }
 }
 
@@ -63,26 +69,19 @@ pub fn gated_delta_rule(
 /// output. The caller must be the state's only holder. CUDA only; the same kernel and the same
 /// bits as [`gated_delta_rule`] there (each block reads its state rows before writing them).
 #[cfg(feature = "cuda")]
-pub fn gated_delta_rule_in_place(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    gating: &Gating,
-    state: &Tensor,
-) -> Result<Tensor> {
+pub fn gated_delta_rule_in_place(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<Tensor> {
+    let Inputs { q, v, .. } = *inputs;
     let (bsz, _, _, dk) = q.dims4()?;
     let (_, _, hv, dv) = v.dims4()?;
     if !q.device().is_cuda()
-        || !gpu::takes(q, k, v, a, b)?
+        || !gpu::takes(inputs)?
         || state.dtype() != DType::F32
         || !state.is_contiguous()
         || state.dims() != [bsz, hv, dv, dk]
     {
         candle_core::bail!("the in-place gated delta rule takes CUDA inputs the kernel handles and a contiguous f32 state");
     }
-    Ok(gpu::steps(q, k, v, a, b, gating, state, true)?.0)
+    Ok(gpu::steps(inputs, gating, state, true)?.0)
 }
 
 fn softplus(x: &Tensor) -> Result<Tensor> {
@@ -96,7 +95,8 @@ fn l2norm(x: &Tensor) -> Result<Tensor> {
 
 /// The inputs in f32, per value head: `q` (normalised, scaled), `k` (normalised) `[B, T, Hv, Dk]`,
 /// `v` `[B, T, Hv, Dv]`, the log decay `g` and the write strength `beta` `[B, T, Hv]`.
-fn prepared(q: &Tensor, k: &Tensor, v: &Tensor, a: &Tensor, b: &Tensor, gating: &Gating) -> Result<[Tensor; 5]> {
+fn prepared(inputs: &Inputs, gating: &Gating) -> Result<[Tensor; 5]> {
+    let Inputs { q, k, v, a, b } = *inputs;
     let dk = q.dim(3)?;
     let group = v.dim(2)? / q.dim(2)?;
     let f = |x: &Tensor| x.to_dtype(DType::F32);
@@ -112,18 +112,11 @@ fn prepared(q: &Tensor, k: &Tensor, v: &Tensor, a: &Tensor, b: &Tensor, gating: 
 }
 
 /// The slow twin: the same recurrence from tensor ops, one token per step. Runs on any device.
-pub fn reference(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    gating: &Gating,
-    state: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+pub fn reference(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    let Inputs { q, v, .. } = *inputs;
     let (bsz, t_len, _, _) = q.dims4()?;
     let hv = v.dim(2)?;
-    let [q, k, v, g, beta] = prepared(q, k, v, a, b, gating)?;
+    let [q, k, v, g, beta] = prepared(inputs, gating)?;
     let mut s = state.to_dtype(DType::F32)?;
     let mut outs = Vec::with_capacity(t_len);
     for t in 0..t_len {
@@ -163,15 +156,8 @@ pub const CHUNK: usize = 64;
 /// ```
 /// The inverse of `I + L` (`L` strictly lower, so nilpotent) is the product
 /// `(I − L)(I + L²)(I + L⁴)…(I + L³²)` for 64 tokens: six factors, five squarings.
-pub fn chunked(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    a: &Tensor,
-    b: &Tensor,
-    gating: &Gating,
-    state: &Tensor,
-) -> Result<(Tensor, Tensor)> {
+pub fn chunked(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    let Inputs { q, v, .. } = *inputs;
     let (bsz, t_len, _, _) = q.dims4()?;
     let hv = v.dim(2)?;
     let dev = q.device();
@@ -186,7 +172,7 @@ pub fn chunked(
         let d = x.dim(3)?;
         x.reshape((heads * n, CHUNK, d))
     };
-    let [q, k, v, g, beta] = prepared(q, k, v, a, b, gating)?;
+    let [q, k, v, g, beta] = prepared(inputs, gating)?;
     let (q, k, v) = (chunks(q)?, chunks(k)?, chunks(v)?);
     let beta = chunks(beta.unsqueeze(3)?)?; // [B·Hv·N, C, 1]
     let cum = chunks(g.unsqueeze(3)?)?.squeeze(2)?.cumsum(1)?; // G, [B·Hv·N, C]
@@ -240,7 +226,7 @@ mod gpu {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::{DType, Tensor};
 
-    use super::Gating;
+    use super::{Gating, Inputs};
     use crate::cuda::{self, Arg};
     use crate::Result;
 
@@ -250,7 +236,8 @@ mod gpu {
     const ROWS_PER_WARP: usize = 2;
     const MAX_KEY_DIM: usize = 256;
 
-    pub(super) fn takes(q: &Tensor, k: &Tensor, v: &Tensor, a: &Tensor, b: &Tensor) -> Result<bool> {
+    pub(super) fn takes(inputs: &Inputs) -> Result<bool> {
+        let Inputs { q, k, v, a, b } = *inputs;
         let dtype = q.dtype();
         let same = [k, v, a, b].iter().all(|t| t.dtype() == dtype);
         let (hk, hv) = (q.dim(2)?, v.dim(2)?);
@@ -283,25 +270,22 @@ mod gpu {
         (2 * (3 * CHUNK * (CHUNK_HEAD + 8) * 2 + CHUNK * (CHUNK + 8) * 2 + CHUNK * (SCAN_COLS + 8) * 4)) as u32;
 
     /// Whether a call goes to the chunked tensor-core kernels: a prompt (at least a chunk of
-    /// tokens) of 16-bit inputs with 128-wide heads.
-    pub(super) fn takes_chunked(q: &Tensor, v: &Tensor) -> Result<bool> {
-        Ok(matches!(q.dtype(), DType::BF16 | DType::F16)
+    /// tokens) of 16-bit inputs with 128-wide heads, on a GPU that has them (compute capability
+    /// 8.0 on, in the build) and grants the scan's shared memory (Hopper does; an A100 does not).
+    pub(super) fn takes_chunked(&Inputs { q, v, .. }: &Inputs) -> Result<bool> {
+        let (dev, dtype) = (q.device(), q.dtype());
+        Ok(matches!(dtype, DType::BF16 | DType::F16)
             && q.dim(1)? >= CHUNK
             && q.dim(3)? == CHUNK_HEAD
-            && v.dim(3)? == CHUNK_HEAD)
+            && v.dim(3)? == CHUNK_HEAD
+            && cuda::fits(dev, &cuda::RECURRENT, "gated_delta_chunk_prepare", dtype, PREPARE_SHARED)
+            && cuda::fits(dev, &cuda::RECURRENT, "gated_delta_chunk_scan", dtype, SCAN_SHARED))
     }
 
     /// The chunk-parallel form on tensor cores (cuda/recurrent.cu): every chunk's products and
     /// UT transform at once, then one pass over the chunks carrying the state.
-    pub(super) fn chunked(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        gating: &Gating,
-        state: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
+    pub(super) fn chunked(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Tensor, Tensor)> {
+        let Inputs { q, k, v, a, b } = *inputs;
         let (bsz, t_len, hk, _) = q.dims4()?;
         let hv = v.dim(2)?;
         let chunks = t_len.div_ceil(CHUNK);
@@ -318,10 +302,16 @@ mod gpu {
         let u = cuda::output(per_token, DType::F32, dev)?;
         let p = cuda::output((heads, chunks, CHUNK, CHUNK), dtype, dev)?;
         let chunk_decay = cuda::output((heads, chunks), DType::F32, dev)?;
-        let blocks = |x: usize| u32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{x} blocks exceed a CUDA grid")));
+        // Rows · heads along x (up to 2³¹ − 1 blocks), chunks or state columns along y (65535).
+        let blocks = |n: usize, limit: u32| {
+            u32::try_from(n)
+                .ok()
+                .filter(|&n| n <= limit)
+                .ok_or_else(|| candle_core::Error::Msg(format!("{t_len} tokens of {heads} heads exceed a CUDA grid")))
+        };
         let threads = (CHUNK / 16 * 32) as u32;
         let prepare = LaunchConfig {
-            grid_dim: (blocks(chunks)?, blocks(heads)?, 1),
+            grid_dim: (blocks(heads, i32::MAX as u32)?, blocks(chunks, 65535)?, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: PREPARE_SHARED,
         };
@@ -352,7 +342,7 @@ mod gpu {
         let out = cuda::output((bsz, t_len, hv, CHUNK_HEAD), DType::F32, dev)?;
         let new_state = cuda::output((bsz, hv, CHUNK_HEAD, CHUNK_HEAD), DType::F32, dev)?;
         let scan = LaunchConfig {
-            grid_dim: ((CHUNK_HEAD / SCAN_COLS) as u32, blocks(heads)?, 1),
+            grid_dim: (blocks(heads, i32::MAX as u32)?, (CHUNK_HEAD / SCAN_COLS) as u32, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: SCAN_SHARED,
         };
@@ -394,16 +384,8 @@ mod gpu {
 
     /// One block per (row, value head, 8 state rows); each warp keeps 2 rows of the state in
     /// registers across all tokens. The new state goes over `state` when `in_place`.
-    pub(super) fn steps(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        gating: &Gating,
-        state: &Tensor,
-        in_place: bool,
-    ) -> Result<(Tensor, Tensor)> {
+    pub(super) fn steps(inputs: &Inputs, gating: &Gating, state: &Tensor, in_place: bool) -> Result<(Tensor, Tensor)> {
+        let Inputs { q, k, v, a, b } = *inputs;
         let (bsz, t_len, hk, dk) = q.dims4()?;
         let (hv, dv) = (v.dim(2)?, v.dim(3)?);
         let ((q, qs), (k, ks), (v, vs)) = (token_strided(q)?, token_strided(k)?, token_strided(v)?);
@@ -460,15 +442,8 @@ mod cpu {
         }
     }
 
-    pub(super) fn run(
-        q: &Tensor,
-        k: &Tensor,
-        v: &Tensor,
-        a: &Tensor,
-        b: &Tensor,
-        gating: &Gating,
-        state: &Tensor,
-    ) -> Result<(Tensor, Tensor)> {
+    pub(super) fn run(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Tensor, Tensor)> {
+        let Inputs { q, k, v, a, b } = *inputs;
         let (bsz, t_len, hk, dk) = q.dims4()?;
         let (_, _, hv, dv) = v.dims4()?;
         let group = hv / hk;
@@ -565,25 +540,25 @@ mod tests {
         let dt_bias = randn(&[hv], 1.0, 7);
         let s0 = randn(&[bsz, hv, dv, dk], 0.5, 8);
         let gating = Gating { a_log: &a_log, dt_bias: &dt_bias };
-        let (o1, s1) = reference(&q, &k, &v, &a, &b, &gating, &s0).unwrap();
-        let (o2, s2) = cpu::run(&q, &k, &v, &a, &b, &gating, &s0).unwrap();
+        let inputs = Inputs { q: &q, k: &k, v: &v, a: &a, b: &b };
+        let (o1, s1) = reference(&inputs, &gating, &s0).unwrap();
+        let (o2, s2) = cpu::run(&inputs, &gating, &s0).unwrap();
         let diff = |x: &Tensor, y: &Tensor| -> f32 {
             (x - y).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
         };
         assert!(diff(&o1, &o2) < 1e-5, "output differs by {}", diff(&o1, &o2));
         assert!(diff(&s1, &s2) < 1e-5, "state differs by {}", diff(&s1, &s2));
         // The chunk-parallel form: other summation orders, the same recurrence.
-        let (o3, s3) = chunked(&q, &k, &v, &a, &b, &gating, &s0).unwrap();
+        let (o3, s3) = chunked(&inputs, &gating, &s0).unwrap();
         assert!(diff(&o3, &o2) < 1e-4, "chunked output differs by {}", diff(&o3, &o2));
         assert!(diff(&s3, &s2) < 1e-4, "chunked state differs by {}", diff(&s3, &s2));
         // Splitting the sequence in two through the carried state changes nothing.
         let half = t / 2;
-        let n = |x: &Tensor, s: usize, l: usize| x.narrow(1, s, l).unwrap();
-        let (oa, sa) =
-            cpu::run(&n(&q, 0, half), &n(&k, 0, half), &n(&v, 0, half), &n(&a, 0, half), &n(&b, 0, half), &gating, &s0).unwrap();
-        let r = t - half;
-        let (ob, sb) =
-            cpu::run(&n(&q, half, r), &n(&k, half, r), &n(&v, half, r), &n(&a, half, r), &n(&b, half, r), &gating, &sa).unwrap();
+        let part = |from: usize, len: usize| [&q, &k, &v, &a, &b].map(|x| x.narrow(1, from, len).unwrap());
+        let run_part =
+            |[q, k, v, a, b]: &[Tensor; 5], state: &Tensor| cpu::run(&Inputs { q, k, v, a, b }, &gating, state).unwrap();
+        let (oa, sa) = run_part(&part(0, half), &s0);
+        let (ob, sb) = run_part(&part(half, t - half), &sa);
         assert_eq!(diff(&Tensor::cat(&[oa, ob], 1).unwrap(), &o2), 0.0);
         assert_eq!(diff(&sb, &s2), 0.0);
     }

@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention::{causal_attention, causal_attention_rows, norm_rope, write_rows, Scoring};
 use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
-use strata_kernels::gated_delta::{gated_delta_rule, Gating};
+use strata_kernels::gated_delta::{gated_delta_rule, Gating, Inputs};
 use strata_kernels::matmul::matmul_t;
 use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
 use strata_kernels::sampling::{argmax_rows, first_max};
@@ -76,7 +76,7 @@ impl DeltaInputs {
         let cut = |at: usize| on(&gates).narrow(1, from, len).unwrap().narrow(2, at, hv).unwrap();
         let (a_log, dt_bias) = (on(&self.a_log), on(&self.dt_bias));
         let gating = Gating { a_log: &a_log, dt_bias: &dt_bias };
-        gated_delta_rule(&q, &k, &v, &cut(0), &cut(hv), &gating, &on(state)).unwrap()
+        gated_delta_rule(&Inputs { q: &q, k: &k, v: &v, a: &cut(0), b: &cut(hv) }, &gating, &on(state)).unwrap()
     }
 }
 

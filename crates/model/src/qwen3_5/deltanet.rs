@@ -85,7 +85,11 @@ impl GatedDeltaNet {
         let [qkv, z, beta_logits, a] = self.in_proj.forward(x)?;
         let mixed = strata_kernels::conv1d::causal_conv1d_silu_step_in_place(&qkv, &state.conv, &self.conv_weight)?;
         let [q, k, v] = self.split_heads(&mixed)?;
-        let o = gated_delta::gated_delta_rule_in_place(&q, &k, &v, &a, &beta_logits, &self.gating(), &state.ssm)?;
+        let o = gated_delta::gated_delta_rule_in_place(
+            &gated_delta::Inputs { q: &q, k: &k, v: &v, a: &a, b: &beta_logits },
+            &self.gating(),
+            &state.ssm,
+        )?;
         self.output(&o, &z, (b, t))
     }
 
@@ -129,7 +133,8 @@ impl GatedDeltaNet {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (mixed, conv) = causal_conv1d_silu(qkv, conv, &self.conv_weight)?;
         let [q, k, v] = self.split_heads(&mixed)?;
-        let (o, ssm) = gated_delta::gated_delta_rule(&q, &k, &v, a, beta_logits, &self.gating(), ssm)?;
+        let (o, ssm) =
+            gated_delta::gated_delta_rule(&gated_delta::Inputs { q: &q, k: &k, v: &v, a, b: beta_logits }, &self.gating(), ssm)?;
         Ok((o, conv, ssm))
     }
 
