@@ -64,6 +64,13 @@ pub fn gated_delta_rule(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Res
     }
 }
 
+/// Whether [`gated_delta_rule`] takes `inputs` by chunks on tensor cores (CUDA kernels for 16-bit
+/// prompts with 128-wide heads, on GPUs that grant their shared memory) rather than step by step.
+#[cfg(feature = "cuda")]
+pub fn on_tensor_cores(inputs: &Inputs) -> Result<bool> {
+    Ok(inputs.q.device().is_cuda() && gpu::takes(inputs)? && gpu::takes_chunked(inputs)?)
+}
+
 /// [`gated_delta_rule`] writing the new state over `state` (f32, contiguous) instead of to fresh
 /// memory, for a captured decode step whose state buffers stay put between replays; returns the
 /// output. The caller must be the state's only holder. CUDA only; the same kernel and the same

@@ -5,15 +5,14 @@ use candle_core::{DType, Tensor};
 use strata_kernels::attention::{causal_attention_rows, Scoring};
 use strata_state::KvStore;
 
-use super::layers::{Linear, RmsNorm};
+use super::layers::{Linear, Projections, RmsNorm};
 use crate::config::Qwen35Config;
 use crate::error::Result;
 use crate::source::WeightSource;
 
 pub struct Attention {
-    q_proj: Linear,
-    k_proj: Linear,
-    v_proj: Linear,
+    /// `q_proj` (`[q | gate]` per head), `k_proj`, `v_proj`.
+    qkv_proj: Projections,
     o_proj: Linear,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
@@ -27,9 +26,13 @@ impl Attention {
         let (h, kv, d, hidden) = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size);
         let bias = cfg.attention_bias;
         Ok(Self {
-            q_proj: Linear::load(src, &format!("{name}.q_proj"), 2 * h * d, hidden, bias, dtype)?,
-            k_proj: Linear::load(src, &format!("{name}.k_proj"), kv * d, hidden, bias, dtype)?,
-            v_proj: Linear::load(src, &format!("{name}.v_proj"), kv * d, hidden, bias, dtype)?,
+            qkv_proj: Projections::load(
+                src,
+                &[(format!("{name}.q_proj"), 2 * h * d), (format!("{name}.k_proj"), kv * d), (format!("{name}.v_proj"), kv * d)],
+                hidden,
+                bias,
+                dtype,
+            )?,
             o_proj: Linear::load(src, &format!("{name}.o_proj"), hidden, h * d, bias, dtype)?,
             q_norm: RmsNorm::load(src, &format!("{name}.q_norm"), d, cfg.rms_norm_eps)?,
             k_norm: RmsNorm::load(src, &format!("{name}.k_norm"), d, cfg.rms_norm_eps)?,
@@ -64,11 +67,12 @@ impl Attention {
     fn heads(&self, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Heads> {
         let (b, t, _) = x.dims3()?;
         let (h, d) = (self.heads, self.head_dim);
-        let qg = self.q_proj.forward(x)?.reshape((b, t, h, 2 * d))?;
+        let [qg, k, v] = self.qkv_proj.forward(x)?;
+        let qg = qg.reshape((b, t, h, 2 * d))?;
         let q = self.q_norm.forward_rope(&qg.narrow(3, 0, d)?, rope)?;
         let gate = qg.narrow(3, d, d)?.reshape((b, t, h * d))?;
-        let k = self.k_norm.forward_rope(&self.k_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?, rope)?;
-        let v = self.v_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
+        let k = self.k_norm.forward_rope(&k.reshape((b, t, self.kv_heads, d))?, rope)?;
+        let v = v.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
         Ok(Heads { q, k, v, gate })
     }
 

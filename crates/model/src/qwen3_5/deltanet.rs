@@ -51,6 +51,7 @@ impl GatedDeltaNet {
                     (format!("{name}.in_proj_a"), hv),
                 ],
                 hidden,
+                false,
                 dtype,
             )?,
             conv_weight,

@@ -21,6 +21,7 @@ use strata_kernels::attention::DecodeRows;
 use strata_kernels::{device_address, upload, StepGraph};
 use strata_state::{BatchState, LayerState};
 
+use super::layers::Residual;
 use super::{mismatched, Logits, Mixer, Qwen35};
 use crate::error::Result;
 
@@ -255,7 +256,7 @@ impl Qwen35 {
     /// The launches of one decode step, reading `inputs` and writing `logits`: what a
     /// [`DecodeGraph`] records.
     fn record_step(&self, state: &BatchState, inputs: &StepInputs, logits: &Tensor) -> Result<()> {
-        let mut x = self.embed_checked(&inputs.tokens)?;
+        let mut x = Residual::new(self.embed_checked(&inputs.tokens)?);
         let mut kv = inputs.kv.iter();
         for (layer, layer_state) in self.layers.iter().zip(&state.layers) {
             x = layer.forward_with(&x, |mixer, h| match (mixer, layer_state) {
@@ -267,7 +268,8 @@ impl Qwen35 {
                 (_, s) => Err(mismatched(s)),
             })?;
         }
-        let out = self.lm_head.forward(&self.norm.forward(&x.squeeze(1)?)?)?.to_dtype(DType::F32)?;
+        let (_, normed) = self.norm.forward_stream(&x.map(|t| t.squeeze(1))?)?;
+        let out = self.lm_head.forward(&normed)?.to_dtype(DType::F32)?;
         logits.slice_set(&out, 0, 0)?;
         Ok(())
     }

@@ -117,22 +117,24 @@ pub enum Projections {
 }
 
 impl Projections {
-    /// Loads `{name}.weight` `[out, in_dim]` for each `(name, out)`, without biases.
-    pub fn load(src: &dyn WeightSource, parts: &[(String, usize)], in_dim: usize, dtype: DType) -> Result<Self> {
+    /// Loads `{name}.weight` `[out, in_dim]` (and `{name}.bias` `[out]` with `bias`) for each
+    /// `(name, out)`.
+    pub fn load(src: &dyn WeightSource, parts: &[(String, usize)], in_dim: usize, bias: bool, dtype: DType) -> Result<Self> {
         let parts =
-            parts.iter().map(|(name, out)| Linear::load(src, name, *out, in_dim, false, dtype)).collect::<Result<Vec<_>>>()?;
-        let plain: Option<Vec<&Tensor>> = parts
-            .iter()
-            .map(|l| match (&l.weight, &l.bias) {
-                (Matrix::Dense(w), None) => Some(w),
-                _ => None,
-            })
-            .collect();
+            parts.iter().map(|(name, out)| Linear::load(src, name, *out, in_dim, bias, dtype)).collect::<Result<Vec<_>>>()?;
+        let plain: Option<Vec<&Tensor>> =
+            parts.iter().map(|l| if let Matrix::Dense(w) = &l.weight { Some(w) } else { None }).collect();
         Ok(match plain {
-            Some(weights) => Projections::Joined {
-                sizes: weights.iter().map(|w| w.dim(0)).collect::<candle_core::Result<_>>()?,
-                linear: Linear::from_weight(Matrix::Dense(Tensor::cat(&weights, 0)?)),
-            },
+            Some(weights) => {
+                let biases: Option<Vec<&Tensor>> = parts.iter().map(|l| l.bias.as_ref()).collect();
+                Projections::Joined {
+                    sizes: weights.iter().map(|w| w.dim(0)).collect::<candle_core::Result<_>>()?,
+                    linear: Linear {
+                        weight: Matrix::Dense(Tensor::cat(&weights, 0)?),
+                        bias: biases.map(|b| Tensor::cat(&b, 0)).transpose()?,
+                    },
+                }
+            }
             None => Projections::Apart(parts),
         })
     }
@@ -185,6 +187,37 @@ impl RmsNorm {
     pub fn forward_residual(&self, x: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
         Ok(norm::add_rms_norm(x, h, &self.scale, self.eps as f32)?)
     }
+
+    /// The stream's pending add and this norm: `(sum, norm(sum))`.
+    pub fn forward_stream(&self, stream: &Residual) -> Result<(Tensor, Tensor)> {
+        match &stream.branch {
+            Some(branch) => self.forward_residual(&stream.x, branch),
+            None => Ok((stream.x.clone(), self.forward(&stream.x)?)),
+        }
+    }
+}
+
+/// The residual stream between decoder layers: `x`, and the last layer's branch output not yet
+/// added to it, which the next norm adds as it normalises (one kernel for the add and the norm).
+pub struct Residual {
+    x: Tensor,
+    branch: Option<Tensor>,
+}
+
+impl Residual {
+    pub fn new(x: Tensor) -> Self {
+        Self { x, branch: None }
+    }
+
+    /// `x + branch`, still to be added.
+    pub fn pending(x: Tensor, branch: Tensor) -> Self {
+        Self { x, branch: Some(branch) }
+    }
+
+    /// `f` of both parts (a narrow or reshape that keeps them aligned).
+    pub fn map(&self, f: impl Fn(&Tensor) -> candle_core::Result<Tensor>) -> Result<Self> {
+        Ok(Self { x: f(&self.x)?, branch: self.branch.as_ref().map(f).transpose()? })
+    }
 }
 
 /// The DeltaNet output norm: `w * rmsnorm(x) * silu(gate)` per head (plain weight, not 1 + w).
@@ -216,7 +249,7 @@ impl Mlp {
     pub fn load(src: &dyn WeightSource, name: &str, hidden: usize, inter: usize, dtype: DType) -> Result<Self> {
         let parts = [(format!("{name}.gate_proj"), inter), (format!("{name}.up_proj"), inter)];
         Ok(Self {
-            gate_up: Projections::load(src, &parts, hidden, dtype)?,
+            gate_up: Projections::load(src, &parts, hidden, false, dtype)?,
             down: Linear::load(src, &format!("{name}.down_proj"), hidden, inter, false, dtype)?,
         })
     }

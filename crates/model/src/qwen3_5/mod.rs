@@ -13,7 +13,7 @@ use strata_state::{BatchState, KvStore, LayerState, RecurrentState};
 
 use self::attention::Attention;
 use self::deltanet::GatedDeltaNet;
-use self::layers::{Linear, Matrix, Mlp, RmsNorm, Rotary};
+use self::layers::{Linear, Matrix, Mlp, Residual, RmsNorm, Rotary};
 pub use self::mtp::MtpHead;
 use crate::config::{LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
@@ -45,8 +45,9 @@ impl DecoderLayer {
         })
     }
 
-    /// The layer on `x` `[B, T, hidden]`, reading its state and replacing it with the next.
-    fn forward(&self, x: &Tensor, state: &mut LayerState, rope: &(Tensor, Tensor)) -> Result<Tensor> {
+    /// The layer on the stream `x` (`[B, T, hidden]`), reading its state and replacing it with
+    /// the next.
+    fn forward(&self, x: &Residual, state: &mut LayerState, rope: &(Tensor, Tensor)) -> Result<Residual> {
         self.forward_with(x, |mixer, h| match (mixer, state) {
             (Mixer::Linear(m), LayerState::Recurrent(s)) => m.forward(h, s),
             (Mixer::Full(m), LayerState::Attention(s)) => m.forward(h, s, rope),
@@ -54,12 +55,13 @@ impl DecoderLayer {
         })
     }
 
-    /// `x + mixer(norm(x))`, then `+ mlp(norm(.))`, where `mix` runs the mixer (with whatever
-    /// state it reaches) on the normed input.
-    fn forward_with(&self, x: &Tensor, mix: impl FnOnce(&Mixer, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
-        let h = mix(&self.mixer, &self.input_norm.forward(x)?)?;
-        let (x, h) = self.post_norm.forward_residual(x, &h)?;
-        Ok((&x + self.mlp.forward(&h)?)?)
+    /// `x + mixer(norm(x))`, then `+ mlp(norm(.))` left pending for the next norm, where `mix`
+    /// runs the mixer (with whatever state it reaches) on the normed input.
+    fn forward_with(&self, x: &Residual, mix: impl FnOnce(&Mixer, &Tensor) -> Result<Tensor>) -> Result<Residual> {
+        let (x, normed) = self.input_norm.forward_stream(x)?;
+        let h = mix(&self.mixer, &normed)?;
+        let (x, h) = self.post_norm.forward_residual(&x, &h)?;
+        Ok(Residual::pending(x, self.mlp.forward(&h)?))
     }
 }
 
@@ -301,15 +303,16 @@ impl Qwen35 {
         let x = self.decode_layers(tokens, state)?;
         let x = match logits {
             Logits::All => x,
-            Logits::Last => x.narrow(1, x.dim(1)? - 1, 1)?.squeeze(1)?,
+            Logits::Last => x.map(|t| t.narrow(1, t.dim(1)? - 1, 1)?.squeeze(1))?,
         };
-        Ok(self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?)
+        let (_, normed) = self.norm.forward_stream(&x)?;
+        Ok(self.lm_head.forward(&normed)?.to_dtype(DType::F32)?)
     }
 
     /// [`Qwen35::forward`], also returning every position's final normed hidden state
     /// `[B, T, hidden]` (what the multi-token-prediction head reads). The logits are the same.
     pub fn forward_with_hidden(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<(Tensor, Tensor)> {
-        let hidden = self.norm.forward(&self.decode_layers(tokens, state)?)?;
+        let (_, hidden) = self.norm.forward_stream(&self.decode_layers(tokens, state)?)?;
         let x = match logits {
             Logits::All => hidden.clone(),
             Logits::Last => hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?,
@@ -323,13 +326,13 @@ impl Qwen35 {
         MtpHead::load(self, src)
     }
 
-    /// Embedding and decoder layers: the pre-norm hidden states `[B, T, hidden]`.
-    fn decode_layers(&self, tokens: &Tensor, state: &mut BatchState) -> Result<Tensor> {
+    /// Embedding and decoder layers: the stream of pre-norm hidden states `[B, T, hidden]`.
+    fn decode_layers(&self, tokens: &Tensor, state: &mut BatchState) -> Result<Residual> {
         let (b, t) = tokens.dims2()?;
         if b != state.rows() {
             return Err(ModelError::Invalid(format!("forward got {b} rows of tokens for a state of {} rows", state.rows())));
         }
-        let mut x = self.embed_tokens(tokens)?;
+        let mut x = Residual::new(self.embed_tokens(tokens)?);
         let rope = self.rotary.tables(&state.positions, t, &self.device)?;
         for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
             x = layer.forward(&x, layer_state, &rope)?;

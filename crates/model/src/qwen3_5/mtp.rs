@@ -13,7 +13,7 @@
 use candle_core::{DType, Device, Tensor};
 use strata_state::{BatchState, KvStore, LayerState};
 
-use super::layers::{Linear, Matrix, RmsNorm, Rotary};
+use super::layers::{Linear, Matrix, Residual, RmsNorm, Rotary};
 use super::{DecoderLayer, Qwen35, Round};
 use crate::config::LayerKind;
 use crate::error::{ModelError, Result};
@@ -100,11 +100,11 @@ impl MtpHead {
             Tensor::cat(&[self.embed_norm.forward(&embedded)?, self.hidden_norm.forward(&hidden.to_dtype(self.dtype)?)?], 2)?;
         let x = self.fc.forward(&joined)?;
         let rope = self.rotary.tables(&state.positions, t, &self.device)?;
-        let x = self.layer.forward(&x, &mut state.layers[0], &rope)?;
+        let x = self.layer.forward(&Residual::new(x), &mut state.layers[0], &rope)?;
         for p in &mut state.positions {
             *p += t;
         }
-        self.norm.forward(&x)
+        Ok(self.norm.forward_stream(&x)?.1)
     }
 
     /// f32 logits for `y` `[.., hidden]`.
