@@ -19,51 +19,69 @@ __device__ __forceinline__ float row_sum_sq(Load load, int D, int lane) {
     return warp_sum(acc);
 }
 
-// y = x rsqrt(mean(x^2) + eps) scale for the block's row of D, which its threads hold in
-// registers between the sum and the scaling.
+// sum = x + h (in T), y = x rsqrt(mean(sum^2) + eps) scale: a residual add and the norm after it
+// (without h, the norm of x alone and no sum), one block per row of D, whose threads hold the
+// row in registers between the sum of squares and the scaling. With `pieces` (D a multiple of
+// 16 bytes' worth, rows 16-byte aligned) each thread moves 16-byte pieces, else single elements.
 template <typename T>
-__device__ __forceinline__ void rms_norm_block_row(float (&v)[MAX_ROW_ITEMS], const float* scale, T* y, int D,
-                                                   float eps) {
+__device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum, T* y, int D, float eps, int pieces) {
+    constexpr int VEC = 16 / sizeof(T), PIECES = MAX_ROW_ITEMS / VEC;
+    const long long base = (long long)blockIdx.x * D;
+    const auto stream = [&](T xv, T hv) { return h ? from_f32<T>(to_f32(xv) + to_f32(hv)) : xv; };
+    float v[MAX_ROW_ITEMS];
+    if (pieces) {
+#pragma unroll
+        for (int i = 0; i < PIECES; ++i) {
+            const int d = (threadIdx.x + i * blockDim.x) * VEC;
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) v[i * VEC + e] = 0.0f;
+            if (d >= D) continue;
+            const uint4 xv = *reinterpret_cast<const uint4*>(x + base + d);
+            const uint4 hv = h ? *reinterpret_cast<const uint4*>(h + base + d) : xv;
+            uint4 sv;
+            const T *xe = reinterpret_cast<const T*>(&xv), *he = reinterpret_cast<const T*>(&hv);
+            T* se = reinterpret_cast<T*>(&sv);
+#pragma unroll
+            for (int e = 0; e < VEC; ++e) {
+                se[e] = stream(xe[e], he[e]);
+                v[i * VEC + e] = to_f32(se[e]);
+            }
+            if (sum) *reinterpret_cast<uint4*>(sum + base + d) = sv;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
+            const int d = threadIdx.x + i * blockDim.x;
+            v[i] = 0.0f;
+            if (d < D) {
+                const T s = stream(x[base + d], h ? h[base + d] : x[base + d]);
+                if (sum) sum[base + d] = s;
+                v[i] = to_f32(s);
+            }
+        }
+    }
     float acc = 0.0f;
 #pragma unroll
     for (int i = 0; i < MAX_ROW_ITEMS; ++i) acc += v[i] * v[i];
     const float inv = rsqrtf(block_sum(acc) / D + eps);
+    if (pieces) {
 #pragma unroll
-    for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
-        const int d = threadIdx.x + i * blockDim.x;
-        if (d < D) y[d] = from_f32<T>(v[i] * inv * scale[d]);
-    }
-}
-
-// y = x rsqrt(mean(x^2) + eps) scale, one block per row of D.
-template <typename T>
-__device__ void rms_norm(const T* x, const float* scale, T* y, int D, float eps) {
-    const long long base = (long long)blockIdx.x * D;
-    float v[MAX_ROW_ITEMS];
+        for (int i = 0; i < PIECES; ++i) {
+            const int d = (threadIdx.x + i * blockDim.x) * VEC;
+            if (d >= D) continue;
+            uint4 out;
+            T* oe = reinterpret_cast<T*>(&out);
 #pragma unroll
-    for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
-        const int d = threadIdx.x + i * blockDim.x;
-        v[i] = d < D ? to_f32(x[base + d]) : 0.0f;
-    }
-    rms_norm_block_row(v, scale, y + base, D, eps);
-}
-
-// sum = x + h (in T), y = rms_norm(sum): a residual add and the norm after it, one block per row.
-template <typename T>
-__device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum, T* y, int D, float eps) {
-    const long long base = (long long)blockIdx.x * D;
-    float v[MAX_ROW_ITEMS];
+            for (int e = 0; e < VEC; ++e) oe[e] = from_f32<T>(v[i * VEC + e] * inv * scale[d + e]);
+            *reinterpret_cast<uint4*>(y + base + d) = out;
+        }
+    } else {
 #pragma unroll
-    for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
-        const int d = threadIdx.x + i * blockDim.x;
-        v[i] = 0.0f;
-        if (d < D) {
-            const T s = from_f32<T>(to_f32(x[base + d]) + to_f32(h[base + d]));
-            sum[base + d] = s;
-            v[i] = to_f32(s);
+        for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
+            const int d = threadIdx.x + i * blockDim.x;
+            if (d < D) y[base + d] = from_f32<T>(v[i] * inv * scale[d]);
         }
     }
-    rms_norm_block_row(v, scale, y + base, D, eps);
 }
 
 // The DeltaNet output norm: x (f32 [rows, D], rounded to T first) normalised, rounded to T,
@@ -86,23 +104,41 @@ __device__ void gated_rms_norm(const float* x, const T* gate, long long gate_str
 
 // silu(gate) * up for [rows, cols] with the inputs' rows `gate_stride` / `up_stride` apart
 // (halves of one projection's output, say); silu's result is rounded to T as a separate op
-// would. y is contiguous. blockIdx.x is the row, blockIdx.y · blockDim.x + threadIdx.x the column.
+// would. y is contiguous. blockIdx.x is the row; each thread takes 16 bytes' worth of columns
+// (blockIdx.y · blockDim.x + threadIdx.x counts those pieces), in one load per input where
+// `pieces` says every row of both inputs and the output starts 16-byte aligned.
 template <typename T>
 __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long long up_stride, T* y, int rows,
-                         int cols) {
+                         int cols, int pieces) {
+    constexpr int VEC = 16 / sizeof(T);
     const long long r = blockIdx.x;
-    const int c = blockIdx.y * blockDim.x + threadIdx.x;
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * VEC;
     if (r >= rows || c >= cols) return;
-    y[r * cols + c] = from_f32<T>(round_to<T>(silu(to_f32(gate[r * gate_stride + c]))) * to_f32(up[r * up_stride + c]));
+    const T* g = gate + r * gate_stride + c;
+    const T* u = up + r * up_stride + c;
+    T* out = y + r * cols + c;
+    const auto product = [](T g, T u) { return from_f32<T>(round_to<T>(silu(to_f32(g))) * to_f32(u)); };
+    if (pieces && c + VEC <= cols) {
+        const uint4 gv = *reinterpret_cast<const uint4*>(g), uv = *reinterpret_cast<const uint4*>(u);
+        uint4 ov;
+        const T *ge = reinterpret_cast<const T*>(&gv), *ue = reinterpret_cast<const T*>(&uv);
+        T* oe = reinterpret_cast<T*>(&ov);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) oe[e] = product(ge[e], ue[e]);
+        *reinterpret_cast<uint4*>(out) = ov;
+    } else {
+        for (int e = 0; e < VEC && c + e < cols; ++e) out[e] = product(g[e], u[e]);
+    }
 }
 
 #define INSTANTIATE(T, NAME)                                                                                   \
-    extern "C" __global__ void rms_norm_##NAME(const T* x, const float* scale, T* y, int D, float eps) {      \
-        rms_norm<T>(x, scale, y, D, eps);                                                                      \
+    extern "C" __global__ void rms_norm_##NAME(const T* x, const float* scale, T* y, int D, float eps,         \
+                                               int pieces) {                                                   \
+        add_rms_norm<T>(x, nullptr, scale, nullptr, y, D, eps, pieces);                                        \
     }                                                                                                          \
     extern "C" __global__ void add_rms_norm_##NAME(const T* x, const T* h, const float* scale, T* sum, T* y,  \
-                                                   int D, float eps) {                                         \
-        add_rms_norm<T>(x, h, scale, sum, y, D, eps);                                                          \
+                                                   int D, float eps, int pieces) {                             \
+        add_rms_norm<T>(x, h, scale, sum, y, D, eps, pieces);                                                  \
     }                                                                                                          \
     extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, long long gate_stride,    \
                                                      const float* weight, T* y, int rows, int H, int D,        \
@@ -110,7 +146,7 @@ __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long
         gated_rms_norm<T>(x, gate, gate_stride, weight, y, rows, H, D, eps);                                   \
     }                                                                                                          \
     extern "C" __global__ void silu_mul_##NAME(const T* gate, long long gate_stride, const T* up,             \
-                                               long long up_stride, T* y, int rows, int cols) {                \
-        silu_mul<T>(gate, gate_stride, up, up_stride, y, rows, cols);                                          \
+                                               long long up_stride, T* y, int rows, int cols, int pieces) {    \
+        silu_mul<T>(gate, gate_stride, up, up_stride, y, rows, cols, pieces);                                  \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)

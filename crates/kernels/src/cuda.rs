@@ -5,6 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaModule, DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::cudarc::nvrtc::Ptx;
 use candle_core::cuda_backend::{CudaDType, CudaDevice, CudaStorage, DeviceId};
@@ -34,16 +35,25 @@ pub(crate) const MATMUL: Module = module!("matmul");
 #[derive(Default)]
 struct Loaded {
     modules: HashMap<(DeviceId, &'static str), Arc<CudaModule>>,
-    functions: HashMap<(DeviceId, &'static str, &'static str, DType), CudaFunction>,
+    kernels: HashMap<(DeviceId, &'static str, &'static str, DType), Kernel>,
+}
+
+/// A loaded kernel and the dynamic shared memory a block of it may have: what the GPU grants a
+/// block beyond the kernel's static arrays (opted into once, at load).
+#[derive(Clone)]
+struct Kernel {
+    function: CudaFunction,
+    max_dynamic_shared: u32,
+    multiprocessors: u32,
 }
 
 /// `module`'s kernel `name` for `dtype` on `dev`, loading the module on first use.
-fn function(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType) -> Result<CudaFunction> {
+fn kernel(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType) -> Result<Kernel> {
     static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
     let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
     let key = (dev.id(), module.name, name, dtype);
-    if let Some(f) = loaded.functions.get(&key) {
-        return Ok(f.clone());
+    if let Some(k) = loaded.kernels.get(&key) {
+        return Ok(k.clone());
     }
     let suffix = match dtype {
         DType::F32 => "f32",
@@ -63,9 +73,23 @@ fn function(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType)
             image
         }
     };
-    let f = image.load_function(&format!("{name}_{suffix}")).map_err(candle_core::Error::wrap)?;
-    loaded.functions.insert(key, f.clone());
-    Ok(f)
+    let function = image.load_function(&format!("{name}_{suffix}")).map_err(candle_core::Error::wrap)?;
+    // Static and dynamic shared memory beyond 48 KiB together is an opt-in per kernel.
+    let static_shared = function.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES);
+    let limit = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
+    let max_dynamic_shared = (limit.map_err(candle_core::Error::wrap)? - static_shared.map_err(candle_core::Error::wrap)?).max(0);
+    function
+        .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_shared)
+        .map_err(candle_core::Error::wrap)?;
+    let multiprocessors = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(candle_core::Error::wrap)?;
+    let kernel =
+        Kernel { function, max_dynamic_shared: max_dynamic_shared as u32, multiprocessors: multiprocessors.max(1) as u32 };
+    loaded.kernels.insert(key, kernel.clone());
+    Ok(kernel)
 }
 
 /// Readies a freshly opened GPU for inference, removing host-side work from the ops of a forward:
@@ -173,12 +197,8 @@ pub(crate) fn output(shape: impl Into<Shape>, dtype: DType, device: &Device) -> 
 /// generation than the build's are compiled out) and fits its blocks' shared memory — its own
 /// static arrays and `dynamic` bytes — in what the GPU grants a block.
 pub(crate) fn fits(device: &Device, module: &Module, name: &'static str, dtype: DType, dynamic: u32) -> bool {
-    use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
     let Device::Cuda(dev) = device else { return false };
-    let Ok(func) = function(dev, module, name, dtype) else { return false };
-    let own = func.get_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES);
-    let limit = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN);
-    matches!((own, limit), (Ok(own), Ok(limit)) if own as i64 + dynamic as i64 <= limit as i64)
+    kernel(dev, module, name, dtype).is_ok_and(|k| dynamic <= k.max_dynamic_shared)
 }
 
 /// Launches `module`'s kernel `name` instantiated for `dtype` (`name_f32`, `name_bf16`, …).
@@ -191,15 +211,9 @@ pub(crate) fn launch(
     args: &[Arg],
 ) -> Result<()> {
     let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
-    let func = function(dev, module, name, dtype)?;
-    if cfg.shared_mem_bytes > 0 {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-        // Static and dynamic shared memory beyond 48 KiB together is an opt-in per kernel.
-        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, cfg.shared_mem_bytes as i32)
-            .map_err(candle_core::Error::wrap)?;
-    }
+    let kernel = kernel(dev, module, name, dtype)?;
     let stream = dev.cuda_stream();
-    let mut builder = stream.launch_builder(&func);
+    let mut builder = stream.launch_builder(&kernel.function);
     for arg in args {
         match arg {
             Arg::Ptr(p) => builder.arg(p),
@@ -212,6 +226,25 @@ pub(crate) fn launch(
     // addresses of tensors it keeps alive across the call.
     unsafe { builder.launch(cfg) }.map_err(candle_core::Error::wrap)?;
     Ok(())
+}
+
+/// How many blocks of `block` threads with `dynamic` bytes of shared memory the GPU holds at
+/// once: a grid of at most this many runs in one wave.
+pub(crate) fn resident_blocks(
+    device: &Device,
+    module: &Module,
+    name: &'static str,
+    dtype: DType,
+    block: u32,
+    dynamic: u32,
+) -> Result<usize> {
+    let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
+    let kernel = kernel(dev, module, name, dtype)?;
+    let per_multiprocessor = kernel
+        .function
+        .occupancy_max_active_blocks_per_multiprocessor(block, dynamic as usize, None)
+        .map_err(candle_core::Error::wrap)?;
+    Ok(per_multiprocessor.max(1) as usize * kernel.multiprocessors as usize)
 }
 
 /// A grid with one block per row along x (`rows`) and `cols` threads in blocks of `block` along y.
@@ -270,7 +303,6 @@ impl StepGraph {
     /// (cudarc's per-buffer events, which a recording could not wait on, are off) whose driver
     /// allocates in stream order (allocations inside a recording become the graph's own).
     pub fn can_capture(device: &Device) -> bool {
-        use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
         let Device::Cuda(dev) = device else { return false };
         let pools = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED);
         !dev.is_event_tracking() && pools.is_ok_and(|supported| supported > 0)

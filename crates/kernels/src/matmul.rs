@@ -33,10 +33,8 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         }
     }
     #[cfg(feature = "cuda")]
-    if x.device().is_cuda() && m <= gpu::MAX_INPUT_ROWS {
-        if let Some(y) = gpu::matmul_rows(x, w)? {
-            return Ok(y);
-        }
+    if let Some(y) = gpu::matmul_rows(x, w)? {
+        return Ok(y);
     }
     x.matmul(&w.t()?)
 }
@@ -51,7 +49,7 @@ mod gpu {
 
     /// Input rows the kernel takes (cuda/matmul.cu's `MAX_INPUT_ROWS`), and its warps per
     /// block, `split` of them per weight row.
-    pub(crate) const MAX_INPUT_ROWS: usize = 4;
+    const MAX_INPUT_ROWS: usize = 4;
     const WARPS: usize = 8;
 
     /// Warps per weight row: the most (up to a block's) that keep the grid within about 16K
@@ -66,34 +64,55 @@ mod gpu {
         split
     }
 
-    /// `x W^T` by strata's streaming kernel, or `None` where it does not apply: another dtype,
-    /// a layout other than contiguous rows, or rows not in whole 16-byte pieces.
+    /// `x W^T` by strata's streaming kernel, or `None` where it does not apply: more rows than
+    /// it takes, another dtype, a layout other than rows in whole 16-byte pieces, or input rows
+    /// too long for a block's shared memory.
     pub(super) fn matmul_rows(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         let ((m, k), n) = (x.dims2()?, w.dim(0)?);
-        let vec = 16 / x.dtype().size_in_bytes();
-        if !cuda::supports(x.dtype())
-            || w.dtype() != x.dtype()
-            || !x.is_contiguous()
+        let dtype = x.dtype();
+        let vec = 16 / dtype.size_in_bytes();
+        if !x.device().is_cuda()
+            || m > MAX_INPUT_ROWS
+            || !cuda::supports(dtype)
+            || w.dtype() != dtype
             || !w.is_contiguous()
             || !w.device().same_device(x.device())
             || k % vec != 0
         {
             return Ok(None);
         }
-        let (x_at, w_at) = (cuda::address(x)?, cuda::address(w)?);
-        if x_at % 16 != 0 || w_at % 16 != 0 {
+        let (x, x_stride) = cuda::row_strided(x)?;
+        let (x_at, w_at) = (cuda::address(&x)?, cuda::address(w)?);
+        let shared = (m * k * dtype.size_in_bytes()) as u32;
+        let kernel = "matmul_rows";
+        if x_at % 16 != 0
+            || w_at % 16 != 0
+            || x_stride % vec != 0
+            || !cuda::fits(x.device(), &cuda::MATMUL, kernel, dtype, shared)
+        {
             return Ok(None);
         }
-        let y = cuda::output((m, n), x.dtype(), x.device())?;
+        let y = cuda::output((m, n), dtype, x.device())?;
         if m > 0 && n > 0 {
             let split = split(n);
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(WARPS / split) as u32, 1, 1),
-                block_dim: ((WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let args = [Arg::Ptr(x_at), Arg::Ptr(w_at), Arg::at(&y)?, Arg::dim(m)?, Arg::dim(k)?, Arg::dim(n)?, Arg::dim(split)?];
-            cuda::launch(x.device(), &cuda::MATMUL, "matmul_rows", x.dtype(), cfg, &args)?;
+            // Groups of weight rows in as few waves as the GPU holds, spread evenly over them: a
+            // block copies the input rows once, and the GPU does not wait on a last, part wave.
+            let groups = n.div_ceil(WARPS / split);
+            let resident = cuda::resident_blocks(x.device(), &cuda::MATMUL, kernel, dtype, (WARPS * 32) as u32, shared)?;
+            let grid = groups.div_ceil(groups.div_ceil(resident));
+            let cfg =
+                LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
+            let args = [
+                Arg::Ptr(x_at),
+                Arg::I64(x_stride as i64),
+                Arg::Ptr(w_at),
+                Arg::at(&y)?,
+                Arg::dim(m)?,
+                Arg::dim(k)?,
+                Arg::dim(n)?,
+                Arg::dim(split)?,
+            ];
+            cuda::launch(x.device(), &cuda::MATMUL, kernel, dtype, cfg, &args)?;
         }
         Ok(Some(y))
     }

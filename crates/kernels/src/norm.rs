@@ -136,17 +136,35 @@ mod gpu {
         t.to_dtype(DType::F32)?.contiguous()
     }
 
+    /// The row block of a model-width norm over rows of `d` whose inputs are `inputs`: its
+    /// threads and whether they move 16-byte pieces (every row 16-byte aligned), `None` for rows
+    /// too wide for a block.
+    fn norm_block(d: usize, inputs: &[&Tensor]) -> Result<Option<(usize, bool)>> {
+        let vec = 16 / inputs[0].dtype().size_in_bytes();
+        let mut aligned = d % vec == 0;
+        for t in inputs {
+            aligned &= cuda::address(t)? % 16 == 0;
+        }
+        let pieces = d / vec;
+        let by_pieces = (pieces.next_multiple_of(32).clamp(32, 1024), true);
+        Ok(if aligned && pieces <= MAX_ROW_ITEMS / vec * by_pieces.0 {
+            Some(by_pieces)
+        } else {
+            row_block(d).map(|t| (t, false))
+        })
+    }
+
     pub(super) fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<Option<Tensor>> {
         if !on_cuda(x, &[scale]) {
             return Ok(None);
         }
         let (rows, d) = rows_and_dim(x)?;
-        let Some(threads) = row_block(d) else { return Ok(None) };
         let (x, scale) = (x.contiguous()?, f32_param(scale)?);
+        let Some((threads, pieces)) = norm_block(d, &[&x])? else { return Ok(None) };
         let y = cuda::output(x.shape(), x.dtype(), x.device())?;
         if rows > 0 {
             let cfg = cuda::grid_rows(rows, threads, threads as u32)?;
-            let args = [Arg::at(&x)?, Arg::at(&scale)?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps)];
+            let args = [Arg::at(&x)?, Arg::at(&scale)?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps), Arg::I32(pieces.into())];
             cuda::launch(x.device(), &cuda::NORM, "rms_norm", x.dtype(), cfg, &args)?;
         }
         Ok(Some(y))
@@ -157,13 +175,22 @@ mod gpu {
             return Ok(None);
         }
         let (rows, d) = rows_and_dim(x)?;
-        let Some(threads) = row_block(d) else { return Ok(None) };
         let (x, h, scale) = (x.contiguous()?, h.contiguous()?, f32_param(scale)?);
+        let Some((threads, pieces)) = norm_block(d, &[&x, &h])? else { return Ok(None) };
         let sum = cuda::output(x.shape(), x.dtype(), x.device())?;
         let y = cuda::output(x.shape(), x.dtype(), x.device())?;
         if rows > 0 {
             let cfg = cuda::grid_rows(rows, threads, threads as u32)?;
-            let args = [Arg::at(&x)?, Arg::at(&h)?, Arg::at(&scale)?, Arg::at(&sum)?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps)];
+            let args = [
+                Arg::at(&x)?,
+                Arg::at(&h)?,
+                Arg::at(&scale)?,
+                Arg::at(&sum)?,
+                Arg::at(&y)?,
+                Arg::dim(d)?,
+                Arg::F32(eps),
+                Arg::I32(pieces.into()),
+            ];
             cuda::launch(x.device(), &cuda::NORM, "add_rms_norm", x.dtype(), cfg, &args)?;
         }
         Ok(Some((sum, y)))
@@ -203,6 +230,11 @@ mod gpu {
         let ((gate, gate_stride), (up, up_stride)) = (cuda::row_strided(gate)?, cuda::row_strided(up)?);
         let (rows, cols) = rows_and_dim(&gate)?;
         let y = cuda::output(gate.shape(), gate.dtype(), gate.device())?;
+        // Each thread takes a 16-byte piece of a row: one load per input where every row starts
+        // 16-byte aligned.
+        let vec = 16 / gate.dtype().size_in_bytes();
+        let aligned = |t: &Tensor, stride: usize| Ok::<_, candle_core::Error>(cuda::address(t)? % 16 == 0 && stride % vec == 0);
+        let pieces = aligned(&gate, gate_stride)? && aligned(&up, up_stride)? && aligned(&y, cols)?;
         let args = [
             Arg::at(&gate)?,
             Arg::I64(gate_stride as i64),
@@ -211,8 +243,10 @@ mod gpu {
             Arg::at(&y)?,
             Arg::dim(rows)?,
             Arg::dim(cols)?,
+            Arg::I32(pieces.into()),
         ];
-        cuda::launch(gate.device(), &cuda::NORM, "silu_mul", gate.dtype(), cuda::grid_rows(rows, cols, 256)?, &args)?;
+        let grid = cuda::grid_rows(rows, cols.div_ceil(vec), 256)?;
+        cuda::launch(gate.device(), &cuda::NORM, "silu_mul", gate.dtype(), grid, &args)?;
         Ok(Some(y))
     }
 }

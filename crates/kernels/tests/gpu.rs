@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention::{causal_attention, causal_attention_rows, norm_rope, write_rows, Scoring};
 use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
-use strata_kernels::gated_delta::{gated_delta_rule, Gating, Inputs};
+use strata_kernels::gated_delta::{gated_delta_rule, on_tensor_cores, Gating, Inputs};
 use strata_kernels::matmul::matmul_t;
 use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
 use strata_kernels::sampling::{argmax_rows, first_max};
@@ -64,6 +64,11 @@ impl DeltaInputs {
 
     /// Runs tokens `from..from + len` from `state` on `dev`.
     fn run(&self, dev: &Device, from: usize, len: usize, state: &Tensor) -> (Tensor, Tensor) {
+        self.with(dev, from, len, |inputs, gating| gated_delta_rule(inputs, gating, &state.to_device(dev).unwrap()).unwrap())
+    }
+
+    /// `f` of the recurrence's inputs for tokens `from..from + len` on `dev`.
+    fn with<R>(&self, dev: &Device, from: usize, len: usize, f: impl FnOnce(&Inputs, &Gating) -> R) -> R {
         let (hk, hv, dk, dv) = self.heads;
         let on = |x: &Tensor| x.to_device(dev).unwrap();
         let mixed = on(&self.mixed).narrow(1, from, len).unwrap();
@@ -76,7 +81,7 @@ impl DeltaInputs {
         let cut = |at: usize| on(&gates).narrow(1, from, len).unwrap().narrow(2, at, hv).unwrap();
         let (a_log, dt_bias) = (on(&self.a_log), on(&self.dt_bias));
         let gating = Gating { a_log: &a_log, dt_bias: &dt_bias };
-        gated_delta_rule(&Inputs { q: &q, k: &k, v: &v, a: &cut(0), b: &cut(hv) }, &gating, &on(state)).unwrap()
+        f(&Inputs { q: &q, k: &k, v: &v, a: &cut(0), b: &cut(hv) }, &gating)
     }
 }
 
@@ -90,6 +95,9 @@ fn gated_delta_rule_on_gpu_matches_cpu() {
         for (b, t) in [(1, 1), (2, 1), (2, 7), (1, 64), (2, 150), (1, 700)] {
             for dtype in [DType::F32, DType::BF16, DType::F16] {
                 let inputs = DeltaInputs::new(b, t, heads, dtype);
+                let chunked = inputs.with(&gpu, 0, t, |inputs, _| on_tensor_cores(inputs).unwrap());
+                let want_chunked = dtype != DType::F32 && heads.2 == 128 && t >= 64;
+                assert_eq!(chunked, want_chunked, "{dtype:?}, heads {heads:?}, {t} tokens: chunked path taken");
                 let (want_out, want_state) = inputs.run(&Device::Cpu, 0, t, &inputs.state);
                 let (out, new_state) = inputs.run(&gpu, 0, t, &inputs.state);
                 let what = format!("gated delta, heads {heads:?}, {b} rows of {t} tokens");
@@ -204,6 +212,9 @@ fn streaming_matmul_gives_each_row_the_same_bits_alone_or_batched() {
         let w = values(&[n, k], 0.1, 42).to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
         let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let batched = matmul_t(&x, &w).unwrap();
+        // The same rows read in place from a wider tensor (a narrow of a joined projection).
+        let wide = Tensor::cat(&[&x, &x], 1).unwrap().narrow(1, k, k).unwrap();
+        assert!(bits(&matmul_t(&wide, &w).unwrap()) == bits(&batched), "{k}x{n}: strided rows differ");
         for r in 0..4 {
             let alone = matmul_t(&x.narrow(0, r, 1).unwrap(), &w).unwrap();
             assert!(bits(&alone) == bits(&batched.narrow(0, r, 1).unwrap()), "{k}x{n}: row {r} differs alone");
@@ -215,8 +226,9 @@ fn streaming_matmul_gives_each_row_the_same_bits_alone_or_batched() {
 fn norms_and_swiglu_on_gpu_match_cpu() {
     let gpu = gpu();
     let on = |x: &Tensor| x.to_device(&gpu).unwrap();
-    // Decode rows and a prefill block; widths below, at and above one warp's 32 lanes.
-    for (rows, d) in [(1, 2560), (3, 128), (70, 24)] {
+    // Decode rows and a prefill block; widths below, at and above one warp's 32 lanes, and
+    // widths whose rows are not all 16-byte aligned (SwiGLU's kernel then loads element-wise).
+    for (rows, d) in [(1, 2560), (3, 128), (70, 24), (5, 100), (4, 37)] {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let what = |op: &str| format!("{op}, {rows} rows of {d}");
             let x = values(&[rows, d], 2.0, 41).to_dtype(dtype).unwrap();
