@@ -36,6 +36,8 @@ pub(crate) const MATMUL: Module = module!("matmul");
 struct Loaded {
     modules: HashMap<(DeviceId, &'static str), Arc<CudaModule>>,
     kernels: HashMap<(DeviceId, &'static str, &'static str, DType), Kernel>,
+    /// Blocks the GPU holds at once, by kernel, threads per block and dynamic shared memory.
+    resident: HashMap<(DeviceId, &'static str, &'static str, DType, u32, u32), usize>,
 }
 
 /// A loaded kernel and the dynamic shared memory a block of it may have: what the GPU grants a
@@ -47,10 +49,14 @@ struct Kernel {
     multiprocessors: u32,
 }
 
+fn loaded() -> std::sync::MutexGuard<'static, Loaded> {
+    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
+    LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// `module`'s kernel `name` for `dtype` on `dev`, loading the module on first use.
 fn kernel(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType) -> Result<Kernel> {
-    static LOADED: OnceLock<Mutex<Loaded>> = OnceLock::new();
-    let mut loaded = LOADED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    let mut loaded = loaded();
     let key = (dev.id(), module.name, name, dtype);
     if let Some(k) = loaded.kernels.get(&key) {
         return Ok(k.clone());
@@ -229,7 +235,8 @@ pub(crate) fn launch(
 }
 
 /// How many blocks of `block` threads with `dynamic` bytes of shared memory the GPU holds at
-/// once: a grid of at most this many runs in one wave.
+/// once (a grid of at most this many runs in one wave), or `None` where a block does not fit
+/// ([`fits`]). Asked of the driver once per kernel and size.
 pub(crate) fn resident_blocks(
     device: &Device,
     module: &Module,
@@ -237,14 +244,29 @@ pub(crate) fn resident_blocks(
     dtype: DType,
     block: u32,
     dynamic: u32,
-) -> Result<usize> {
+) -> Result<Option<usize>> {
     let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
+    if !fits(device, module, name, dtype, dynamic) {
+        return Ok(None);
+    }
+    let key = (dev.id(), module.name, name, dtype, block, dynamic);
+    if let Some(&blocks) = loaded().resident.get(&key) {
+        return Ok(Some(blocks));
+    }
     let kernel = kernel(dev, module, name, dtype)?;
     let per_multiprocessor = kernel
         .function
         .occupancy_max_active_blocks_per_multiprocessor(block, dynamic as usize, None)
         .map_err(candle_core::Error::wrap)?;
-    Ok(per_multiprocessor.max(1) as usize * kernel.multiprocessors as usize)
+    let blocks = per_multiprocessor.max(1) as usize * kernel.multiprocessors as usize;
+    loaded().resident.insert(key, blocks);
+    Ok(Some(blocks))
+}
+
+/// Whether `t`, as rows `stride` elements apart from its first element, can be read in 16-byte
+/// pieces: its first element 16-byte aligned and the stride a whole number of pieces.
+pub(crate) fn in_pieces(t: &Tensor, stride: usize) -> Result<bool> {
+    Ok(address(t)? % 16 == 0 && (stride * t.dtype().size_in_bytes()) % 16 == 0)
 }
 
 /// A grid with one block per row along x (`rows`) and `cols` threads in blocks of `block` along y.

@@ -374,8 +374,7 @@ mod gpu {
     /// `x` (with `stride` between tokens) as the chunked kernels read it, in 16-byte pieces: its
     /// first element and token stride 16-byte aligned, copied otherwise.
     fn in_pieces((x, stride): (Tensor, usize)) -> Result<(Tensor, usize)> {
-        let bytes = x.dtype().size_in_bytes();
-        if (stride * bytes) % 16 == 0 && cuda::address(&x)? % 16 == 0 {
+        if cuda::in_pieces(&x, stride)? {
             return Ok((x, stride));
         }
         let (_, _, h, d) = x.dims4()?;

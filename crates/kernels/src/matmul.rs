@@ -82,30 +82,26 @@ mod gpu {
             return Ok(None);
         }
         let (x, x_stride) = cuda::row_strided(x)?;
-        let (x_at, w_at) = (cuda::address(&x)?, cuda::address(w)?);
-        let shared = (m * k * dtype.size_in_bytes()) as u32;
-        let kernel = "matmul_rows";
-        if x_at % 16 != 0
-            || w_at % 16 != 0
-            || x_stride % vec != 0
-            || !cuda::fits(x.device(), &cuda::MATMUL, kernel, dtype, shared)
-        {
+        let (block, kernel) = ((WARPS * 32) as u32, "matmul_rows");
+        let Ok(shared) = u32::try_from(m * k * dtype.size_in_bytes()) else { return Ok(None) };
+        if !cuda::in_pieces(&x, x_stride)? || !cuda::in_pieces(w, k)? {
             return Ok(None);
         }
+        let Some(resident) = cuda::resident_blocks(x.device(), &cuda::MATMUL, kernel, dtype, block, shared)? else {
+            return Ok(None);
+        };
         let y = cuda::output((m, n), dtype, x.device())?;
         if m > 0 && n > 0 {
             let split = split(n);
             // Groups of weight rows in as few waves as the GPU holds, spread evenly over them: a
             // block copies the input rows once, and the GPU does not wait on a last, part wave.
             let groups = n.div_ceil(WARPS / split);
-            let resident = cuda::resident_blocks(x.device(), &cuda::MATMUL, kernel, dtype, (WARPS * 32) as u32, shared)?;
             let grid = groups.div_ceil(groups.div_ceil(resident));
-            let cfg =
-                LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: shared };
+            let cfg = LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
             let args = [
-                Arg::Ptr(x_at),
+                Arg::at(&x)?,
                 Arg::I64(x_stride as i64),
-                Arg::Ptr(w_at),
+                Arg::at(w)?,
                 Arg::at(&y)?,
                 Arg::dim(m)?,
                 Arg::dim(k)?,

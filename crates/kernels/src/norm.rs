@@ -141,9 +141,9 @@ mod gpu {
     /// too wide for a block.
     fn norm_block(d: usize, inputs: &[&Tensor]) -> Result<Option<(usize, bool)>> {
         let vec = 16 / inputs[0].dtype().size_in_bytes();
-        let mut aligned = d % vec == 0;
+        let mut aligned = true;
         for t in inputs {
-            aligned &= cuda::address(t)? % 16 == 0;
+            aligned &= cuda::in_pieces(t, d)?;
         }
         let pieces = d / vec;
         let by_pieces = (pieces.next_multiple_of(32).clamp(32, 1024), true);
@@ -233,8 +233,7 @@ mod gpu {
         // Each thread takes a 16-byte piece of a row: one load per input where every row starts
         // 16-byte aligned.
         let vec = 16 / gate.dtype().size_in_bytes();
-        let aligned = |t: &Tensor, stride: usize| Ok::<_, candle_core::Error>(cuda::address(t)? % 16 == 0 && stride % vec == 0);
-        let pieces = aligned(&gate, gate_stride)? && aligned(&up, up_stride)? && aligned(&y, cols)?;
+        let pieces = cuda::in_pieces(&gate, gate_stride)? && cuda::in_pieces(&up, up_stride)? && cuda::in_pieces(&y, cols)?;
         let args = [
             Arg::at(&gate)?,
             Arg::I64(gate_stride as i64),

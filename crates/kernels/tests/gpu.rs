@@ -212,7 +212,7 @@ fn streaming_matmul_gives_each_row_the_same_bits_alone_or_batched() {
         let w = values(&[n, k], 0.1, 42).to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
         let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let batched = matmul_t(&x, &w).unwrap();
-        // The same rows read in place from a wider tensor (a narrow of a joined projection).
+        // The same rows as a narrow of a wider tensor (as a joined projection's outputs are).
         let wide = Tensor::cat(&[&x, &x], 1).unwrap().narrow(1, k, k).unwrap();
         assert!(bits(&matmul_t(&wide, &w).unwrap()) == bits(&batched), "{k}x{n}: strided rows differ");
         for r in 0..4 {
