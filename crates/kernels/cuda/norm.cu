@@ -7,17 +7,7 @@
 
 constexpr int NORM_WARPS = 4;
 constexpr int MAX_ROW_ITEMS = 16;  // per thread of a row block: D <= 16 * blockDim.x
-
-// Sum of squares of a row, the row read as f32 through `load`, one warp.
-template <typename Load>
-__device__ __forceinline__ float row_sum_sq(Load load, int D, int lane) {
-    float acc = 0.0f;
-    for (int d = lane; d < D; d += 32) {
-        const float x = load(d);
-        acc += x * x;
-    }
-    return warp_sum(acc);
-}
+constexpr int MAX_HEAD_ITEMS = 8;  // per lane of a per-head norm: D <= 8 * 32
 
 // sum = x + h (in T), y = x rsqrt(mean(sum^2) + eps) scale: a residual add and the norm after it
 // (without h, the norm of x alone and no sum), one block per row of D, whose threads hold the
@@ -86,19 +76,45 @@ __device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum,
 
 // The DeltaNet output norm: x (f32 [rows, D], rounded to T first) normalised, rounded to T,
 // times weight (rounded to T, as transformers multiplies in the model dtype), times silu(gate),
-// in T. Row r is head r mod H of token r / H; the gate's tokens
-// lie `gate_stride` apart, its heads contiguous.
-template <typename T>
+// in T. Row r is head r mod H of token r / H; the gate's tokens lie `gate_stride` apart, its
+// heads contiguous. A warp per row holds its lanes' ITEMS (= ceil(D / 32)) x and gate elements
+// in registers, all loaded before the sum of squares needs them: a second pass over x, and the
+// gate loaded after the sum, left it at a third of the copy bandwidth in a prefill, and so did
+// a fixed maximum of items whose unused ones still cost instructions.
+template <typename T, int ITEMS>
 __device__ void gated_rms_norm(const float* x, const T* gate, long long gate_stride, const float* weight, T* y, int rows,
                                int H, int D, float eps) {
     const int row = blockIdx.x * NORM_WARPS + threadIdx.x / 32, lane = threadIdx.x % 32;
     if (row >= rows) return;
     const long long base = (long long)row * D;
     const T* g = gate + (long long)(row / H) * gate_stride + (long long)(row % H) * D;
-    const float inv = rsqrtf(row_sum_sq([&](int d) { return round_to<T>(x[base + d]); }, D, lane) / D + eps);
-    for (int d = lane; d < D; d += 32) {
-        const float normed = round_to<T>(round_to<T>(x[base + d]) * inv);
-        y[base + d] = from_f32<T>(round_to<T>(normed * weight[d]) * silu(to_f32(g[d])));
+    float v[ITEMS], gates[ITEMS];
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int d = lane + 32 * i;
+        v[i] = d < D ? round_to<T>(x[base + d]) : 0.0f;
+        gates[i] = d < D ? to_f32(g[d]) : 0.0f;
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) acc += v[i] * v[i];
+    const float inv = rsqrtf(warp_sum(acc) / D + eps);
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+        const int d = lane + 32 * i;
+        if (d < D) y[base + d] = from_f32<T>(round_to<T>(round_to<T>(v[i] * inv) * weight[d]) * silu(gates[i]));
+    }
+}
+
+// gated_rms_norm with ITEMS chosen for D (at most MAX_HEAD_ITEMS · 32, which the caller checks).
+template <typename T>
+__device__ void gated_rms_norm_for(const float* x, const T* gate, long long gate_stride, const float* weight, T* y,
+                                   int rows, int H, int D, float eps) {
+    switch ((D + 31) / 32) {
+#define ITEMS_CASE(N) \
+    case N: return gated_rms_norm<T, N>(x, gate, gate_stride, weight, y, rows, H, D, eps);
+        ITEMS_CASE(1) ITEMS_CASE(2) ITEMS_CASE(3) ITEMS_CASE(4) ITEMS_CASE(5) ITEMS_CASE(6) ITEMS_CASE(7) ITEMS_CASE(8)
+#undef ITEMS_CASE
     }
 }
 
@@ -143,7 +159,7 @@ __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long
     extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, long long gate_stride,    \
                                                      const float* weight, T* y, int rows, int H, int D,        \
                                                      float eps) {                                              \
-        gated_rms_norm<T>(x, gate, gate_stride, weight, y, rows, H, D, eps);                                   \
+        gated_rms_norm_for<T>(x, gate, gate_stride, weight, y, rows, H, D, eps);                                   \
     }                                                                                                          \
     extern "C" __global__ void silu_mul_##NAME(const T* gate, long long gate_stride, const T* up,             \
                                                long long up_stride, T* y, int rows, int cols, int pieces) {    \

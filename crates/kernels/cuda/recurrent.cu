@@ -12,46 +12,60 @@ constexpr int CONV_TOKENS = 16;
 
 // Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, run of CONV_TOKENS
 // indices, channel): output i < T is computed from the K inputs ending at token i (the first
-// K - 1 - i of them from the state), the thread sliding its window of inputs in registers along
-// the run; index i < K - 1 also writes new_state[i], the input K - 1 positions before the
-// window's end. x [B, T, C] with `x_stride` between tokens, state and new_state [B, K - 1, C]
-// (token-major), w [C, K] f32, y [B, T, C]; blockIdx.x is (row, run) over B · runs of
-// max(T, K - 1) indices, blockIdx.y · blockDim.x + threadIdx.x the channel (no 64-bit division
-// per thread: that cost more than the convolution).
-template <typename T>
-__device__ void causal_conv1d_silu(const T* x, long long x_stride, const T* state, const float* w, T* y, T* new_state,
-                                   int B, int Tn, int C, int K) {
-    const int hist = K - 1, span = max(Tn, hist), runs = (span + CONV_TOKENS - 1) / CONV_TOKENS;
-    const int c = blockIdx.y * blockDim.x + threadIdx.x;
-    if (c >= C || (int)blockIdx.x >= B * runs) return;
-    const int b = blockIdx.x / runs, i0 = (blockIdx.x % runs) * CONV_TOKENS;
+// K - 1 - i of them from the state); index i < K - 1 also writes new_state[i], the input K - 1
+// positions before the window's end. A thread loads all the inputs its run reads before it sums
+// any, with the run unrolled so they stay in registers. The kernel is a stream through memory
+// whose instructions, not its bytes, set its pace: the taps are a template parameter (TAPS > 0:
+// K == TAPS; 0: any K up to MAX_CONV_KERNEL, each tap and input predicated), and a run inside
+// the window (past the state, short of the end) reads x without a test per input. x [B, T, C]
+// with `x_stride` between tokens, state and new_state [B, K - 1, C] (token-major), w [C, K]
+// f32, y [B, T, C]. blockIdx.x counts (row, run, block of channels), the channels fastest, over
+// B · runs of max(T, K - 1) indices: blocks running together read whole token rows rather than
+// the same few channels of many tokens (no 64-bit division per thread: that cost more than the
+// convolution).
+template <typename T, int TAPS>
+__device__ void causal_conv1d_silu(const T* __restrict__ x, long long x_stride, const T* __restrict__ state,
+                                   const float* __restrict__ w, T* __restrict__ y, T* __restrict__ new_state, int B,
+                                   int Tn, int C, int K) {
+    constexpr int MAX_TAPS = TAPS ? TAPS : MAX_CONV_KERNEL, WINDOW = CONV_TOKENS + MAX_TAPS - 1;
+    const int k = TAPS ? TAPS : K, hist = k - 1, span = max(Tn, hist), runs = (span + CONV_TOKENS - 1) / CONV_TOKENS;
+    const int channel_blocks = (C + blockDim.x - 1) / blockDim.x, row_run = blockIdx.x / channel_blocks;
+    const int c = (blockIdx.x % channel_blocks) * blockDim.x + threadIdx.x;
+    if (c >= C || row_run >= B * runs) return;
+    const int b = row_run / runs, i0 = (row_run % runs) * CONV_TOKENS;
     // Input j of the window [state; x], as f32.
     auto input = [&](int j) {
         return j < hist ? to_f32(state[((long long)b * hist + j) * C + c]) : to_f32(x[((long long)b * Tn + j - hist) * x_stride + c]);
     };
-    float weight[MAX_CONV_KERNEL], window[MAX_CONV_KERNEL];
+    // in[j] is input i0 + j.
+    float in[WINDOW], weight[MAX_TAPS];
+    const bool inside = i0 >= hist && i0 + CONV_TOKENS <= Tn;
+    if (inside) {
+        const T* run = x + ((long long)b * Tn + i0 - hist) * x_stride + c;
 #pragma unroll
-    for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
-        weight[j] = j < K ? w[(long long)c * K + j] : 0.0f;
-        window[j] = j < hist ? input(i0 + j) : 0.0f;
+        for (int j = 0; j < WINDOW; ++j) in[j] = j < CONV_TOKENS + hist ? to_f32(run[j * x_stride]) : 0.0f;
+    } else {
+#pragma unroll
+        for (int j = 0; j < WINDOW; ++j) in[j] = j < CONV_TOKENS + hist && i0 + j < Tn + hist ? input(i0 + j) : 0.0f;
     }
-    for (int i = i0; i < min(i0 + CONV_TOKENS, span); ++i) {
-        if (i < Tn) {
 #pragma unroll
-            for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
-                if (j == hist) window[j] = input(i + hist);
-            }
+    for (int j = 0; j < MAX_TAPS; ++j) weight[j] = j < k ? w[(long long)c * k + j] : 0.0f;
+    T* out = y + ((long long)b * Tn + i0) * C + c;
+#pragma unroll
+    for (int t = 0; t < CONV_TOKENS; ++t) {
+        if (inside || i0 + t < Tn) {
             // Oldest input first, as the reference sums.
-            float acc = window[0] * weight[0];
+            float acc = in[t] * weight[0];
 #pragma unroll
-            for (int j = 1; j < MAX_CONV_KERNEL; ++j) {
-                if (j < K) acc += window[j] * weight[j];
+            for (int j = 1; j < MAX_TAPS; ++j) {
+                if (j < k) acc += in[t + j] * weight[j];
             }
-            y[((long long)b * Tn + i) * C + c] = from_f32<T>(silu(acc));
+            out[(long long)t * C] = from_f32<T>(silu(acc));
         }
-        if (i < hist) new_state[((long long)b * hist + i) * C + c] = from_f32<T>(input(Tn + i));
-#pragma unroll
-        for (int j = 0; j + 1 < MAX_CONV_KERNEL; ++j) window[j] = window[j + 1];
+    }
+    if (i0 < hist) {
+        for (int i = i0; i < min(i0 + CONV_TOKENS, hist); ++i)
+            new_state[((long long)b * hist + i) * C + c] = from_f32<T>(input(Tn + i));
     }
 }
 
@@ -638,7 +652,8 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
     extern "C" __global__ void causal_conv1d_silu_##NAME(const T* x, long long x_stride, const T* state,        \
                                                          const float* w, T* y, T* new_state, int B, int Tn,     \
                                                          int C, int K) {                                        \
-        causal_conv1d_silu<T>(x, x_stride, state, w, y, new_state, B, Tn, C, K);                                \
+        if (K == 4) causal_conv1d_silu<T, 4>(x, x_stride, state, w, y, new_state, B, Tn, C, K);                \
+        else causal_conv1d_silu<T, 0>(x, x_stride, state, w, y, new_state, B, Tn, C, K);                       \
     }                                                                                                            \
     extern "C" __global__ void causal_conv1d_silu_step_##NAME(const T* x, long long x_stride, T* state,       \
                                                               const float* w, T* y, int B, int C, int K) {  \

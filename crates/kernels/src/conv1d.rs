@@ -59,7 +59,7 @@ mod gpu {
         Ok(cuda::supports(x.dtype()) && state.dtype() == x.dtype() && (1..=MAX_KERNEL).contains(&kernel))
     }
 
-    /// One thread per (row, run of RUN tokens, channel).
+    /// One thread per (row, run of RUN tokens, channel), the channels fastest.
     pub(super) fn run(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<(Tensor, Tensor)> {
         let (b, t, c) = x.dims3()?;
         let kernel = weight.dim(1)?;
@@ -84,7 +84,7 @@ mod gpu {
             &cuda::RECURRENT,
             "causal_conv1d_silu",
             x.dtype(),
-            cuda::grid_rows(b * t.max(kernel - 1).div_ceil(RUN), c, 256)?,
+            cuda::grid_for(b * t.max(kernel - 1).div_ceil(RUN) * c.div_ceil(256) * 256, 256)?,
             &args,
         )?;
         Ok((y, new_state))

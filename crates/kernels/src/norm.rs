@@ -119,6 +119,8 @@ mod gpu {
 
     /// Items per thread of a row block (cuda/norm.cu's `MAX_ROW_ITEMS`).
     const MAX_ROW_ITEMS: usize = 16;
+    /// Items per lane of a per-head norm's warp (cuda/norm.cu's `MAX_HEAD_ITEMS`).
+    const MAX_HEAD_ITEMS: usize = 8;
 
     /// Threads of the block that takes a row of `d` (about four items each), `None` for rows too
     /// wide for a block.
@@ -202,6 +204,9 @@ mod gpu {
         }
         let (x, weight) = (f32_param(x)?, f32_param(weight)?);
         let (rows, d) = rows_and_dim(&x)?;
+        if d > MAX_HEAD_ITEMS * 32 {
+            return Ok(None);
+        }
         // The gate as [tokens, H·D] with its tokens apart.
         let gate_cols = gate.dims().last().copied().unwrap_or(1);
         let gate = if gate_cols % d == 0 { gate.clone() } else { gate.reshape(x.shape())? };
