@@ -232,9 +232,12 @@ pub fn run(mut a: Args) -> Result<()> {
             CacheConfig::off(),
             speculation,
         )?;
-        // Warm-up: first touch of weights and allocator pools, and on a GPU the first load of
-        // the kernels of both the step-by-step (decode) and the chunked (prefill) paths.
-        measure(&worker, vocab, &Args { prompt_len: a.prompt_len.min(64), gen_len: 2, ..a.clone() }, 1)?;
+        // Warm-up, one request of the measured prompt length: first touch of weights and of
+        // allocator pools as large as a full prompt chunk needs, and on a GPU the first load of
+        // the kernels of both the step-by-step (decode) and the chunked (prefill) paths and of
+        // cuBLAS's for the chunk's shapes (the transformers baseline, too, runs each shape once
+        // before timing it); a 64-token warm-up left them in the timed prefill.
+        measure(&worker, vocab, &Args { gen_len: 2, ..a.clone() }, 1)?;
         for &c in &a.concurrency {
             let m = measure(&worker, vocab, &a, c)?;
             if a.json {

@@ -10,6 +10,12 @@
 constexpr int MAX_CONV_KERNEL = 8;
 constexpr int CONV_TOKENS = 16;
 
+// A conv output's sum, oldest input first as the reference sums, each tap one rounded
+// multiply-add: the window kernel and the one-token step must give the same bits, and left to
+// itself the compiler contracts `a * b + c * d` into either of two fused multiply-adds.
+__device__ __forceinline__ float conv_first_tap(float input, float weight) { return __fmul_rn(input, weight); }
+__device__ __forceinline__ float conv_next_tap(float acc, float input, float weight) { return __fmaf_rn(input, weight, acc); }
+
 // Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, run of CONV_TOKENS
 // indices, channel): output i < T is computed from the K inputs ending at token i (the first
 // K - 1 - i of them from the state); index i < K - 1 also writes new_state[i], the input K - 1
@@ -54,11 +60,10 @@ __device__ void causal_conv1d_silu(const T* __restrict__ x, long long x_stride, 
 #pragma unroll
     for (int t = 0; t < CONV_TOKENS; ++t) {
         if (inside || i0 + t < Tn) {
-            // Oldest input first, as the reference sums.
-            float acc = in[t] * weight[0];
+            float acc = conv_first_tap(in[t], weight[0]);
 #pragma unroll
             for (int j = 1; j < MAX_TAPS; ++j) {
-                if (j < k) acc += in[t + j] * weight[j];
+                if (j < k) acc = conv_next_tap(acc, in[t + j], weight[j]);
             }
             out[(long long)t * C] = from_f32<T>(silu(acc));
         }
@@ -86,10 +91,10 @@ __device__ void causal_conv1d_silu_step(const T* x, long long x_stride, T* state
         if (j < hist) input[j] = to_f32(window[(long long)j * C]);
         else if (j == hist) input[j] = to_f32(x[(long long)b * x_stride + c]);
     }
-    float acc = input[0] * w[(long long)c * K];
+    float acc = conv_first_tap(input[0], w[(long long)c * K]);
 #pragma unroll
     for (int j = 1; j < MAX_CONV_KERNEL; ++j) {
-        if (j < K) acc += input[j] * w[(long long)c * K + j];
+        if (j < K) acc = conv_next_tap(acc, input[j], w[(long long)c * K + j]);
     }
     y[(long long)b * C + c] = from_f32<T>(silu(acc));
 #pragma unroll

@@ -141,6 +141,7 @@ fn causal_conv1d_on_gpu_matches_cpu() {
     // instantiation of the kernel, other widths the general one.
     for (t, dtype, w_dtype, kernel) in [
         (1, DType::BF16, DType::F32, 4),
+        (1, DType::F32, DType::F32, 4),
         (2, DType::F32, DType::F32, 4),
         (5, DType::F32, DType::F32, 4),
         (5, DType::BF16, DType::BF16, 4),
