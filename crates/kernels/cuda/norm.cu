@@ -110,6 +110,7 @@ __device__ void gated_rms_norm(const float* x, const T* gate, long long gate_str
 template <typename T>
 __device__ void gated_rms_norm_for(const float* x, const T* gate, long long gate_stride, const float* weight, T* y,
                                    int rows, int H, int D, float eps) {
+    static_assert(MAX_HEAD_ITEMS == 8, "one case below per ITEMS up to MAX_HEAD_ITEMS");
     switch ((D + 31) / 32) {
 #define ITEMS_CASE(N) \
     case N: return gated_rms_norm<T, N>(x, gate, gate_stride, weight, y, rows, H, D, eps);
@@ -159,7 +160,7 @@ __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long
     extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, long long gate_stride,    \
                                                      const float* weight, T* y, int rows, int H, int D,        \
                                                      float eps) {                                              \
-        gated_rms_norm_for<T>(x, gate, gate_stride, weight, y, rows, H, D, eps);                                   \
+        gated_rms_norm_for<T>(x, gate, gate_stride, weight, y, rows, H, D, eps);                               \
     }                                                                                                          \
     extern "C" __global__ void silu_mul_##NAME(const T* gate, long long gate_stride, const T* up,             \
                                                long long up_stride, T* y, int rows, int cols, int pieces) {    \

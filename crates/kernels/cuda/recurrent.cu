@@ -35,6 +35,7 @@ __device__ void causal_conv1d_silu(const T* __restrict__ x, long long x_stride, 
                                    int Tn, int C, int K) {
     constexpr int MAX_TAPS = TAPS ? TAPS : MAX_CONV_KERNEL, WINDOW = CONV_TOKENS + MAX_TAPS - 1;
     const int k = TAPS ? TAPS : K, hist = k - 1, span = max(Tn, hist), runs = (span + CONV_TOKENS - 1) / CONV_TOKENS;
+    if (C <= 0) return;  // no channels: the launcher's one block has nothing to do
     const int channel_blocks = (C + blockDim.x - 1) / blockDim.x, row_run = blockIdx.x / channel_blocks;
     const int c = (blockIdx.x % channel_blocks) * blockDim.x + threadIdx.x;
     if (c >= C || row_run >= B * runs) return;
@@ -47,9 +48,9 @@ __device__ void causal_conv1d_silu(const T* __restrict__ x, long long x_stride, 
     float in[WINDOW], weight[MAX_TAPS];
     const bool inside = i0 >= hist && i0 + CONV_TOKENS <= Tn;
     if (inside) {
-        const T* run = x + ((long long)b * Tn + i0 - hist) * x_stride + c;
+        const T* window_start = x + ((long long)b * Tn + i0 - hist) * x_stride + c;
 #pragma unroll
-        for (int j = 0; j < WINDOW; ++j) in[j] = j < CONV_TOKENS + hist ? to_f32(run[j * x_stride]) : 0.0f;
+        for (int j = 0; j < WINDOW; ++j) in[j] = j < CONV_TOKENS + hist ? to_f32(window_start[j * x_stride]) : 0.0f;
     } else {
 #pragma unroll
         for (int j = 0; j < WINDOW; ++j) in[j] = j < CONV_TOKENS + hist && i0 + j < Tn + hist ? input(i0 + j) : 0.0f;

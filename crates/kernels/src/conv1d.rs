@@ -50,7 +50,7 @@ mod gpu {
     use crate::Result;
 
     /// The widest conv the kernels hold in registers (cuda/recurrent.cu's `MAX_CONV_KERNEL`),
-    /// and the run of tokens one thread of the window kernel slides along (`CONV_TOKENS`).
+    /// and the run of tokens one thread of the window kernel computes (`CONV_TOKENS`).
     pub(super) const MAX_KERNEL: usize = 8;
     const RUN: usize = 16;
 

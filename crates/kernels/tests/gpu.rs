@@ -134,23 +134,29 @@ fn diff_bits(a: &Tensor, b: &Tensor) -> usize {
 #[test]
 fn causal_conv1d_on_gpu_matches_cpu() {
     let gpu = gpu();
-    let (b, c) = (2, 48);
+    let b = 2;
     // A decode step, windows shorter than the state (the new state mixes old state and input),
     // within one thread's run of tokens and across runs (the first, one inside the window, the
     // last); the model keeps its conv weight in f32. The model's 4 taps have their own
-    // instantiation of the kernel, other widths the general one.
-    for (t, dtype, w_dtype, kernel) in [
-        (1, DType::BF16, DType::F32, 4),
-        (1, DType::F32, DType::F32, 4),
-        (2, DType::F32, DType::F32, 4),
-        (5, DType::F32, DType::F32, 4),
-        (5, DType::BF16, DType::BF16, 4),
-        (40, DType::F32, DType::F32, 4),
-        (40, DType::BF16, DType::F32, 4),
-        (1, DType::F32, DType::F32, 3),
-        (2, DType::BF16, DType::F32, 6),
-        (40, DType::BF16, DType::F32, 3),
-    ] {
+    // instantiation of the kernel, other widths the general one; 300 channels take two blocks
+    // of threads, the second partly. One token at every width from 2 to 8 taps in f32: the
+    // in-place step must give the window kernel's bits (what a recorded decode step relies on).
+    let one_token = (2..=8).map(|kernel| (1, DType::F32, DType::F32, kernel, 48));
+    for (t, dtype, w_dtype, kernel, c) in [
+        (1, DType::BF16, DType::F32, 4, 48),
+        (2, DType::F32, DType::F32, 4, 48),
+        (5, DType::F32, DType::F32, 4, 48),
+        (5, DType::BF16, DType::BF16, 4, 48),
+        (40, DType::F32, DType::F32, 4, 48),
+        (40, DType::BF16, DType::F32, 4, 48),
+        (40, DType::BF16, DType::F32, 4, 300),
+        (2, DType::BF16, DType::F32, 6, 48),
+        (40, DType::BF16, DType::F32, 3, 48),
+        (40, DType::F32, DType::F32, 7, 300),
+    ]
+    .into_iter()
+    .chain(one_token)
+    {
         // The input as a narrow of a wider projection output, as the model passes it.
         let x = values(&[b, t, c + 8], 1.0, 11).to_dtype(dtype).unwrap().narrow(2, 0, c).unwrap();
         let state = values(&[b, kernel - 1, c], 1.0, 12).to_dtype(dtype).unwrap();
@@ -166,7 +172,10 @@ fn causal_conv1d_on_gpu_matches_cpu() {
             let window = on(&state).copy().unwrap();
             let stepped = causal_conv1d_silu_step_in_place(&on(&x), &window, &on(&w)).unwrap();
             let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-            assert!(bits(&stepped) == bits(&y) && bits(&window) == bits(&new_state), "in-place conv step differs");
+            assert!(
+                bits(&stepped) == bits(&y) && bits(&window) == bits(&new_state),
+                "in-place conv step differs ({kernel} taps, {dtype:?})"
+            );
         }
     }
 }
@@ -234,7 +243,9 @@ fn norms_and_swiglu_on_gpu_match_cpu() {
     let on = |x: &Tensor| x.to_device(&gpu).unwrap();
     // Decode rows and a prefill block; widths below, at and above one warp's 32 lanes, and
     // widths whose rows are not all 16-byte aligned (SwiGLU's kernel then loads element-wise).
-    for (rows, d) in [(1, 2560), (3, 128), (70, 24), (5, 100), (4, 37)] {
+    // The per-head gated norm takes 1 to 8 items per lane (24 .. 256 wide); at 2560 it falls
+    // back to tensor ops.
+    for (rows, d) in [(1, 2560), (3, 128), (70, 24), (5, 100), (4, 37), (6, 70), (3, 200), (5, 256)] {
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let what = |op: &str| format!("{op}, {rows} rows of {d}");
             let x = values(&[rows, d], 2.0, 41).to_dtype(dtype).unwrap();
