@@ -46,7 +46,6 @@ struct Loaded {
 struct Kernel {
     function: CudaFunction,
     max_dynamic_shared: u32,
-    multiprocessors: u32,
 }
 
 fn loaded() -> std::sync::MutexGuard<'static, Loaded> {
@@ -87,13 +86,7 @@ fn kernel(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType) -
     function
         .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_shared)
         .map_err(candle_core::Error::wrap)?;
-    let multiprocessors = dev
-        .cuda_stream()
-        .context()
-        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-        .map_err(candle_core::Error::wrap)?;
-    let kernel =
-        Kernel { function, max_dynamic_shared: max_dynamic_shared as u32, multiprocessors: multiprocessors.max(1) as u32 };
+    let kernel = Kernel { function, max_dynamic_shared: max_dynamic_shared as u32 };
     loaded.kernels.insert(key, kernel.clone());
     Ok(kernel)
 }
@@ -204,7 +197,12 @@ pub(crate) fn output(shape: impl Into<Shape>, dtype: DType, device: &Device) -> 
 /// static arrays and `dynamic` bytes — in what the GPU grants a block.
 pub(crate) fn fits(device: &Device, module: &Module, name: &'static str, dtype: DType, dynamic: u32) -> bool {
     let Device::Cuda(dev) = device else { return false };
-    kernel(dev, module, name, dtype).is_ok_and(|k| dynamic <= k.max_dynamic_shared)
+    fitting_kernel(dev, module, name, dtype, dynamic).is_some()
+}
+
+/// The kernel, where it [`fits`].
+fn fitting_kernel(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType, dynamic: u32) -> Option<Kernel> {
+    kernel(dev, module, name, dtype).ok().filter(|k| dynamic <= k.max_dynamic_shared)
 }
 
 /// Launches `module`'s kernel `name` instantiated for `dtype` (`name_f32`, `name_bf16`, …).
@@ -246,19 +244,21 @@ pub(crate) fn resident_blocks(
     dynamic: u32,
 ) -> Result<Option<usize>> {
     let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
-    if !fits(device, module, name, dtype, dynamic) {
-        return Ok(None);
-    }
     let key = (dev.id(), module.name, name, dtype, block, dynamic);
     if let Some(&blocks) = loaded().resident.get(&key) {
         return Ok(Some(blocks));
     }
-    let kernel = kernel(dev, module, name, dtype)?;
+    let Some(kernel) = fitting_kernel(dev, module, name, dtype, dynamic) else { return Ok(None) };
     let per_multiprocessor = kernel
         .function
         .occupancy_max_active_blocks_per_multiprocessor(block, dynamic as usize, None)
         .map_err(candle_core::Error::wrap)?;
-    let blocks = per_multiprocessor.max(1) as usize * kernel.multiprocessors as usize;
+    let multiprocessors = dev
+        .cuda_stream()
+        .context()
+        .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(candle_core::Error::wrap)?;
+    let blocks = per_multiprocessor.max(1) as usize * multiprocessors.max(1) as usize;
     loaded().resident.insert(key, blocks);
     Ok(Some(blocks))
 }
