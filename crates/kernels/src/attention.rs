@@ -261,7 +261,7 @@ mod gpu {
     use crate::Result;
 
     /// The kernels' warps per block, widest head and keys per split (cuda/attention.cu).
-    const WARPS: u32 = 4;
+    const WARPS: u32 = 16;
     const MAX_HEAD_DIM: usize = 512;
     const SPLIT_KEYS: usize = 512;
 
