@@ -6,7 +6,9 @@
 // (16 blocks for the 4B shape's heads under 512 keys), so the block's warps are what walks the
 // keys in parallel: 16 instead of 4 took the 4B shape's batch-1 decode on an H200 from 248.5 to
 // 278.6 tok/s at 128-token prompts and from 189.5 to 261.7 at 2048 (8 warps: 268.1 / 233.5).
+// norm_rope takes its rows in blocks of as many warps, one row per warp.
 constexpr int ATTN_WARPS = 16;
+static_assert(ATTN_WARPS * 32 <= 1024, "a block holds at most 1024 threads");
 constexpr int MAX_HEAD_DIM = 512;
 constexpr int MAX_PER_LANE = MAX_HEAD_DIM / 32;
 // Keys per split: a query's visible keys are cut at fixed multiples of this, whatever the
