@@ -16,26 +16,25 @@ constexpr int CONV_TOKENS = 16;
 __device__ __forceinline__ float conv_first_tap(float input, float weight) { return __fmul_rn(input, weight); }
 __device__ __forceinline__ float conv_next_tap(float acc, float input, float weight) { return __fmaf_rn(input, weight, acc); }
 
-// Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, run of CONV_TOKENS
-// indices, channel): output i < T is computed from the K inputs ending at token i (the first
-// K - 1 - i of them from the state); index i < K - 1 also writes new_state[i], the input K - 1
-// positions before the window's end. A thread loads all the inputs its run reads before it sums
-// any, with the run unrolled so they stay in registers. The kernel is a stream through memory
-// whose instructions, not its bytes, set its pace: the taps are a template parameter (TAPS > 0:
-// K == TAPS; 0: any K up to MAX_CONV_KERNEL, each tap and input predicated), and a run inside
-// the window (past the state, short of the end) reads x without a test per input. x [B, T, C]
-// with `x_stride` between tokens, state and new_state [B, K - 1, C] (token-major), w [C, K]
-// f32, y [B, T, C]. blockIdx.x counts (row, run, block of channels), the channels fastest, over
-// B · runs of max(T, K - 1) indices: blocks running together read whole token rows rather than
-// the same few channels of many tokens (no 64-bit division per thread: that cost more than the
-// convolution).
+// Depthwise causal conv1d + SiLU over `T` tokens. One thread per (row, run of CONV_TOKENS indices,
+// channel): output i < T is computed from the K inputs ending at token i (the first K - 1 - i of
+// them from the state); index i < K - 1 also writes new_state[i], the input K - 1 positions before
+// the window's end. A thread loads all the inputs its run reads before it sums any, with the run
+// unrolled so they stay in registers. The kernel is a stream through memory whose instructions,
+// not its bytes, set its pace: the taps are a template parameter (TAPS > 0: K == TAPS; 0: any K up
+// to MAX_CONV_KERNEL, each tap and input predicated), and a run inside the window (past the state,
+// short of the end) reads x without a test per input. x [B, T, C] with `x_stride` between tokens,
+// state and new_state [B, K - 1, C] (token-major), w [C, K] f32, y [B, T, C], C > 0 (the launcher
+// skips empty outputs). blockIdx.x counts (row, run, block of channels), the channels fastest,
+// over B · runs of max(T, K - 1) indices: blocks running together read whole token rows rather
+// than the same few channels of many tokens (no 64-bit division per thread: that cost more than
+// the convolution).
 template <typename T, int TAPS>
 __device__ void causal_conv1d_silu(const T* __restrict__ x, long long x_stride, const T* __restrict__ state,
                                    const float* __restrict__ w, T* __restrict__ y, T* __restrict__ new_state, int B,
                                    int Tn, int C, int K) {
     constexpr int MAX_TAPS = TAPS ? TAPS : MAX_CONV_KERNEL, WINDOW = CONV_TOKENS + MAX_TAPS - 1;
     const int k = TAPS ? TAPS : K, hist = k - 1, span = max(Tn, hist), runs = (span + CONV_TOKENS - 1) / CONV_TOKENS;
-    if (C <= 0) return;  // no channels: the launcher's one block has nothing to do
     const int channel_blocks = (C + blockDim.x - 1) / blockDim.x, row_run = blockIdx.x / channel_blocks;
     const int c = (blockIdx.x % channel_blocks) * blockDim.x + threadIdx.x;
     if (c >= C || row_run >= B * runs) return;
