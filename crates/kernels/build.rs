@@ -17,6 +17,9 @@ fn main() {
     }
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
+    // The kernels wait for the kernel before them only when built for 9.0 and up (cuda.rs
+    // launches them as programmatic dependents only then).
+    println!("cargo::rustc-env=STRATA_CUDA_COMPUTE_CAP={cap}");
     for name in KERNELS {
         let status = Command::new("nvcc")
             .args([

@@ -246,25 +246,30 @@ __device__ void write_rows(const T* src, const KvDestination* rows, const int* l
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
         attention_split_##NAME(const T* q, const KvRow* rows, const int* lens, float* partial, int Hq, int Hkv, \
                                int Tq, int D, int splits, float scale, int window) {                           \
+        await_previous_kernel();                                                                               \
         attention_split<T>(q, rows, lens, partial, Hq, Hkv, Tq, D, splits, scale, window);                     \
     }                                                                                                          \
     extern "C" __global__ void attention_combine_##NAME(const float* partial, T* out, int queries, int splits,  \
                                                         int D) {                                               \
+        await_previous_kernel();                                                                               \
         attention_combine<T>(partial, out, queries, splits, D);                                                \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(SOFTMAX_THREADS)                                             \
         causal_softmax_##NAME(const T* scores, T* probs, int L, int Tq, float scale, int window) {             \
+        await_previous_kernel();                                                                               \
         causal_softmax<T>(scores, probs, L, Tq, scale, window);                                                \
     }                                                                                                          \
     extern "C" __global__ void write_rows_##NAME(const T* src, const KvDestination* rows, const int* lens,     \
                                                  int B, int H, int Tn, int D, long long sb, long long sh,      \
                                                  long long st) {                                               \
+        await_previous_kernel();                                                                               \
         write_rows<T>(src, rows, lens, B, H, Tn, D, sb, sh, st);                                               \
     }                                                                                                          \
     extern "C" __global__ void norm_rope_##NAME(const T* x, const float* scale, const float* cos,             \
                                                 const float* sin, T* out, int B, int Tn, int H, int D,         \
                                                 int half, long long token_stride, long long head_stride,       \
                                                 float eps) {                                                   \
+        await_previous_kernel();                                                                               \
         norm_rope<T>(x, scale, cos, sin, out, B, Tn, H, D, half, token_stride, head_stride, eps);             \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)

@@ -15,6 +15,20 @@ template <> __device__ __forceinline__ __half from_f32<__half>(float x) { return
 // `x` rounded to T and back: what storing an intermediate in the model dtype does.
 template <typename T> __device__ __forceinline__ float round_to(float x) { return to_f32(from_f32<T>(x)); }
 
+// strata launches its kernels as programmatic dependents of the kernel before them (compute
+// capability 9.0 and up): a kernel's blocks may start while that kernel still runs, and wait
+// here until it has finished and its writes are visible. Every kernel calls this before it reads
+// anything another kernel wrote or writes anything at all, in every thread (a kernel that ended
+// without waiting could end before the kernel it follows, and the one after it would then not
+// wait for that one); only what no kernel writes (weights) may be read before. Then the kernel
+// after it may be launched, to wait in turn.
+__device__ __forceinline__ void await_previous_kernel() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float x) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) x += __shfl_xor_sync(0xffffffffu, x, offset);

@@ -1,95 +1,93 @@
 // `x W^T` for a decode batch: a few input rows against weights read once from memory. Each weight
-// row is streamed in 16-byte loads by `split` warps of one block (interleaved 512-byte runs of
-// the row), each keeping a dot product per input row; the block adds the warps' partials in warp
-// order. Narrow matrices take more warps per row so that enough loads are in flight to reach the
-// copy bandwidth. The order of every sum depends on K, N and the split (chosen from N) only, so
-// a row's result does not depend on its batch (cuBLAS picks a different kernel per batch size,
-// and its small-batch kernels reached well under half the copy bandwidth on an H200).
+// row is streamed in 16-byte loads by SPLIT warps of one block (interleaved 512-byte runs of the
+// row), each lane keeping AHEAD loads in flight and a dot product per input row; the block adds
+// the warps' partials in warp order. The order of every sum depends on K and the split (chosen
+// from N) only, so a row's result does not depend on its batch (cuBLAS picks a different kernel
+// per batch size, and its small-batch kernels reached well under half the copy bandwidth on an
+// H200).
 //
-// The grid is as large as the GPU holds at once, the groups of weight rows spread evenly over
-// it; each block copies the input rows into shared memory once and keeps the next AHEAD weight
-// pieces of each lane in flight, a group's first ones loaded while the group before it sums up.
+// A block per ROWS_WARPS / SPLIT weight rows, as many blocks as that takes: the GPU's block
+// scheduler keeps every multiprocessor streaming to the end of the matrix. (A grid sized to what
+// the GPU holds at once, each block looping over groups of rows, took 10% longer over the 4B
+// shape's decode-step matmuls at one row and 31% at four, and it leaves the next kernel no room
+// to start early.) The weights do not depend on the kernel before, so a block loads its first
+// pieces before waiting for that kernel; the input rows are read through the L1 cache, where
+// every warp of a block finds them.
 #include "common.cuh"
 
-constexpr int ROWS_WARPS = 8;
+constexpr int ROWS_WARPS = 4;
 constexpr int MAX_INPUT_ROWS = 4;
-// 16-byte weight loads a lane has in flight.
+// 16-byte weight loads a lane has in flight (4 measured ahead of 6 and 8 at one and four rows:
+// more raised the registers and lowered the blocks a multiprocessor holds).
 constexpr int AHEAD = 4;
 
 // y [M, N] = x [M, K] · w [N, K]^T: x's rows `x_stride` apart, w contiguous, K a multiple of
-// 16 / sizeof(T), x's and w's rows 16-byte aligned (the caller checks); `split` divides
-// ROWS_WARPS. The grid takes groups of ROWS_WARPS / split weight rows in turn from blockIdx.x;
-// the dynamic shared memory holds the input rows (M · K elements).
-template <typename T>
-__device__ void matmul_rows(const T* x, long long x_stride, const T* w, T* y, int M, int K, int N, int split) {
-    extern __shared__ uint4 shared_input[];
-    T* xs = reinterpret_cast<T*>(shared_input);
-    __shared__ float partial[ROWS_WARPS][MAX_INPUT_ROWS];
+// 16 / sizeof(T), x's and w's rows 16-byte aligned (the caller checks); SPLIT divides
+// ROWS_WARPS, and the grid has ceil(N · SPLIT / ROWS_WARPS) blocks.
+template <typename T, int M, int SPLIT>
+__device__ void matmul_rows(const T* x, long long x_stride, const T* w, T* y, int K, int N) {
+    __shared__ float partial[ROWS_WARPS][M];
     constexpr int VEC = 16 / sizeof(T);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int part = warp % split, group_rows = ROWS_WARPS / split, groups = (N + group_rows - 1) / group_rows;
-    const int chunks = K / VEC, stride = 32 * split, first = part * 32 + lane;
-    const auto weight_row = [&](int n) { return reinterpret_cast<const uint4*>(w + (long long)n * K); };
+    const int part = warp % SPLIT, n = blockIdx.x * (ROWS_WARPS / SPLIT) + warp / SPLIT;
+    const int chunks = K / VEC, first = part * 32 + lane;
+    constexpr int stride = 32 * SPLIT;
+    // A last block's rows past N read row N - 1 again and store nothing.
+    const uint4* row = reinterpret_cast<const uint4*>(w + (long long)min(n, N - 1) * K);
 
-    // A lane's next AHEAD pieces of weights, loaded one step before they are used.
     uint4 packed[AHEAD];
-    const auto load = [&](int n, int c) {
 #pragma unroll
-        for (int u = 0; u < AHEAD; ++u)
-            if (n < N && c + u * stride < chunks) packed[u] = __ldg(weight_row(n) + c + u * stride);
-    };
-    load(blockIdx.x * group_rows + warp / split, first);
-    for (int i = threadIdx.x; i < M * chunks; i += blockDim.x)
-        shared_input[i] = *reinterpret_cast<const uint4*>(x + (i / chunks) * x_stride + (i % chunks) * VEC);
-    __syncthreads();
+    for (int u = 0; u < AHEAD; ++u)
+        if (first + u * stride < chunks) packed[u] = __ldg(row + first + u * stride);
+    await_previous_kernel();
 
-    for (int group = blockIdx.x; group < groups; group += gridDim.x) {
-        const int n = group * group_rows + warp / split;
-        float acc[MAX_INPUT_ROWS];
+    float acc[M];
 #pragma unroll
-        for (int r = 0; r < MAX_INPUT_ROWS; ++r) acc[r] = 0.0f;
-        if (n < N) {
-            for (int c = first; c < chunks; c += AHEAD * stride) {
+    for (int r = 0; r < M; ++r) acc[r] = 0.0f;
+    for (int c = first; c < chunks; c += AHEAD * stride) {
 #pragma unroll
-                for (int u = 0; u < AHEAD; ++u) {
-                    const int cu = c + u * stride;
-                    if (cu >= chunks) break;
-                    const T* we = reinterpret_cast<const T*>(&packed[u]);
-                    float wf[VEC];
+        for (int u = 0; u < AHEAD; ++u) {
+            const int cu = c + u * stride;
+            if (cu >= chunks) break;
+            const T* we = reinterpret_cast<const T*>(&packed[u]);
+            float wf[VEC];
 #pragma unroll
-                    for (int e = 0; e < VEC; ++e) wf[e] = to_f32(we[e]);
+            for (int e = 0; e < VEC; ++e) wf[e] = to_f32(we[e]);
 #pragma unroll
-                    for (int r = 0; r < MAX_INPUT_ROWS; ++r) {
-                        if (r >= M) break;
-                        const uint4 xpacked = reinterpret_cast<const uint4*>(xs + r * K)[cu];
-                        const T* xe = reinterpret_cast<const T*>(&xpacked);
+            for (int r = 0; r < M; ++r) {
+                const uint4 xpacked = __ldg(reinterpret_cast<const uint4*>(x + r * x_stride) + cu);
+                const T* xe = reinterpret_cast<const T*>(&xpacked);
 #pragma unroll
-                        for (int e = 0; e < VEC; ++e) acc[r] += wf[e] * to_f32(xe[e]);
-                    }
-                }
-                if (c + AHEAD * stride < chunks) load(n, c + AHEAD * stride);
+                for (int e = 0; e < VEC; ++e) acc[r] += wf[e] * to_f32(xe[e]);
             }
+            if (cu + AHEAD * stride < chunks) packed[u] = __ldg(row + cu + AHEAD * stride);
         }
-        if (group + (int)gridDim.x < groups) load(n + gridDim.x * group_rows, first);
+    }
 #pragma unroll
-        for (int r = 0; r < MAX_INPUT_ROWS; ++r) {
-            if (r >= M) break;
-            const float sum = warp_sum(acc[r]);
-            if (lane == 0) partial[warp][r] = sum;
-        }
-        __syncthreads();
-        if (part == 0 && n < N && lane < M) {
-            float sum = 0.0f;
-            for (int p = 0; p < split; ++p) sum += partial[warp + p][lane];
-            y[(long long)lane * N + n] = from_f32<T>(sum);
-        }
-        __syncthreads();  // `partial` is read before the next group writes it
+    for (int r = 0; r < M; ++r) {
+        const float sum = warp_sum(acc[r]);
+        if (lane == 0) partial[warp][r] = sum;
+    }
+    __syncthreads();
+    if (part == 0 && n < N && lane < M) {
+        float sum = 0.0f;
+        for (int p = 0; p < SPLIT; ++p) sum += partial[warp + p][lane];
+        y[(long long)lane * N + n] = from_f32<T>(sum);
     }
 }
 
-#define INSTANTIATE(T, NAME)                                                                                   \
+// One kernel per row count and split, `matmul_rows{M}_s{SPLIT}_{dtype}`: as template parameters
+// they leave a kernel the registers of its own case (with both known only at run time, a one-row
+// block took the registers of four rows' sums and ran at half the occupancy).
+#define INSTANTIATE_ROWS(T, NAME, M, SPLIT)                                                                   \
     extern "C" __global__ void __launch_bounds__(ROWS_WARPS * 32)                                             \
-        matmul_rows_##NAME(const T* x, long long x_stride, const T* w, T* y, int M, int K, int N, int split) { \
-        matmul_rows<T>(x, x_stride, w, y, M, K, N, split);                                                     \
+        matmul_rows##M##_s##SPLIT##_##NAME(const T* x, long long x_stride, const T* w, T* y, int K, int N) {   \
+        matmul_rows<T, M, SPLIT>(x, x_stride, w, y, K, N);                                                     \
     }
+#define INSTANTIATE_SPLIT(T, NAME, SPLIT)                                                                     \
+    INSTANTIATE_ROWS(T, NAME, 1, SPLIT) INSTANTIATE_ROWS(T, NAME, 2, SPLIT) INSTANTIATE_ROWS(T, NAME, 3, SPLIT)  \
+    INSTANTIATE_ROWS(T, NAME, 4, SPLIT)
+#define INSTANTIATE(T, NAME)                                                                                   \
+    static_assert(MAX_INPUT_ROWS == 4 && ROWS_WARPS == 4, "one instance below per row count and split");       \
+    INSTANTIATE_SPLIT(T, NAME, 2) INSTANTIATE_SPLIT(T, NAME, 4)
 STRATA_FOR_DTYPES(INSTANTIATE)

@@ -151,19 +151,23 @@ __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long
 #define INSTANTIATE(T, NAME)                                                                                   \
     extern "C" __global__ void rms_norm_##NAME(const T* x, const float* scale, T* y, int D, float eps,         \
                                                int pieces) {                                                   \
+        await_previous_kernel();                                                                               \
         add_rms_norm<T>(x, nullptr, scale, nullptr, y, D, eps, pieces);                                        \
     }                                                                                                          \
     extern "C" __global__ void add_rms_norm_##NAME(const T* x, const T* h, const float* scale, T* sum, T* y,  \
                                                    int D, float eps, int pieces) {                             \
+        await_previous_kernel();                                                                               \
         add_rms_norm<T>(x, h, scale, sum, y, D, eps, pieces);                                                  \
     }                                                                                                          \
     extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, long long gate_stride,    \
                                                      const float* weight, T* y, int rows, int H, int D,        \
                                                      float eps) {                                              \
+        await_previous_kernel();                                                                               \
         gated_rms_norm_for<T>(x, gate, gate_stride, weight, y, rows, H, D, eps);                               \
     }                                                                                                          \
     extern "C" __global__ void silu_mul_##NAME(const T* gate, long long gate_stride, const T* up,             \
                                                long long up_stride, T* y, int rows, int cols, int pieces) {    \
+        await_previous_kernel();                                                                               \
         silu_mul<T>(gate, gate_stride, up, up_stride, y, rows, cols, pieces);                                  \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)

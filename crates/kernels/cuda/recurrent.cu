@@ -657,17 +657,20 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
     extern "C" __global__ void causal_conv1d_silu_##NAME(const T* x, long long x_stride, const T* state,        \
                                                          const float* w, T* y, T* new_state, int B, int Tn,     \
                                                          int C, int K) {                                        \
+        await_previous_kernel();                                                                                \
         if (K == 4) causal_conv1d_silu<T, 4>(x, x_stride, state, w, y, new_state, B, Tn, C, K);                \
         else causal_conv1d_silu<T, 0>(x, x_stride, state, w, y, new_state, B, Tn, C, K);                       \
     }                                                                                                            \
     extern "C" __global__ void causal_conv1d_silu_step_##NAME(const T* x, long long x_stride, T* state,       \
                                                               const float* w, T* y, int B, int C, int K) {  \
+        await_previous_kernel();                                                                               \
         causal_conv1d_silu_step<T>(x, x_stride, state, w, y, B, C, K);                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32) gated_delta_steps_##NAME(                     \
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
         const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias,      \
         const float* s_in, float* s_out, float* o, int B, int Tn, int Hk, int Hv, int Dk, int Dv) {             \
+        await_previous_kernel();                                                                                \
         gated_delta_steps<T>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log, dt_bias, \
                              s_in, s_out, o, B, Tn, Hk, Hv, Dk, Dv);                                            \
     }
@@ -680,12 +683,14 @@ STRATA_FOR_DTYPES(INSTANTIATE)
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
         const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias, T* qg, \
         T* kw, T* w_neg, float* u, T* p, float* chunk_decay, int Tn, int Hk, int Hv, int N) {                   \
+        await_previous_kernel();                                                                                \
         gated_delta_chunk_prepare<T>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log,  \
                                      dt_bias, qg, kw, w_neg, u, p, chunk_decay, Tn, Hk, Hv, N);                  \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(CHUNK_THREADS) gated_delta_chunk_scan_##NAME(                \
         const T* qg, const T* kw, const T* w_neg, const float* u, const T* p, const float* chunk_decay,         \
         const float* s_in, float* s_out, float* o, int Tn, int Hv, int N) {                                      \
+        await_previous_kernel();                                                                                 \
         gated_delta_chunk_scan<T>(qg, kw, w_neg, u, p, chunk_decay, s_in, s_out, o, Tn, Hv, N);                  \
     }
 INSTANTIATE_CHUNKED(__nv_bfloat16, bf16)

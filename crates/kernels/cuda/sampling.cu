@@ -18,6 +18,7 @@ __device__ __forceinline__ unsigned long long argmax_key(float value, int index)
 // low word complemented, 0 for a row of NaN (key 0): the caller decodes it.
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
     argmax_keys_f32(const float* logits, unsigned long long* keys, int V) {
+    await_previous_kernel();
     const float* row = logits + (long long)blockIdx.y * V;
     const int end = min(V, (int)(blockIdx.x + 1) * ARGMAX_CHUNK);
     unsigned long long best = 0;

@@ -50,23 +50,32 @@ mod gpu {
     /// Input rows the kernel takes (cuda/matmul.cu's `MAX_INPUT_ROWS`), and its warps per
     /// block, `split` of them per weight row.
     const MAX_INPUT_ROWS: usize = 4;
-    const WARPS: usize = 8;
+    const WARPS: usize = 4;
 
-    /// Warps per weight row: the most (up to a block's) that keep the grid within about 16K
-    /// warps — an H200 holds 8.4K at a time — so narrow matrices keep enough loads in flight.
-    /// (With one warp per row, the 4B shape's 2560-row matrices showed well under the copy
-    /// bandwidth in Nsight Compute profiles on the H200; see commit 0ecea46 for the timings.)
+    /// The kernel for `m` input rows and `split` warps per weight row (2 or 4).
+    fn kernel_name(m: usize, split: usize) -> &'static str {
+        const NAMES: [[&str; 2]; MAX_INPUT_ROWS] = [
+            ["matmul_rows1_s2", "matmul_rows1_s4"],
+            ["matmul_rows2_s2", "matmul_rows2_s4"],
+            ["matmul_rows3_s2", "matmul_rows3_s4"],
+            ["matmul_rows4_s2", "matmul_rows4_s4"],
+        ];
+        NAMES[m - 1][usize::from(split == 4)]
+    }
+
+    /// Warps per weight row: two, which measured ahead of one and four on every matrix of the
+    /// 4B shape on an H200 (2560 to 248K rows); four below 2048 rows, where two would leave
+    /// fewer blocks than the GPU holds at once (132 multiprocessors × 16) to keep loads in flight.
     fn split(n: usize) -> usize {
-        let mut split = 1;
-        while split < WARPS && n * split * 2 <= 16 * 1024 {
-            split *= 2;
+        if n < 2048 {
+            4
+        } else {
+            2
         }
-        split
     }
 
     /// `x W^T` by strata's streaming kernel, or `None` where it does not apply: more rows than
-    /// it takes, another dtype, a layout other than rows in whole 16-byte pieces, or input rows
-    /// too long for a block's shared memory.
+    /// it takes, another dtype, or a layout other than rows in whole 16-byte pieces.
     pub(super) fn matmul_rows(x: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
         let ((m, k), n) = (x.dims2()?, w.dim(0)?);
         let dtype = x.dtype();
@@ -81,35 +90,22 @@ mod gpu {
         {
             return Ok(None);
         }
+        if m == 0 || n == 0 {
+            return Ok(Some(cuda::output((m, n), dtype, x.device())?));
+        }
         let (x, x_stride) = cuda::row_strided(x)?;
-        let (block, kernel) = ((WARPS * 32) as u32, "matmul_rows");
-        let Ok(shared) = u32::try_from(m * k * dtype.size_in_bytes()) else { return Ok(None) };
-        if !cuda::in_pieces(&x, x_stride)? || !cuda::in_pieces(w, k)? {
+        let split = split(n);
+        let kernel = kernel_name(m, split);
+        if !cuda::in_pieces(&x, x_stride)? || !cuda::in_pieces(w, k)? || !cuda::fits(x.device(), &cuda::MATMUL, kernel, dtype, 0)
+        {
             return Ok(None);
         }
-        let Some(resident) = cuda::resident_blocks(x.device(), &cuda::MATMUL, kernel, dtype, block, shared)? else {
-            return Ok(None);
-        };
         let y = cuda::output((m, n), dtype, x.device())?;
-        if m > 0 && n > 0 {
-            let split = split(n);
-            // Groups of weight rows in as few waves as the GPU holds, spread evenly over them: a
-            // block copies the input rows once, and the GPU does not wait on a last, part wave.
-            let groups = n.div_ceil(WARPS / split);
-            let grid = groups.div_ceil(groups.div_ceil(resident));
-            let cfg = LaunchConfig { grid_dim: (grid as u32, 1, 1), block_dim: (block, 1, 1), shared_mem_bytes: shared };
-            let args = [
-                Arg::at(&x)?,
-                Arg::I64(x_stride as i64),
-                Arg::at(w)?,
-                Arg::at(&y)?,
-                Arg::dim(m)?,
-                Arg::dim(k)?,
-                Arg::dim(n)?,
-                Arg::dim(split)?,
-            ];
-            cuda::launch(x.device(), &cuda::MATMUL, kernel, dtype, cfg, &args)?;
-        }
+        let blocks = u32::try_from((n * split).div_ceil(WARPS))
+            .map_err(|_| candle_core::Error::Msg(format!("{n} weight rows exceed a CUDA grid")))?;
+        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: ((WARPS * 32) as u32, 1, 1), shared_mem_bytes: 0 };
+        let args = [Arg::at(&x)?, Arg::I64(x_stride as i64), Arg::at(w)?, Arg::at(&y)?, Arg::dim(k)?, Arg::dim(n)?];
+        cuda::launch(x.device(), &cuda::MATMUL, kernel, dtype, cfg, &args)?;
         Ok(Some(y))
     }
 }

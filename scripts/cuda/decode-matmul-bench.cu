@@ -1,0 +1,153 @@
+// The decode matmul kernel (crates/kernels/cuda/matmul.cu) alone, on the 4B shape's decode-step
+// matrices: 24 DeltaNet and 8 attention layers (every fourth) of in / out / gate-up / down
+// projections and the 248K-row output head, 8.4 GB of random bf16 weights, launched back to back
+// in a CUDA graph as programmatic dependents (as strata launches them). Prints the GPU's read
+// bandwidth (one kernel reading the output head) and, per input-row count, the whole step's
+// matmul time and each shape's time per launch.
+//
+// Build (here, no GPU needed):
+//   source scripts/cuda/env.sh
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o decode-matmul-bench scripts/cuda/decode-matmul-bench.cu -L"$CUDA_ROOT/lib"
+// Run on the GPU machine: ./decode-matmul-bench
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#include "../../crates/kernels/cuda/matmul.cu"
+
+#define CHECK(call)                                                                          \
+    do {                                                                                     \
+        const cudaError_t e = (call);                                                        \
+        if (e != cudaSuccess) {                                                              \
+            std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
+            std::exit(1);                                                                    \
+        }                                                                                    \
+    } while (0)
+
+using bf16 = __nv_bfloat16;
+
+__global__ void fill(bf16* p, long long n, unsigned seed) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        unsigned h = (unsigned)i * 2654435761u ^ seed;
+        h ^= h >> 13;
+        h *= 0x5bd1e995u;
+        h ^= h >> 15;
+        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * 0.1f);
+    }
+}
+
+__global__ void read_all(const uint4* p, long long n, float* sink) {
+    float a = 0.0f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 v = __ldg(p + i);
+        a += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
+    }
+    if (a == 1234.5f) *sink = a;
+}
+
+struct Matrix {
+    int n, k;
+    bf16* w;
+};
+
+using Kernel = void (*)(const bf16*, long long, const bf16*, bf16*, int, int);
+
+// The instance strata's launcher (crates/kernels/src/matmul.rs) picks.
+static Kernel kernel_for(int m, int n) {
+    const Kernel two[4] = {matmul_rows1_s2_bf16, matmul_rows2_s2_bf16, matmul_rows3_s2_bf16, matmul_rows4_s2_bf16};
+    const Kernel four[4] = {matmul_rows1_s4_bf16, matmul_rows2_s4_bf16, matmul_rows3_s4_bf16, matmul_rows4_s4_bf16};
+    return n < 2048 ? four[m - 1] : two[m - 1];
+}
+
+static void launch(cudaStream_t stream, const Matrix& mat, const bf16* x, bf16* y, int m) {
+    const int split = mat.n < 2048 ? 4 : 2;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3((mat.n * split + ROWS_WARPS - 1) / ROWS_WARPS);
+    cfg.blockDim = dim3(ROWS_WARPS * 32);
+    cfg.stream = stream;
+    cudaLaunchAttribute dependent;
+    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    dependent.val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = &dependent;
+    cfg.numAttrs = 1;
+    CHECK(cudaLaunchKernelEx(&cfg, kernel_for(m, mat.n), x, (long long)mat.k, (const bf16*)mat.w, y, mat.k, mat.n));
+}
+
+// Microseconds per replay of `body`'s launches recorded as a graph.
+static double timed(cudaStream_t stream, const std::function<void()>& body) {
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    body();
+    CHECK(cudaStreamEndCapture(stream, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, stream));
+    cudaEvent_t start, end;
+    CHECK(cudaEventCreate(&start));
+    CHECK(cudaEventCreate(&end));
+    const int replays = 30;
+    CHECK(cudaEventRecord(start, stream));
+    for (int i = 0; i < replays; ++i) CHECK(cudaGraphLaunch(exec, stream));
+    CHECK(cudaEventRecord(end, stream));
+    CHECK(cudaEventSynchronize(end));
+    float ms;
+    CHECK(cudaEventElapsedTime(&ms, start, end));
+    CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+    return ms * 1e3 / replays;
+}
+
+int main() {
+    cudaStream_t stream;
+    CHECK(cudaStreamCreate(&stream));
+    cudaDeviceProp prop;
+    CHECK(cudaGetDeviceProperties(&prop, 0));
+    std::vector<Matrix> step;
+    for (int layer = 0; layer < 32; ++layer) {
+        const bool attention = layer % 4 == 3;
+        step.push_back({attention ? 10240 : 12352, 2560, nullptr});  // qkv(+gate) or qkv·z·b·a
+        step.push_back({2560, 4096, nullptr});                         // o_proj / out_proj
+        step.push_back({18432, 2560, nullptr});                        // gate and up
+        step.push_back({2560, 9216, nullptr});                         // down
+    }
+    step.push_back({248320, 2560, nullptr});  // output head
+    double bytes = 0;
+    for (Matrix& mat : step) {
+        CHECK(cudaMalloc(&mat.w, (size_t)mat.n * mat.k * sizeof(bf16)));
+        fill<<<1024, 256, 0, stream>>>(mat.w, (long long)mat.n * mat.k, mat.n ^ mat.k);
+        bytes += 2.0 * mat.n * mat.k;
+    }
+    bf16 *x, *y;
+    float* sink;
+    CHECK(cudaMalloc(&x, MAX_INPUT_ROWS * 9216 * sizeof(bf16)));
+    CHECK(cudaMalloc(&y, MAX_INPUT_ROWS * 248320 * sizeof(bf16)));
+    CHECK(cudaMalloc(&sink, sizeof(float)));
+    fill<<<16, 256, 0, stream>>>(x, MAX_INPUT_ROWS * 9216, 7);
+    CHECK(cudaStreamSynchronize(stream));
+
+    const Matrix& head = step.back();
+    const double read_us = timed(stream, [&] {
+        read_all<<<prop.multiProcessorCount * 8, 256, 0, stream>>>(reinterpret_cast<const uint4*>(head.w),
+                                                                    (long long)head.n * head.k / 8, sink);
+    });
+    std::printf("%s: %zu matrices, %.2f GB; one kernel reading the output head: %.0f GB/s\n", prop.name, step.size(),
+                bytes / 1e9, 2.0 * head.n * head.k / read_us / 1e3);
+    for (int m = 1; m <= MAX_INPUT_ROWS; ++m) {
+        const double us = timed(stream, [&] {
+            for (const Matrix& mat : step) launch(stream, mat, x, y, m);
+        });
+        std::printf("%d row(s): step %.1f us (%.0f GB/s); per launch:", m, us, bytes / us / 1e3);
+        const char* names[4] = {"in (12352 or 10240 x 2560)", "out (2560 x 4096)", "gate-up (18432 x 2560)", "down (2560 x 9216)"};
+        for (int shape = 0; shape < 4; ++shape) {
+            const double t = timed(stream, [&] {
+                for (size_t i = shape; i + 1 < step.size(); i += 4) launch(stream, step[i], x, y, m);
+            });
+            std::printf(" %s %.2f us,", names[shape], t / 32);
+        }
+        std::printf(" head %.1f us\n", timed(stream, [&] { launch(stream, head, x, y, m); }));
+    }
+    return 0;
+}
