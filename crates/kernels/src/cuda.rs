@@ -97,7 +97,10 @@ fn kernel(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType) -
 /// the kernel before them (`await_previous_kernel`); code for older GPUs does not, so a GPU
 /// running it must not start them early.
 fn built_for_dependent_launch() -> bool {
-    env!("STRATA_CUDA_COMPUTE_CAP").parse::<u32>().is_ok_and(|cap| cap >= 90)
+    // Leading digits: a capability may carry a suffix (`90a`).
+    let cap = env!("STRATA_CUDA_COMPUTE_CAP");
+    let digits = cap.find(|c: char| !c.is_ascii_digit()).map_or(cap, |end| &cap[..end]);
+    digits.parse::<u32>().is_ok_and(|cap| cap >= 90)
 }
 
 /// Readies a freshly opened GPU for inference, removing host-side work from the ops of a forward:

@@ -19,7 +19,9 @@ use crate::Result;
 /// prefill chunks; exactness wins.) The input rows stay in cache up to here.
 pub const MAX_EXACT_ROWS: usize = 64;
 
-/// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. Streams the weights for f32 and bf16
+/// `x` `[M, K]`, `w` `[N, K]` → `[M, N]` in `x`'s dtype. On CUDA the streaming kernel reads
+/// the first weights before waiting for the kernel launched before it (cuda/matmul.cu), so `w`
+/// must not be that kernel's output (weights never are). Streams the weights for f32 and bf16
 /// on CPU when `M <= MAX_EXACT_ROWS`, and on CUDA for up to 4 rows (strata's kernel in
 /// cuda/matmul.cu; past a few rows its re-reads of the inputs make it slower than cuBLAS, as
 /// commit c4ccd01 records); candle's matmul otherwise.
@@ -64,8 +66,9 @@ mod gpu {
     }
 
     /// Warps per weight row: two, which measured ahead of one and four on every matrix of the
-    /// 4B shape on an H200 (2560 to 248K rows); four below 2048 rows, where two would leave
-    /// fewer blocks than the GPU holds at once (132 multiprocessors × 16) to keep loads in flight.
+    /// 4B shape on an H200 (2560 to 248K rows); four below 2048 rows, where two would make at
+    /// most 1024 blocks of loads in flight — a guess for the smaller shapes' narrow matrices
+    /// (the 0.8B shape's have 1024 rows), not measured.
     fn split(n: usize) -> usize {
         if n < 2048 {
             4

@@ -205,8 +205,9 @@ fn causal_attention_on_gpu_matches_cpu() {
 fn matmul_t_on_gpu_matches_cpu() {
     let gpu = gpu();
     // Decode batches through strata's streaming kernel (one with the widest batch it takes and
-    // a long row; 8, 2 and 1 warps per weight row, the last two with a partial last block), a
-    // row length it leaves to cuBLAS, and a prefill block.
+    // a long row; 4 warps per weight row for the first two, 2 for the next two, whose odd row
+    // counts leave a partial last block), a row length it leaves to cuBLAS in bf16 (100 is not a whole
+    // number of 16-byte pieces; f32 streams it), and a prefill block.
     let shapes = [(1, 256, 384), (4, 2560, 300), (2, 512, 4099), (3, 64, 9001), (7, 512, 128), (3, 100, 50), (130, 256, 96)];
     for (m, k, n) in shapes {
         for dtype in [DType::F32, DType::BF16] {
@@ -222,7 +223,9 @@ fn matmul_t_on_gpu_matches_cpu() {
 #[test]
 fn streaming_matmul_gives_each_row_the_same_bits_alone_or_batched() {
     let gpu = gpu();
-    for (k, n) in [(2560, 2560), (512, 4099), (64, 9001)] {
+    // Two warps per weight row (the first three, the last two with a partial last block) and
+    // four (below 2048 rows); every row count the kernel takes against each row alone.
+    for (k, n) in [(2560, 2560), (512, 4099), (64, 9001), (1024, 1500)] {
         let x = values(&[4, k], 1.0, 41).to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
         let w = values(&[n, k], 0.1, 42).to_dtype(DType::BF16).unwrap().to_device(&gpu).unwrap();
         let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
@@ -233,6 +236,10 @@ fn streaming_matmul_gives_each_row_the_same_bits_alone_or_batched() {
         for r in 0..4 {
             let alone = matmul_t(&x.narrow(0, r, 1).unwrap(), &w).unwrap();
             assert!(bits(&alone) == bits(&batched.narrow(0, r, 1).unwrap()), "{k}x{n}: row {r} differs alone");
+        }
+        for m in 2..4 {
+            let fewer = matmul_t(&x.narrow(0, 0, m).unwrap(), &w).unwrap();
+            assert!(bits(&fewer) == bits(&batched.narrow(0, 0, m).unwrap()), "{k}x{n}: {m} rows differ from 4");
         }
     }
 }
