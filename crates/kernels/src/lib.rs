@@ -11,7 +11,7 @@
 //!   packed as in the file, llama.cpp's arithmetic.
 //!
 //! With the `cuda` feature, the recurrent ops and the norms run as strata's own CUDA kernels
-//! (`cuda/*.cu`, built to PTX by build.rs), each tested on the GPU against the CPU path.
+//! (`cuda/*.cu`, built to fat binaries by build.rs), each tested on the GPU against the CPU path.
 
 pub mod attention;
 pub mod conv1d;
