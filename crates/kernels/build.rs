@@ -18,8 +18,10 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     let cap = std::env::var("CUDA_COMPUTE_CAP").unwrap_or_else(|_| "90".into());
     // The kernels wait for the kernel before them only when built for 9.0 and up (cuda.rs
-    // launches them as programmatic dependents only then).
-    println!("cargo::rustc-env=STRATA_CUDA_COMPUTE_CAP={cap}");
+    // launches them as programmatic dependents only then). The number's leading digits: a
+    // capability may carry a suffix (`90a`).
+    let major_minor: u32 = cap.chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap_or(0);
+    println!("cargo::rustc-env=STRATA_KERNELS_AWAIT_PREVIOUS={}", major_minor >= 90);
     for name in KERNELS {
         let status = Command::new("nvcc")
             .args([

@@ -10,7 +10,7 @@
 // scheduler keeps every multiprocessor streaming to the end of the matrix. (A grid sized to what
 // the GPU holds at once, each block looping over groups of rows, took 10% longer over the 4B
 // shape's decode-step matmuls at one row and 31% at four, and it leaves the next kernel no room
-// to start early.) The weights do not depend on the kernel before, so a block loads its first
+// to start early; figures in commit 590ec36's message.) The weights do not depend on the kernel before, so a block loads its first
 // pieces before waiting for that kernel; the input rows are read through the L1 cache, where
 // every warp of a block finds them.
 #include "common.cuh"
@@ -18,7 +18,7 @@
 constexpr int ROWS_WARPS = 4;
 constexpr int MAX_INPUT_ROWS = 4;
 // 16-byte weight loads a lane has in flight (4 measured ahead of 6 and 8 at one and four rows:
-// more raised the registers and lowered the blocks a multiprocessor holds).
+// more raised the registers and lowered the blocks a multiprocessor holds; 590ec36's message).
 constexpr int AHEAD = 4;
 
 // y [M, N] = x [M, K] · w [N, K]^T: x's rows `x_stride` apart, w contiguous, K a multiple of

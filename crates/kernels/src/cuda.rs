@@ -87,21 +87,16 @@ fn kernel(dev: &CudaDevice, module: &Module, name: &'static str, dtype: DType) -
         .set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, max_dynamic_shared)
         .map_err(candle_core::Error::wrap)?;
     let major = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
-    let dependent_launch = major.map_err(candle_core::Error::wrap)? >= 9 && built_for_dependent_launch();
+    let dependent_launch = major.map_err(candle_core::Error::wrap)? >= 9 && BUILT_TO_AWAIT_PREVIOUS;
     let kernel = Kernel { function, max_dynamic_shared: max_dynamic_shared as u32, dependent_launch };
     loaded.kernels.insert(key, kernel.clone());
     Ok(kernel)
 }
 
 /// Whether the kernels were compiled for compute capability 9.0 or newer, where they wait for
-/// the kernel before them (`await_previous_kernel`); code for older GPUs does not, so a GPU
-/// running it must not start them early.
-fn built_for_dependent_launch() -> bool {
-    // Leading digits: a capability may carry a suffix (`90a`).
-    let cap = env!("STRATA_CUDA_COMPUTE_CAP");
-    let digits = cap.find(|c: char| !c.is_ascii_digit()).map_or(cap, |end| &cap[..end]);
-    digits.parse::<u32>().is_ok_and(|cap| cap >= 90)
-}
+/// the kernel before them (`await_previous_kernel`; build.rs decides); code for older GPUs does
+/// not, so a GPU running it must not start them early.
+const BUILT_TO_AWAIT_PREVIOUS: bool = matches!(env!("STRATA_KERNELS_AWAIT_PREVIOUS").as_bytes(), b"true");
 
 /// Readies a freshly opened GPU for inference, removing host-side work from the ops of a forward:
 /// - cudarc's per-buffer events (for cross-stream safety) are off: candle runs every op of a
@@ -224,8 +219,8 @@ fn fitting_kernel(dev: &CudaDevice, module: &Module, name: &'static str, dtype: 
 /// (`await_previous_kernel` in cuda/common.cuh), so a kernel's start-up — launch, block
 /// scheduling, a matmul's first weight loads — overlaps the end of the one before: a decode step
 /// is a few hundred dependent launches (on an H200, 1–2% more batch-1 decode tokens/s than
-/// plain launches of the same kernels). A launch of candle's, made without the attribute, still
-/// waits for everything before it.
+/// plain launches of the same kernels; figures in commit 590ec36's message). A launch of
+/// candle's, made without the attribute, still waits for everything before it.
 pub(crate) fn launch(
     device: &Device,
     module: &Module,

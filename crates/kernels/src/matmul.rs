@@ -54,26 +54,18 @@ mod gpu {
     const MAX_INPUT_ROWS: usize = 4;
     const WARPS: usize = 4;
 
-    /// The kernel for `m` input rows and `split` warps per weight row (2 or 4).
-    fn kernel_name(m: usize, split: usize) -> &'static str {
-        const NAMES: [[&str; 2]; MAX_INPUT_ROWS] = [
-            ["matmul_rows1_s2", "matmul_rows1_s4"],
-            ["matmul_rows2_s2", "matmul_rows2_s4"],
-            ["matmul_rows3_s2", "matmul_rows3_s4"],
-            ["matmul_rows4_s2", "matmul_rows4_s4"],
-        ];
-        NAMES[m - 1][usize::from(split == 4)]
-    }
-
-    /// Warps per weight row: two, which measured ahead of one and four on every matrix of the
-    /// 4B shape on an H200 (2560 to 248K rows); four below 2048 rows, where two would make at
-    /// most 1024 blocks of loads in flight — a guess for the smaller shapes' narrow matrices
-    /// (the 0.8B shape's have 1024 rows), not measured.
-    fn split(n: usize) -> usize {
+    /// The kernel for `m` input rows and `n` weight rows, and its warps per weight row: two,
+    /// which measured ahead of one and four on every matrix of the 4B shape on an H200 (2560 to
+    /// 248K rows; figures in commit 590ec36's message); four below 2048 rows, where two would
+    /// make at most 1024 blocks of loads in flight — a guess for the smaller shapes' narrow
+    /// matrices (the 0.8B shape's have 1024 rows), not measured.
+    fn kernel_for(m: usize, n: usize) -> (&'static str, usize) {
+        const TWO: [&str; MAX_INPUT_ROWS] = ["matmul_rows1_s2", "matmul_rows2_s2", "matmul_rows3_s2", "matmul_rows4_s2"];
+        const FOUR: [&str; MAX_INPUT_ROWS] = ["matmul_rows1_s4", "matmul_rows2_s4", "matmul_rows3_s4", "matmul_rows4_s4"];
         if n < 2048 {
-            4
+            (FOUR[m - 1], 4)
         } else {
-            2
+            (TWO[m - 1], 2)
         }
     }
 
@@ -97,12 +89,10 @@ mod gpu {
             return Ok(Some(cuda::output((m, n), dtype, x.device())?));
         }
         let (x, x_stride) = cuda::row_strided(x)?;
-        let split = split(n);
-        let kernel = kernel_name(m, split);
-        if !cuda::in_pieces(&x, x_stride)? || !cuda::in_pieces(w, k)? || !cuda::fits(x.device(), &cuda::MATMUL, kernel, dtype, 0)
-        {
+        if !cuda::in_pieces(&x, x_stride)? || !cuda::in_pieces(w, k)? {
             return Ok(None);
         }
+        let (kernel, split) = kernel_for(m, n);
         let y = cuda::output((m, n), dtype, x.device())?;
         let blocks = u32::try_from((n * split).div_ceil(WARPS))
             .map_err(|_| candle_core::Error::Msg(format!("{n} weight rows exceed a CUDA grid")))?;
