@@ -2,8 +2,9 @@
 // matrices: 24 DeltaNet and 8 attention layers (every fourth) of in / out / gate-up / down
 // projections and the 248K-row output head, 8.4 GB of random bf16 weights, launched back to back
 // in a CUDA graph as programmatic dependents (as strata launches them). Prints the GPU's read
-// bandwidth (one kernel reading the output head) and, per input-row count, the whole step's
-// matmul time and each shape's time per launch.
+// bandwidth (one kernel reading the output head) and, per split (warps per weight row; strata
+// gives all of these matrices 2) and input-row count, the whole step's matmul time and each
+// shape's time per launch.
 //
 // Build (here, no GPU needed):
 //   source scripts/cuda/env.sh
@@ -55,15 +56,11 @@ struct Matrix {
 
 using Kernel = void (*)(const bf16*, long long, const bf16*, bf16*, int, int);
 
-// The instance strata's launcher (crates/kernels/src/matmul.rs) picks.
-static Kernel kernel_for(int m, int n) {
+// `m` input rows against `mat`, `split` warps per weight row (2 or 4, the instances the kernel
+// has; strata's launcher in crates/kernels/src/matmul.rs picks one by the row count).
+static void launch(cudaStream_t stream, const Matrix& mat, const bf16* x, bf16* y, int m, int split) {
     const Kernel two[4] = {matmul_rows1_s2_bf16, matmul_rows2_s2_bf16, matmul_rows3_s2_bf16, matmul_rows4_s2_bf16};
     const Kernel four[4] = {matmul_rows1_s4_bf16, matmul_rows2_s4_bf16, matmul_rows3_s4_bf16, matmul_rows4_s4_bf16};
-    return n < 2048 ? four[m - 1] : two[m - 1];
-}
-
-static void launch(cudaStream_t stream, const Matrix& mat, const bf16* x, bf16* y, int m) {
-    const int split = mat.n < 2048 ? 4 : 2;
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3((mat.n * split + ROWS_WARPS - 1) / ROWS_WARPS);
     cfg.blockDim = dim3(ROWS_WARPS * 32);
@@ -73,7 +70,8 @@ static void launch(cudaStream_t stream, const Matrix& mat, const bf16* x, bf16* 
     dependent.val.programmaticStreamSerializationAllowed = 1;
     cfg.attrs = &dependent;
     cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, kernel_for(m, mat.n), x, (long long)mat.k, (const bf16*)mat.w, y, mat.k, mat.n));
+    const Kernel kernel = split == 4 ? four[m - 1] : two[m - 1];
+    CHECK(cudaLaunchKernelEx(&cfg, kernel, x, (long long)mat.k, (const bf16*)mat.w, y, mat.k, mat.n));
 }
 
 // Microseconds per replay of `body`'s launches recorded as a graph.
@@ -135,19 +133,21 @@ int main() {
     });
     std::printf("%s: %zu matrices, %.2f GB; one kernel reading the output head: %.0f GB/s\n", prop.name, step.size(),
                 bytes / 1e9, 2.0 * head.n * head.k / read_us / 1e3);
-    for (int m = 1; m <= MAX_INPUT_ROWS; ++m) {
-        const double us = timed(stream, [&] {
-            for (const Matrix& mat : step) launch(stream, mat, x, y, m);
-        });
-        std::printf("%d row(s): step %.1f us (%.0f GB/s); per launch:", m, us, bytes / us / 1e3);
-        const char* names[4] = {"in (12352 or 10240 x 2560)", "out (2560 x 4096)", "gate-up (18432 x 2560)", "down (2560 x 9216)"};
-        for (int shape = 0; shape < 4; ++shape) {
-            const double t = timed(stream, [&] {
-                for (size_t i = shape; i + 1 < step.size(); i += 4) launch(stream, step[i], x, y, m);
+    const char* names[4] = {"in (12352 or 10240 x 2560)", "out (2560 x 4096)", "gate-up (18432 x 2560)", "down (2560 x 9216)"};
+    for (int split : {2, 4}) {
+        for (int m = 1; m <= MAX_INPUT_ROWS; ++m) {
+            const double us = timed(stream, [&] {
+                for (const Matrix& mat : step) launch(stream, mat, x, y, m, split);
             });
-            std::printf(" %s %.2f us,", names[shape], t / 32);
+            std::printf("split %d, %d row(s): step %.1f us (%.0f GB/s); per launch:", split, m, us, bytes / us / 1e3);
+            for (int shape = 0; shape < 4; ++shape) {
+                const double t = timed(stream, [&] {
+                    for (size_t i = shape; i + 1 < step.size(); i += 4) launch(stream, step[i], x, y, m, split);
+                });
+                std::printf(" %s %.2f us,", names[shape], t / 32);
+            }
+            std::printf(" head %.1f us\n", timed(stream, [&] { launch(stream, head, x, y, m, split); }));
         }
-        std::printf(" head %.1f us\n", timed(stream, [&] { launch(stream, head, x, y, m); }));
     }
     return 0;
 }
