@@ -124,9 +124,14 @@ __device__ void attention_split(const T* q, const KvRow* rows, const int* lens, 
     }
 }
 
-// Flash-decoding, second half: per query, the non-empty partials merged in split order, in T.
+// Flash-decoding, second half: per query, the non-empty partials merged in split order, in T,
+// into out [B, Hq, T, D]. With `gate` (the output gate of a gated attention, [B, T, Hq, D] with
+// its tokens `gate_token_stride` and heads `gate_head_stride` apart) the result is instead
+// times sigmoid(gate), the two factors rounded to T as transformers multiplies them, into out
+// [B, T, Hq, D] — what the output projection reads: the gate's three ops in this launch.
 template <typename T>
-__device__ void attention_combine(const float* partial, T* out, int queries, int splits, int D) {
+__device__ void attention_combine(const float* partial, T* out, int queries, int splits, int D, const T* gate,
+                                  long long gate_token_stride, long long gate_head_stride, int Hq, int Tq) {
     const long long query = blockIdx.x;
     if (query >= queries) return;
     const float* p = partial + query * splits * (D + 2);
@@ -137,13 +142,20 @@ __device__ void attention_combine(const float* partial, T* out, int queries, int
         const float m = p[s * (D + 2)];
         if (m != -INFINITY) total_sum += p[s * (D + 2) + 1] * expf(m - total_max);
     }
+    // The query's token (row b, index i) and head h, for the gated layout.
+    const long long b = query / ((long long)Hq * Tq), token = b * Tq + query % Tq;
+    const int h = (query / Tq) % Hq;
+    const T* g = gate ? gate + token * gate_token_stride + h * gate_head_stride : nullptr;
+    T* o = gate ? out + (token * Hq + h) * D : out + query * D;
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float x = 0.0f;
         for (int s = 0; s < splits; ++s) {
             const float m = p[s * (D + 2)];
             if (m != -INFINITY) x += p[s * (D + 2) + 2 + d] * expf(m - total_max);
         }
-        out[query * D + d] = from_f32<T>(x / total_sum);
+        x /= total_sum;
+        if (g) x = round_to<T>(x) * round_to<T>(1.0f / (1.0f + expf(-to_f32(g[d]))));
+        o[d] = from_f32<T>(x);
     }
 }
 
@@ -250,9 +262,10 @@ __device__ void write_rows(const T* src, const KvDestination* rows, const int* l
         attention_split<T>(q, rows, lens, partial, Hq, Hkv, Tq, D, splits, scale, window);                     \
     }                                                                                                          \
     extern "C" __global__ void attention_combine_##NAME(const float* partial, T* out, int queries, int splits,  \
-                                                        int D) {                                               \
+                                                        int D, const T* gate, long long gate_token_stride,     \
+                                                        long long gate_head_stride, int Hq, int Tq) {          \
         await_previous_kernel();                                                                               \
-        attention_combine<T>(partial, out, queries, splits, D);                                                \
+        attention_combine<T>(partial, out, queries, splits, D, gate, gate_token_stride, gate_head_stride, Hq, Tq); \
     }                                                                                                          \
     extern "C" __global__ void __launch_bounds__(SOFTMAX_THREADS)                                             \
         causal_softmax_##NAME(const T* scores, T* probs, int L, int Tq, float scale, int window) {             \

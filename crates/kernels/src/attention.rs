@@ -68,6 +68,32 @@ pub fn causal_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scori
     Tensor::stack(&rows, 0)
 }
 
+/// The output of a gated attention (Qwen3.5's full-attention layers): [`causal_attention_rows`]
+/// laid out `[B, T, H·D]` and times `sigmoid(gate)` ([`sigmoid_gate`]); `gate` `[B, T, H, D]`,
+/// any strides. On CUDA, a few queries per row take the gate in the attention's last kernel.
+pub fn gated_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring, gate: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && q.dim(2)? <= crate::matmul::MAX_EXACT_ROWS && !kv.is_empty() {
+        let row = q.get(0)?;
+        if kv.iter().map(|(k, v)| gpu::takes(&row, k, v)).collect::<Result<Vec<_>>>()?.into_iter().all(|ok| ok) {
+            return gpu::gated_attention_rows(q, kv, scoring, gate);
+        }
+    }
+    sigmoid_gate(&causal_attention_rows(q, kv, scoring)?, gate)
+}
+
+/// `attended` `[B, H, T, D]` laid out `[B, T, H·D]`, times `sigmoid(gate)` (`gate` `[B, T, H, D]`),
+/// in `attended`'s dtype: the sigmoid and the product each rounded to it, as transformers
+/// multiplies them.
+pub fn sigmoid_gate(attended: &Tensor, gate: &Tensor) -> Result<Tensor> {
+    let (b, h, t, d) = attended.dims4()?;
+    if gate.dims() != [b, t, h, d] {
+        candle_core::bail!("sigmoid_gate: gate {:?} for attention output {:?}", gate.dims(), attended.dims());
+    }
+    let out = attended.transpose(1, 2)?.reshape((b, t, h * d))?;
+    out * candle_nn::ops::sigmoid(&gate.reshape((b, t, h * d))?)?
+}
+
 /// Writes `src` `[B, H, T, D]` in place into each row's buffer `dst[r].0` `[H, capacity, D]`
 /// from position `dst[r].1` (a KV store's append). One kernel for every row on CUDA.
 pub fn write_rows(src: &Tensor, dst: &[(&Tensor, usize)]) -> Result<()> {
@@ -330,7 +356,34 @@ mod gpu {
     pub(super) fn attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring) -> Result<Tensor> {
         let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
         let (table, _held) = kv_table(kv, q.device())?;
-        attend_table(q, &table, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), None, scoring)
+        attend_table(q, &table, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), None, scoring, None)
+    }
+
+    /// [`attention_rows`] with the output gate in its combining kernel: `[B, T, Hq·D]`.
+    pub(super) fn gated_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring, gate: &Tensor) -> Result<Tensor> {
+        let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
+        let (table, _held) = kv_table(kv, q.device())?;
+        attend_table(q, &table, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), None, scoring, Some(gate))
+    }
+
+    /// The output gate `[B, T, Hq, D]` for queries `q` `[B, Hq, T, D]` as the combining kernel
+    /// reads it: elements contiguous, tokens and heads at strides (copied where they are not).
+    fn gate_strided(gate: &Tensor, q: &Tensor) -> Result<(Tensor, usize, usize)> {
+        let (b, hq, t, d) = q.dims4()?;
+        if gate.dims() != [b, t, hq, d] || gate.dtype() != q.dtype() || !gate.device().same_device(q.device()) {
+            candle_core::bail!(
+                "attention: gate {:?} ({:?}) for queries {:?} ({:?})",
+                gate.dims(),
+                gate.dtype(),
+                q.dims(),
+                q.dtype()
+            );
+        }
+        let s = gate.stride();
+        if s[3] == 1 && (b == 1 || s[0] == t * s[1]) {
+            return Ok((gate.clone(), s[1], s[2]));
+        }
+        Ok((gate.contiguous()?, hq * d, d))
     }
 
     /// [`attention_rows`] over the rows of a `KvRow` table, each row's length from `lens` where
@@ -342,7 +395,9 @@ mod gpu {
         splits: usize,
         lens: Option<&Tensor>,
         scoring: Scoring,
+        gate: Option<&Tensor>,
     ) -> Result<Tensor> {
+        let gate = gate.map(|g| gate_strided(g, q)).transpose()?;
         let q = q.contiguous()?;
         let (b, hq, t_len, d) = q.dims4()?;
         let queries = b * hq * t_len;
@@ -364,9 +419,27 @@ mod gpu {
             Arg::dim(scoring.window.unwrap_or(0))?,
         ];
         cuda::launch(q.device(), &cuda::ATTENTION, "attention_split", q.dtype(), cfg, &args)?;
-        let out = cuda::output((b, hq, t_len, d), q.dtype(), q.device())?;
+        let out = match gate {
+            Some(_) => cuda::output((b, t_len, hq * d), q.dtype(), q.device())?,
+            None => cuda::output((b, hq, t_len, d), q.dtype(), q.device())?,
+        };
         let cfg = LaunchConfig { grid_dim: (queries as u32, 1, 1), block_dim: block, shared_mem_bytes: 0 };
-        let args = [Arg::at(&partial)?, Arg::at(&out)?, Arg::dim(queries)?, Arg::dim(splits)?, Arg::dim(d)?];
+        let (gate, gate_token_stride, gate_head_stride) = match &gate {
+            Some((g, ts, hs)) => (Arg::at(g)?, *ts, *hs),
+            None => (Arg::Ptr(0), 0, 0),
+        };
+        let args = [
+            Arg::at(&partial)?,
+            Arg::at(&out)?,
+            Arg::dim(queries)?,
+            Arg::dim(splits)?,
+            Arg::dim(d)?,
+            gate,
+            Arg::I64(gate_token_stride as i64),
+            Arg::I64(gate_head_stride as i64),
+            Arg::dim(hq)?,
+            Arg::dim(t_len)?,
+        ];
         cuda::launch(q.device(), &cuda::ATTENTION, "attention_combine", q.dtype(), cfg, &args)?;
         Ok(out)
     }
@@ -457,8 +530,17 @@ mod gpu {
         }
 
         /// Appends `k`, `v` (`[B, Hkv, T, D]`) to each row and attends `q` (`[B, Hq, T, D]`)
-        /// over its history; `lens` (`[B]` i32, device) holds each row's length after the append.
-        pub fn append_attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor, scoring: Scoring) -> Result<Tensor> {
+        /// over its history, the output gated as [`super::gated_attention_rows`] gates it
+        /// (`[B, T, Hq·D]`); `lens` (`[B]` i32, device) holds each row's length after the append.
+        pub fn append_attend_gated(
+            &self,
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            lens: &Tensor,
+            scoring: Scoring,
+            gate: &Tensor,
+        ) -> Result<Tensor> {
             let (b, hq, _, d) = q.dims4()?;
             if b != self.batch || d != self.head_dim || d > MAX_HEAD_DIM || hq % self.kv_heads != 0 || q.dtype() != self.dtype {
                 candle_core::bail!(
@@ -472,7 +554,7 @@ mod gpu {
             }
             write_table(&k.to_dtype(self.dtype)?, &self.keys, Some(lens))?;
             write_table(&v.to_dtype(self.dtype)?, &self.values, Some(lens))?;
-            attend_table(q, &self.rows, self.kv_heads, self.splits, Some(lens), scoring)
+            attend_table(q, &self.rows, self.kv_heads, self.splits, Some(lens), scoring, Some(gate))
         }
     }
 

@@ -6,7 +6,9 @@
 #![cfg(feature = "cuda")]
 
 use candle_core::{DType, Device, Tensor};
-use strata_kernels::attention::{causal_attention, causal_attention_rows, norm_rope, write_rows, Scoring};
+use strata_kernels::attention::{
+    causal_attention, causal_attention_rows, gated_attention_rows, norm_rope, sigmoid_gate, write_rows, Scoring,
+};
 use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
 use strata_kernels::gated_delta::{gated_delta_rule, on_tensor_cores, Gating, Inputs};
 use strata_kernels::matmul::matmul_t;
@@ -334,16 +336,26 @@ fn batched_kv_append_and_attention_on_gpu_match_cpu() {
                 .map(|((k, v), l)| (k.narrow(1, 0, l + t).unwrap(), v.narrow(1, 0, l + t).unwrap()))
                 .collect();
             let q = values(&[lens.len(), hq, t, d], 1.0, 82).to_dtype(dtype).unwrap().to_device(dev).unwrap();
-            let out = causal_attention_rows(&q, &history, Scoring { scale: 0.125, window: Some(20) }).unwrap();
-            (buffers, out)
+            let scoring = Scoring { scale: 0.125, window: Some(20) };
+            let out = causal_attention_rows(&q, &history, scoring).unwrap();
+            // The output gate cut from a wider per-head [q | gate] projection, as Qwen3.5 cuts it.
+            let wide = values(&[lens.len(), t, hq, 2 * d], 3.0, 83).to_dtype(dtype).unwrap().to_device(dev).unwrap();
+            let gated = gated_attention_rows(&q, &history, scoring, &wide.narrow(3, d, d).unwrap()).unwrap();
+            (buffers, out, gated)
         };
-        let (want_buffers, want) = run(&Device::Cpu);
-        let (buffers, got) = run(&gpu);
+        let (want_buffers, want, want_gated) = run(&Device::Cpu);
+        let (buffers, got, gated) = run(&gpu);
         for (r, ((k, v), (wk, wv))) in buffers.iter().zip(&want_buffers).enumerate() {
             assert_close(&format!("keys of row {r} after the append, t={t}"), dtype, k, wk);
             assert_close(&format!("values of row {r} after the append, t={t}"), dtype, v, wv);
         }
         assert_close(&format!("batched attention, t={t}"), dtype, &got, &want);
+        assert_eq!(gated.dims(), [lens.len(), t, hq * d]);
+        assert_close(&format!("batched gated attention, t={t}"), dtype, &gated, &want_gated);
+        // The gate in the combining kernel gives the bits of the separate sigmoid and product.
+        let gate = values(&[lens.len(), t, hq, 2 * d], 3.0, 83).to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+        let separate = sigmoid_gate(&got, &gate.narrow(3, d, d).unwrap()).unwrap();
+        assert_eq!(diff_bits(&gated.to_dtype(DType::F32).unwrap(), &separate.to_dtype(DType::F32).unwrap()), 0, "t={t}");
     }
 }
 

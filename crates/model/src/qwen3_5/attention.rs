@@ -2,7 +2,7 @@
 //! each row's KV history, output times `sigmoid(gate)`.
 
 use candle_core::{DType, Tensor};
-use strata_kernels::attention::{causal_attention_rows, Scoring};
+use strata_kernels::attention::{gated_attention_rows, Scoring};
 use strata_state::KvStore;
 
 use super::layers::{Linear, Projections, RmsNorm};
@@ -46,7 +46,7 @@ impl Attention {
     pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let Heads { q, k, v, gate } = self.heads(x, rope)?;
         let history = kv.append_rows(&k, &v)?;
-        self.output(&causal_attention_rows(&q, &history, self.scoring())?, &gate)
+        Ok(self.o_proj.forward(&gated_attention_rows(&q, &history, self.scoring(), &gate)?)?)
     }
 
     /// [`Attention::forward`] of one recorded decode step: the KV append and the attention go
@@ -60,17 +60,18 @@ impl Attention {
         rope: &(Tensor, Tensor),
     ) -> Result<Tensor> {
         let Heads { q, k, v, gate } = self.heads(x, rope)?;
-        self.output(&rows.append_attend(&q, &k, &v, lens, self.scoring())?, &gate)
+        Ok(self.o_proj.forward(&rows.append_attend_gated(&q, &k, &v, lens, self.scoring(), &gate)?)?)
     }
 
-    /// q, k (normed and rotated, `[B, H, T, D]`), v `[B, Hkv, T, D]` and the output gate.
+    /// q, k (normed and rotated, `[B, H, T, D]`), v `[B, Hkv, T, D]` and the output gate
+    /// `[B, T, H, D]`.
     fn heads(&self, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Heads> {
         let (b, t, _) = x.dims3()?;
         let (h, d) = (self.heads, self.head_dim);
         let [qg, k, v] = self.qkv_proj.forward(x)?;
         let qg = qg.reshape((b, t, h, 2 * d))?;
         let q = self.q_norm.forward_rope(&qg.narrow(3, 0, d)?, rope)?;
-        let gate = qg.narrow(3, d, d)?.reshape((b, t, h * d))?;
+        let gate = qg.narrow(3, d, d)?;
         let k = self.k_norm.forward_rope(&k.reshape((b, t, self.kv_heads, d))?, rope)?;
         let v = v.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
         Ok(Heads { q, k, v, gate })
@@ -78,13 +79,6 @@ impl Attention {
 
     fn scoring(&self) -> Scoring {
         Scoring::scaled(1.0 / (self.head_dim as f64).sqrt())
-    }
-
-    /// Attention output `[B, H, T, D]` times `sigmoid(gate)`, through `o_proj`.
-    fn output(&self, attended: &Tensor, gate: &Tensor) -> Result<Tensor> {
-        let (b, h, t, d) = attended.dims4()?;
-        let out = attended.transpose(1, 2)?.reshape((b, t, h * d))?;
-        self.o_proj.forward(&(out * candle_nn::ops::sigmoid(gate)?)?)
     }
 }
 
