@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# On the GPU machine: strata against Hugging Face transformers (eager) on the synthetic Qwen3.5
-# shapes, same GPU, same run, with the GPU's measured limits; writes a markdown table.
+# On the GPU machine: strata against Hugging Face transformers (eager, and its decode compiled by
+# torch.compile) on the synthetic Qwen3.5 shapes, same GPU, same run, with the GPU's measured
+# limits; writes a markdown table.
 # Usage: scripts/cuda/bench-vs-transformers.sh STRATA_BINARY OUT.md [SHAPES...]
 #   (default shapes: qwen3.5-0.8b qwen3.5-4b; needs python3 with torch and transformers, and
 #   nvidia-smi for strata's peak memory)
@@ -17,7 +18,7 @@ raw="$(mktemp)"
 mem="$(mktemp)"
 limits=--limits
 for shape in "${shapes[@]}"; do
-    python3 scripts/cuda/bench_transformers.py --shape "$shape" $limits --batch "$batches" \
+    python3 scripts/cuda/bench_transformers.py --shape "$shape" $limits --compile --batch "$batches" \
         --prompt "$(IFS=,; echo "${prompts[*]}")" | sed 's/^/transformers /' >>"$raw"
     limits=
     # Decode: 128-token prompts, long enough generations that every batch size has a window
@@ -42,7 +43,8 @@ gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
 bw, mm = limits["copy_gb_s"] * 1e9, limits["bf16_tflop_s"] * 1e12
 lines = [f"GPU: {gpu}. Measured limits: copy {limits['copy_gb_s']:.0f} GB/s, bf16 matmul "
          f"{limits['bf16_tflop_s']:.0f} TFLOP/s (8192³). bf16, random weights.", "",
-         "| shape | measure | strata | transformers (eager) | roofline |", "|---|---|---:|---:|---:|"]
+         "| shape | measure | strata | transformers (eager) | transformers (torch.compile) | roofline |",
+         "|---|---|---:|---:|---:|---:|"]
 def find(kind, shape, **keys):
     return next((t for t in tf if t["kind"] == kind and t["shape"] == shape
                  and all(t.get(k) == v for k, v in keys.items())), {})
@@ -51,10 +53,11 @@ for tag, rest in rows:
         shape, s = rest.split(" ", 1)
         s = json.loads(s)
         m, b = find("model", shape), s["concurrency"]
-        t = find("decode", shape, batch=b)
+        t, c = find("decode", shape, batch=b, mode=None), find("decode", shape, batch=b, mode="compiled")
+        compiled = f"{c['tok_s']:.0f}" if "tok_s" in c else c.get("error", "-").split(":")[0]
         roof = b * bw / (m["weight_bytes_per_token"] + b * m["state_bytes_per_row"])
         lines.append(f"| {shape} | decode tok/s, batch {b} | {s['aggregate_decode_tok_s']:.0f} | "
-                     f"{t.get('tok_s', float('nan')):.0f} | {roof:.0f} |")
+                     f"{t.get('tok_s', float('nan')):.0f} | {compiled} | {roof:.0f} |")
     elif tag == "strata-prefill":
         shape, peak_mib, s = rest.split(" ", 2)
         s = json.loads(s)
@@ -63,12 +66,13 @@ for tag, rest in rows:
         tf_rate = f"{t['tok_s']:.0f}" if "tok_s" in t else t.get("error", "-")
         tf_ttft = f"{p / t['tok_s']:.2f}" if "tok_s" in t else "-"
         tf_peak = f"{t['peak_gib']:.1f}" if "peak_gib" in t else "-"
-        lines.append(f"| {shape} | prefill tok/s, {p} tokens | {s['prefill_tok_s']:.0f} | {tf_rate} | "
+        lines.append(f"| {shape} | prefill tok/s, {p} tokens | {s['prefill_tok_s']:.0f} | {tf_rate} | - | "
                      f"{mm / (2 * m['params']):.0f} |")
-        lines.append(f"| {shape} | TTFT s, {p} tokens | {s['ttft_ms_p50'] / 1e3:.2f} | {tf_ttft} | |")
-        lines.append(f"| {shape} | peak GPU memory GiB, {p} tokens | {int(peak_mib) / 1024:.1f} | {tf_peak} | |")
+        lines.append(f"| {shape} | TTFT s, {p} tokens | {s['ttft_ms_p50'] / 1e3:.2f} | {tf_ttft} | - | |")
+        lines.append(f"| {shape} | peak GPU memory GiB, {p} tokens | {int(peak_mib) / 1024:.1f} | {tf_peak} | - | |")
 lines += ["", "Decode: tokens/s over the window where the whole batch decodes (strata: 128-token prompts, "
-          "128 tokens each; transformers: 32 steps after a batched 128-token prefill). Decode roofline: "
+          "128 tokens each; transformers: 32 steps after a batched 128-token prefill, eager, and with the "
+          "forward compiled by torch.compile after an untimed warm-up that compiles it). Decode roofline: "
           "batch × copy bandwidth ÷ (weight bytes + batch × recurrent-state bytes) per step. Prefill roofline: "
           "2 × parameters FLOPs per token ÷ bf16 matmul rate (attention's quadratic term left out). "
           "Peak memory: strata's whole process as nvidia-smi reports it (CUDA context included); "
