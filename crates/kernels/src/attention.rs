@@ -83,15 +83,17 @@ pub fn gated_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scorin
 }
 
 /// `attended` `[B, H, T, D]` laid out `[B, T, H·D]`, times `sigmoid(gate)` (`gate` `[B, T, H, D]`),
-/// in `attended`'s dtype: the sigmoid and the product each rounded to it, as transformers
-/// multiplies them.
+/// in `attended`'s dtype: the sigmoid computed in f32 and rounded to it once, then the product
+/// rounded, as transformers multiplies them (candle's CPU sigmoid in bf16 rounds after each of
+/// its three steps).
 pub fn sigmoid_gate(attended: &Tensor, gate: &Tensor) -> Result<Tensor> {
     let (b, h, t, d) = attended.dims4()?;
     if gate.dims() != [b, t, h, d] {
         candle_core::bail!("sigmoid_gate: gate {:?} for attention output {:?}", gate.dims(), attended.dims());
     }
     let out = attended.transpose(1, 2)?.reshape((b, t, h * d))?;
-    out * candle_nn::ops::sigmoid(&gate.reshape((b, t, h * d))?)?
+    let gate = candle_nn::ops::sigmoid(&gate.reshape((b, t, h * d))?.to_dtype(DType::F32)?)?;
+    out.clone() * gate.to_dtype(out.dtype())?
 }
 
 /// Writes `src` `[B, H, T, D]` in place into each row's buffer `dst[r].0` `[H, capacity, D]`
@@ -651,6 +653,39 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The gate against its formula element by element: the layout, the sigmoid rounded once
+    /// to bf16 (over inputs where rounding each of its steps gives other bits), the product
+    /// rounded again.
+    #[test]
+    fn sigmoid_gate_rounds_as_transformers() {
+        let dev = Device::Cpu;
+        let (b, h, t, d) = (2, 3, 2, 64);
+        let n = b * h * t * d;
+        let ramp = |n: usize, s: f32, f: f32| (0..n).map(|i| ((i as f32 * f + s).sin() * 6.0)).collect::<Vec<_>>();
+        let round = |x: f32| half::bf16::from_f32(x).to_f32();
+        let attended = Tensor::from_vec(ramp(n, 0.3, 0.71), (b, h, t, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        // The gate cut from a wider per-head [q | gate] tensor, as the model cuts it.
+        let wide = Tensor::from_vec(ramp(2 * n, 1.7, 0.13), (b, t, h, 2 * d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
+        let gate = wide.narrow(3, d, d).unwrap();
+        let got = sigmoid_gate(&attended, &gate).unwrap();
+        assert_eq!(got.dims(), [b, t, h * d]);
+        let (a, g, got) = [&attended, &gate, &got]
+            .map(|x| x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .into();
+        let mut steps_differ = 0;
+        for (bi, ti, hi, di) in
+            (0..b).flat_map(|bi| (0..t).flat_map(move |ti| (0..h).flat_map(move |hi| (0..d).map(move |di| (bi, ti, hi, di)))))
+        {
+            let gv = g[((bi * t + ti) * h + hi) * d + di];
+            let sigmoid = round(1.0 / (1.0 + (-gv).exp()));
+            let stepwise = round(1.0 / round(round((-gv).exp()) + 1.0));
+            steps_differ += usize::from(sigmoid != stepwise);
+            let want = round(a[((bi * h + hi) * t + ti) * d + di] * sigmoid);
+            assert_eq!(got[((bi * t + ti) * h + hi) * d + di], want, "b{bi} t{ti} h{hi} d{di}");
+        }
+        assert!(steps_differ > 0, "no input where rounding each step of the sigmoid differs: the test would not see it");
     }
 
     /// The fast path against the tensor-op twin on a strided KV view (as the KV store hands
