@@ -37,7 +37,8 @@ done
 python3 - "$raw" "$out" <<'PY'
 import json, subprocess, sys
 rows = [line.rstrip("\n").split(" ", 1) for line in open(sys.argv[1])]
-tf = [json.loads(r[1]) for r in rows if r[0] == "transformers"]
+# Only the JSON lines: a library's stray line on stdout must not lose the run.
+tf = [json.loads(r[1]) for r in rows if r[0] == "transformers" and r[1:] and r[1].startswith("{")]
 limits = next(t for t in tf if t["kind"] == "limits")
 gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
 bw, mm = limits["copy_gb_s"] * 1e9, limits["bf16_tflop_s"] * 1e12

@@ -3,8 +3,9 @@
 and how fast: `generate` with its default (dynamic) cache and with `cache_implementation="static"`,
 and a greedy loop over the forward compiled by `torch.compile` (dynamic shapes, DynamicCache) —
 what bench_transformers.py --compile times. Each prints "ok <tok/s> in <seconds>" or the error.
-Batch 1, 128-token prompt; generate: 64 tokens after an 8-token warm-up call; compiled loop: a
-second round of 32 steps after a first that compiles.
+Batch 1, 128-token prompt; generate: 64 tokens after an 8-token warm-up call, its prefill inside
+the timing; compiled loop: a second round of 32 decode steps after a first that compiles, the
+prefill outside.
 Usage (on the GPU machine): python3 scripts/cuda/probe_transformers_fast_paths.py
 """
 import pathlib

@@ -489,7 +489,7 @@ mod gpu {
     /// keeps those buffers, and only uses the tables while they are still the store's), and each
     /// replay's row lengths come from a device tensor the step uploads. The attention splits
     /// cover the buffers' capacity (empty splits add nothing), so the result is the same bits as
-    /// [`super::causal_attention_rows`] over the same histories.
+    /// [`super::gated_attention_rows`] over the same histories.
     pub struct DecodeRows {
         keys: Tensor,
         values: Tensor,

@@ -314,9 +314,13 @@ fn norm_rope_on_gpu_matches_cpu() {
 #[test]
 fn batched_kv_append_and_attention_on_gpu_match_cpu() {
     let gpu = gpu();
-    let (hq, hkv, d, cap) = (8, 2, 64, 48);
-    let lens = [5, 30, 0];
-    for (t, dtype) in [(1, DType::BF16), (4, DType::F32), (4, DType::BF16)] {
+    let (hq, hkv, d) = (8, 2, 64);
+    // Three rows in one split under a window, and one row (the batch-1 decode) whose whole
+    // history spans two splits of 512 keys.
+    let cases = [(vec![5, 30, 0], 48, Some(20)), (vec![600], 640, None)];
+    let runs = [(1, DType::BF16), (4, DType::F32), (4, DType::BF16), (1, DType::F16)];
+    for ((lens, cap, window), (t, dtype)) in cases.iter().flat_map(|c| runs.map(|r| (c, r))) {
+        let (lens, cap, scoring) = (lens.as_slice(), *cap, Scoring { scale: 0.125, window: *window });
         let run = |dev: &Device| {
             let buffers: Vec<(Tensor, Tensor)> = (0..lens.len() as u64)
                 .map(|r| {
@@ -328,15 +332,14 @@ fn batched_kv_append_and_attention_on_gpu_match_cpu() {
             // Values arrive transposed from [B, T, Hkv, D], as the model hands them over.
             let new_v = values(&[lens.len(), t, hkv, d], 1.0, 81).to_dtype(dtype).unwrap().to_device(dev).unwrap();
             let new_v = new_v.transpose(1, 2).unwrap();
-            write_rows(&new_k, &buffers.iter().zip(lens).map(|((k, _), l)| (k, l)).collect::<Vec<_>>()).unwrap();
-            write_rows(&new_v, &buffers.iter().zip(lens).map(|((_, v), l)| (v, l)).collect::<Vec<_>>()).unwrap();
+            write_rows(&new_k, &buffers.iter().zip(lens).map(|((k, _), &l)| (k, l)).collect::<Vec<_>>()).unwrap();
+            write_rows(&new_v, &buffers.iter().zip(lens).map(|((_, v), &l)| (v, l)).collect::<Vec<_>>()).unwrap();
             let history: Vec<(Tensor, Tensor)> = buffers
                 .iter()
                 .zip(lens)
                 .map(|((k, v), l)| (k.narrow(1, 0, l + t).unwrap(), v.narrow(1, 0, l + t).unwrap()))
                 .collect();
             let q = values(&[lens.len(), hq, t, d], 1.0, 82).to_dtype(dtype).unwrap().to_device(dev).unwrap();
-            let scoring = Scoring { scale: 0.125, window: Some(20) };
             let out = causal_attention_rows(&q, &history, scoring).unwrap();
             // The output gate cut from a wider per-head [q | gate] projection, as Qwen3.5 cuts it.
             let wide = values(&[lens.len(), t, hq, 2 * d], 3.0, 83).to_dtype(dtype).unwrap().to_device(dev).unwrap();
@@ -346,16 +349,17 @@ fn batched_kv_append_and_attention_on_gpu_match_cpu() {
         let (want_buffers, want, want_gated) = run(&Device::Cpu);
         let (buffers, got, gated) = run(&gpu);
         for (r, ((k, v), (wk, wv))) in buffers.iter().zip(&want_buffers).enumerate() {
-            assert_close(&format!("keys of row {r} after the append, t={t}"), dtype, k, wk);
-            assert_close(&format!("values of row {r} after the append, t={t}"), dtype, v, wv);
+            assert_close(&format!("keys of row {r} after the append, t={t}, lens {lens:?}"), dtype, k, wk);
+            assert_close(&format!("values of row {r} after the append, t={t}, lens {lens:?}"), dtype, v, wv);
         }
-        assert_close(&format!("batched attention, t={t}"), dtype, &got, &want);
+        assert_close(&format!("batched attention, t={t}, lens {lens:?}"), dtype, &got, &want);
         assert_eq!(gated.dims(), [lens.len(), t, hq * d]);
-        assert_close(&format!("batched gated attention, t={t}"), dtype, &gated, &want_gated);
+        assert_close(&format!("batched gated attention, t={t}, lens {lens:?}"), dtype, &gated, &want_gated);
         // The gate in the combining kernel gives the bits of the separate sigmoid and product.
         let gate = values(&[lens.len(), t, hq, 2 * d], 3.0, 83).to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
         let separate = sigmoid_gate(&got, &gate.narrow(3, d, d).unwrap()).unwrap();
-        assert_eq!(diff_bits(&gated.to_dtype(DType::F32).unwrap(), &separate.to_dtype(DType::F32).unwrap()), 0, "t={t}");
+        let (gated, separate) = (gated.to_dtype(DType::F32).unwrap(), separate.to_dtype(DType::F32).unwrap());
+        assert_eq!(diff_bits(&gated, &separate), 0, "gate in the combine kernel, {dtype:?}, t={t}, lens {lens:?}");
     }
 }
 
