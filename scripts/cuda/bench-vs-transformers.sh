@@ -4,7 +4,8 @@
 # limits; writes a markdown table.
 # Usage: scripts/cuda/bench-vs-transformers.sh STRATA_BINARY OUT.md [SHAPES...]
 #   (default shapes: qwen3.5-0.8b qwen3.5-4b; needs python3 with torch and transformers, and
-#   nvidia-smi for strata's peak memory)
+#   nvidia-smi for strata's peak memory). Each measurement is also appended to OUT.md.raw
+#   as it is made.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 bin="$1"
@@ -14,24 +15,28 @@ shapes=("$@")
 [ ${#shapes[@]} -gt 0 ] || shapes=(qwen3.5-0.8b qwen3.5-4b)
 batches=1,8,32,64
 prompts=(2048 8192 32768)
-raw="$(mktemp)"
+# Every measurement is appended to OUT.raw as it is made (and shown), so a run cut off before the
+# table keeps what it measured.
+raw="$out.raw"
+: >"$raw"
 mem="$(mktemp)"
 limits=--limits
 for shape in "${shapes[@]}"; do
     python3 scripts/cuda/bench_transformers.py --shape "$shape" $limits --compile --batch "$batches" \
-        --prompt "$(IFS=,; echo "${prompts[*]}")" | sed 's/^/transformers /' >>"$raw"
+        --prompt "$(IFS=,; echo "${prompts[*]}")" | sed -u 's/^/transformers /' | tee -a "$raw"
     limits=
     # Decode: 128-token prompts, long enough generations that every batch size has a window
     # where all its requests decode together (what `strata bench` reports).
     "$bin" bench --synthetic "$shape" --device cuda --prompt-len 128 --gen-len 128 --concurrency "$batches" --json \
-        | sed "s/^/strata-decode $shape /" >>"$raw"
+        | sed -u "s/^/strata-decode $shape /" | tee -a "$raw"
     for p in "${prompts[@]}"; do
         nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits -lms 100 >"$mem" &
         sampler=$!
         line=$("$bin" bench --synthetic "$shape" --device cuda --prompt-len "$p" --gen-len 2 --concurrency 1 --json)
         kill "$sampler"
         wait "$sampler" 2>/dev/null || true
-        echo "strata-prefill $shape $(sort -n "$mem" | tail -1) $line" >>"$raw"
+        peak=$(sort -n "$mem" | tail -1)
+        echo "strata-prefill $shape ${peak:--} $line" | tee -a "$raw"
     done
 done
 python3 - "$raw" "$out" <<'PY'
@@ -70,7 +75,8 @@ for tag, rest in rows:
         lines.append(f"| {shape} | prefill tok/s, {p} tokens | {s['prefill_tok_s']:.0f} | {tf_rate} | - | "
                      f"{mm / (2 * m['params']):.0f} |")
         lines.append(f"| {shape} | TTFT s, {p} tokens | {s['ttft_ms_p50'] / 1e3:.2f} | {tf_ttft} | - | |")
-        lines.append(f"| {shape} | peak GPU memory GiB, {p} tokens | {int(peak_mib) / 1024:.1f} | {tf_peak} | - | |")
+        peak = f"{int(peak_mib) / 1024:.1f}" if peak_mib.isdigit() else "-"
+        lines.append(f"| {shape} | peak GPU memory GiB, {p} tokens | {peak} | {tf_peak} | - | |")
 lines += ["", "Decode: tokens/s over the window where the whole batch decodes (strata: 128-token prompts, "
           "128 tokens each; transformers: 32 steps after a batched 128-token prefill, eager, and with the "
           "forward compiled by torch.compile after an untimed warm-up that compiles it). Decode roofline: "
