@@ -37,7 +37,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) ->
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && gpu::takes(q, k, v)? {
         return match few_rows {
-            true => gpu::attention_rows(&q.unsqueeze(0)?, &[(k.clone(), v.clone())], scoring)?.squeeze(0),
+            true => gpu::attention_rows(&q.unsqueeze(0)?, &[(k.clone(), v.clone())], scoring, None)?.squeeze(0),
             false => gpu::prefill(q, k, v, scoring),
         };
     }
@@ -54,11 +54,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) ->
 /// queries per row run as one kernel over every row.
 pub fn causal_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && q.dim(2)? <= crate::matmul::MAX_EXACT_ROWS && !kv.is_empty() {
-        let row = q.get(0)?;
-        if kv.iter().map(|(k, v)| gpu::takes(&row, k, v)).collect::<Result<Vec<_>>>()?.into_iter().all(|ok| ok) {
-            return gpu::attention_rows(q, kv, scoring);
-        }
+    if gpu::takes_rows(q, kv)? {
+        return gpu::attention_rows(q, kv, scoring, None);
     }
     let rows = kv
         .iter()
@@ -73,11 +70,8 @@ pub fn causal_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scori
 /// any strides. On CUDA, a few queries per row take the gate in the attention's last kernel.
 pub fn gated_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring, gate: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && q.dim(2)? <= crate::matmul::MAX_EXACT_ROWS && !kv.is_empty() {
-        let row = q.get(0)?;
-        if kv.iter().map(|(k, v)| gpu::takes(&row, k, v)).collect::<Result<Vec<_>>>()?.into_iter().all(|ok| ok) {
-            return gpu::gated_attention_rows(q, kv, scoring, gate);
-        }
+    if gpu::takes_rows(q, kv)? {
+        return gpu::attention_rows(q, kv, scoring, Some(gate));
     }
     sigmoid_gate(&causal_attention_rows(q, kv, scoring)?, gate)
 }
@@ -93,7 +87,7 @@ pub fn sigmoid_gate(attended: &Tensor, gate: &Tensor) -> Result<Tensor> {
     }
     let out = attended.transpose(1, 2)?.reshape((b, t, h * d))?;
     let gate = candle_nn::ops::sigmoid(&gate.reshape((b, t, h * d))?.to_dtype(DType::F32)?)?;
-    out.clone() * gate.to_dtype(out.dtype())?
+    out * gate.to_dtype(attended.dtype())?
 }
 
 /// Writes `src` `[B, H, T, D]` in place into each row's buffer `dst[r].0` `[H, capacity, D]`
@@ -353,19 +347,28 @@ mod gpu {
         Ok((Tensor::from_vec(table, (kv.len(), 5), device)?, held))
     }
 
-    /// Flash-decoding: one block per (query head and query, row, split of `SPLIT_KEYS` keys)
-    /// writes a partial softmax, then one block per query merges its row's partials.
-    pub(super) fn attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring) -> Result<Tensor> {
-        let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
-        let (table, _held) = kv_table(kv, q.device())?;
-        attend_table(q, &table, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), None, scoring, None)
+    /// Whether [`attention_rows`] takes a batch: on CUDA, a few queries per row, every row's
+    /// keys and values in a layout the kernels read.
+    pub(super) fn takes_rows(q: &Tensor, kv: &[(Tensor, Tensor)]) -> Result<bool> {
+        if !q.device().is_cuda() || q.dim(2)? > crate::matmul::MAX_EXACT_ROWS || kv.is_empty() {
+            return Ok(false);
+        }
+        let row = q.get(0)?;
+        for (k, v) in kv {
+            if !takes(&row, k, v)? {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
-    /// [`attention_rows`] with the output gate in its combining kernel: `[B, T, Hq·D]`.
-    pub(super) fn gated_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring, gate: &Tensor) -> Result<Tensor> {
+    /// Flash-decoding: one block per (query head and query, row, split of `SPLIT_KEYS` keys)
+    /// writes a partial softmax, then one block per query merges its row's partials — with
+    /// `gate`, times the output gate as [`attend_table`] applies it (`[B, T, Hq·D]`).
+    pub(super) fn attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
         let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
         let (table, _held) = kv_table(kv, q.device())?;
-        attend_table(q, &table, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), None, scoring, Some(gate))
+        attend_table(q, &table, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), None, scoring, gate)
     }
 
     /// The output gate `[B, T, Hq, D]` for queries `q` `[B, Hq, T, D]` as the combining kernel

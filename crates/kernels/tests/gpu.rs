@@ -343,11 +343,12 @@ fn batched_kv_append_and_attention_on_gpu_match_cpu() {
             let out = causal_attention_rows(&q, &history, scoring).unwrap();
             // The output gate cut from a wider per-head [q | gate] projection, as Qwen3.5 cuts it.
             let wide = values(&[lens.len(), t, hq, 2 * d], 3.0, 83).to_dtype(dtype).unwrap().to_device(dev).unwrap();
-            let gated = gated_attention_rows(&q, &history, scoring, &wide.narrow(3, d, d).unwrap()).unwrap();
-            (buffers, out, gated)
+            let gate = wide.narrow(3, d, d).unwrap();
+            let gated = gated_attention_rows(&q, &history, scoring, &gate).unwrap();
+            (buffers, out, gate, gated)
         };
-        let (want_buffers, want, want_gated) = run(&Device::Cpu);
-        let (buffers, got, gated) = run(&gpu);
+        let (want_buffers, want, _, want_gated) = run(&Device::Cpu);
+        let (buffers, got, gate, gated) = run(&gpu);
         for (r, ((k, v), (wk, wv))) in buffers.iter().zip(&want_buffers).enumerate() {
             assert_close(&format!("keys of row {r} after the append, t={t}, lens {lens:?}"), dtype, k, wk);
             assert_close(&format!("values of row {r} after the append, t={t}, lens {lens:?}"), dtype, v, wv);
@@ -356,8 +357,7 @@ fn batched_kv_append_and_attention_on_gpu_match_cpu() {
         assert_eq!(gated.dims(), [lens.len(), t, hq * d]);
         assert_close(&format!("batched gated attention, t={t}, lens {lens:?}"), dtype, &gated, &want_gated);
         // The gate in the combining kernel gives the bits of the separate sigmoid and product.
-        let gate = values(&[lens.len(), t, hq, 2 * d], 3.0, 83).to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
-        let separate = sigmoid_gate(&got, &gate.narrow(3, d, d).unwrap()).unwrap();
+        let separate = sigmoid_gate(&got, &gate).unwrap();
         let (gated, separate) = (gated.to_dtype(DType::F32).unwrap(), separate.to_dtype(DType::F32).unwrap());
         assert_eq!(diff_bits(&gated, &separate), 0, "gate in the combine kernel, {dtype:?}, t={t}, lens {lens:?}");
     }
