@@ -10,35 +10,8 @@
 //   source scripts/cuda/env.sh
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o decode-matmul-bench scripts/cuda/decode-matmul-bench.cu -L"$CUDA_ROOT/lib"
 // Run on the GPU machine: ./decode-matmul-bench
-#include <cuda_runtime.h>
-
-#include <cstdio>
-#include <cstdlib>
-#include <functional>
-#include <vector>
-
 #include "../../crates/kernels/cuda/matmul.cu"
-
-#define CHECK(call)                                                                          \
-    do {                                                                                     \
-        const cudaError_t e = (call);                                                        \
-        if (e != cudaSuccess) {                                                              \
-            std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-            std::exit(1);                                                                    \
-        }                                                                                    \
-    } while (0)
-
-using bf16 = __nv_bfloat16;
-
-__global__ void fill(bf16* p, long long n, unsigned seed) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 13;
-        h *= 0x5bd1e995u;
-        h ^= h >> 15;
-        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * 0.1f);
-    }
-}
+#include "bench-common.cuh"
 
 __global__ void read_all(const uint4* p, long long n, float* sink) {
     float a = 0.0f;
@@ -61,41 +34,9 @@ using Kernel = void (*)(const bf16*, long long, const bf16*, bf16*, int, int);
 static void launch(cudaStream_t stream, const Matrix& mat, const bf16* x, bf16* y, int m, int split) {
     const Kernel two[4] = {matmul_rows1_s2_bf16, matmul_rows2_s2_bf16, matmul_rows3_s2_bf16, matmul_rows4_s2_bf16};
     const Kernel four[4] = {matmul_rows1_s4_bf16, matmul_rows2_s4_bf16, matmul_rows3_s4_bf16, matmul_rows4_s4_bf16};
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3((mat.n * split + ROWS_WARPS - 1) / ROWS_WARPS);
-    cfg.blockDim = dim3(ROWS_WARPS * 32);
-    cfg.stream = stream;
-    cudaLaunchAttribute dependent;
-    dependent.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    dependent.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &dependent;
-    cfg.numAttrs = 1;
-    const Kernel kernel = split == 4 ? four[m - 1] : two[m - 1];
-    CHECK(cudaLaunchKernelEx(&cfg, kernel, x, (long long)mat.k, (const bf16*)mat.w, y, mat.k, mat.n));
-}
-
-// Microseconds per replay of `body`'s launches recorded as a graph.
-static double timed(cudaStream_t stream, const std::function<void()>& body) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    body();
-    CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    cudaEvent_t start, end;
-    CHECK(cudaEventCreate(&start));
-    CHECK(cudaEventCreate(&end));
-    const int replays = 30;
-    CHECK(cudaEventRecord(start, stream));
-    for (int i = 0; i < replays; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(end, stream));
-    CHECK(cudaEventSynchronize(end));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, start, end));
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
-    return ms * 1e3 / replays;
+    const dim3 grid((mat.n * split + ROWS_WARPS - 1) / ROWS_WARPS), block(ROWS_WARPS * 32);
+    dependent(stream, grid, block, split == 4 ? four[m - 1] : two[m - 1], x, (long long)mat.k, (const bf16*)mat.w, y,
+              mat.k, mat.n);
 }
 
 int main() {
@@ -104,14 +45,7 @@ int main() {
     cudaDeviceProp prop;
     CHECK(cudaGetDeviceProperties(&prop, 0));
     std::vector<Matrix> step;
-    for (int layer = 0; layer < 32; ++layer) {
-        const bool attention = layer % 4 == 3;
-        step.push_back({attention ? 10240 : 12352, 2560, nullptr});  // qkv(+gate) or qkv·z·b·a
-        step.push_back({2560, 4096, nullptr});                         // o_proj / out_proj
-        step.push_back({18432, 2560, nullptr});                        // gate and up
-        step.push_back({2560, 9216, nullptr});                         // down
-    }
-    step.push_back({248320, 2560, nullptr});  // output head
+    for (const Shape& shape : decode_step_shapes()) step.push_back({shape.n, shape.k, nullptr});
     double bytes = 0;
     for (Matrix& mat : step) {
         CHECK(cudaMalloc(&mat.w, (size_t)mat.n * mat.k * sizeof(bf16)));
@@ -127,7 +61,7 @@ int main() {
     CHECK(cudaStreamSynchronize(stream));
 
     const Matrix& head = step.back();
-    const double read_us = timed(stream, [&] {
+    const double read_us = graph_us(stream, 30, [&] {
         read_all<<<prop.multiProcessorCount * 8, 256, 0, stream>>>(reinterpret_cast<const uint4*>(head.w),
                                                                     (long long)head.n * head.k / 8, sink);
     });
@@ -136,17 +70,17 @@ int main() {
     const char* names[4] = {"in (12352 or 10240 x 2560)", "out (2560 x 4096)", "gate-up (18432 x 2560)", "down (2560 x 9216)"};
     for (int split : {2, 4}) {
         for (int m = 1; m <= MAX_INPUT_ROWS; ++m) {
-            const double us = timed(stream, [&] {
+            const double us = graph_us(stream, 30, [&] {
                 for (const Matrix& mat : step) launch(stream, mat, x, y, m, split);
             });
             std::printf("split %d, %d row(s): step %.1f us (%.0f GB/s); per launch:", split, m, us, bytes / us / 1e3);
             for (int shape = 0; shape < 4; ++shape) {
-                const double t = timed(stream, [&] {
+                const double t = graph_us(stream, 30, [&] {
                     for (size_t i = shape; i + 1 < step.size(); i += 4) launch(stream, step[i], x, y, m, split);
                 });
                 std::printf(" %s %.2f us,", names[shape], t / 32);
             }
-            std::printf(" head %.1f us\n", timed(stream, [&] { launch(stream, head, x, y, m, split); }));
+            std::printf(" head %.1f us\n", graph_us(stream, 30, [&] { launch(stream, head, x, y, m, split); }));
         }
     }
     return 0;

@@ -16,31 +16,10 @@
 //   source scripts/cuda/env.sh
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o launch-overlap-bench scripts/cuda/launch-overlap-bench.cu -L"$CUDA_ROOT/lib"
 // Run on the GPU machine: ./launch-overlap-bench
-#include <cuda_runtime.h>
-
-#include <cstdio>
-#include <cstdlib>
-#include <functional>
 #include <utility>
-#include <vector>
 
 #include "../../crates/kernels/cuda/matmul.cu"
-
-#define CHECK(call)                                                                          \
-    do {                                                                                     \
-        const cudaError_t e = (call);                                                        \
-        if (e != cudaSuccess) {                                                              \
-            std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-            std::exit(1);                                                                    \
-        }                                                                                    \
-    } while (0)
-
-using bf16 = __nv_bfloat16;
-
-__global__ void fill(bf16* p, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        p[i] = __float2bfloat16((i % 97) * 0.001f);
-}
+#include "bench-common.cuh"
 
 __device__ void spin_for(long long cycles) {
     const long long start = clock64();
@@ -106,20 +85,6 @@ __global__ void stamp_start(unsigned long long* t) {
     if (threadIdx.x == 0) t[2] = now_ns();
 }
 
-template <typename... Params, typename... Args>
-static void dependent(cudaStream_t stream, dim3 grid, dim3 block, void (*kernel)(Params...), Args... args) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = block;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr;
-    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr.val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = &attr;
-    cfg.numAttrs = 1;
-    CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
-}
-
 struct Matrix {
     int n, k;
     bf16* w;
@@ -133,30 +98,6 @@ static void matmul(cudaStream_t stream, const Matrix& m, const bf16* x, bf16* y,
     } else {
         matmul_rows1_s2_bf16<<<grid, block, 0, stream>>>(x, m.k, m.w, y, m.k, m.n);
     }
-}
-
-// Microseconds per replay of `body`'s launches recorded as a graph.
-static double timed(cudaStream_t stream, const std::function<void()>& body) {
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    body();
-    CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    cudaEvent_t start, end;
-    CHECK(cudaEventCreate(&start));
-    CHECK(cudaEventCreate(&end));
-    const int replays = 20;
-    CHECK(cudaEventRecord(start, stream));
-    for (int i = 0; i < replays; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(end, stream));
-    CHECK(cudaEventSynchronize(end));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, start, end));
-    CHECK(cudaGraphExecDestroy(exec));
-    CHECK(cudaGraphDestroy(graph));
-    return ms * 1e3 / replays;
 }
 
 int main() {
@@ -176,23 +117,23 @@ int main() {
     CHECK(cudaStreamSynchronize(stream));
     std::printf("stream: the dependent's first instruction %lld ns after the kernel before ended, its wait over %lld ns after\n",
                 (long long)(t[1] - t[0]), (long long)(t[2] - t[0]));
-    timed(stream, pair);
+    graph_us(stream, 20, pair);
     std::printf("graph:  the dependent's first instruction %lld ns after the kernel before ended, its wait over %lld ns after\n",
                 (long long)(t[1] - t[0]), (long long)(t[2] - t[0]));
 
     bf16 *x, *y;
     CHECK(cudaMalloc(&x, 9216 * sizeof(bf16)));
     CHECK(cudaMalloc(&y, 20000 * sizeof(bf16)));
-    fill<<<4, 256, 0, stream>>>(x, 9216);
+    fill<<<4, 256, 0, stream>>>(x, 9216, 7);
     for (auto [n, k] : std::vector<std::pair<int, int>>{{2560, 4096}, {2560, 9216}, {12352, 2560}}) {
         std::vector<Matrix> ms(24, Matrix{n, k, nullptr});
         for (Matrix& m : ms) {
             CHECK(cudaMalloc(&m.w, m.bytes()));
-            fill<<<1024, 256, 0, stream>>>(m.w, m.bytes() / 2);
+            fill<<<1024, 256, 0, stream>>>(m.w, m.bytes() / 2, n ^ k);
         }
         CHECK(cudaStreamSynchronize(stream));
         const auto per_matrix = [&](const std::function<void(const Matrix&)>& each) {
-            return timed(stream, [&] {
+            return graph_us(stream, 20, [&] {
                 for (const Matrix& m : ms) each(m);
             }) / ms.size();
         };

@@ -16,27 +16,12 @@
 //   source scripts/cuda/env.sh
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o persistent-matmul-bench scripts/cuda/persistent-matmul-bench.cu -L"$CUDA_ROOT/lib"
 // Run on the GPU machine: ./persistent-matmul-bench
-#include <cuda_runtime.h>
-
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <functional>
-#include <vector>
 
 #include "../../crates/kernels/cuda/matmul.cu"
+#include "bench-common.cuh"
 
-#define CHECK(call)                                                                          \
-    do {                                                                                     \
-        const cudaError_t e = (call);                                                        \
-        if (e != cudaSuccess) {                                                              \
-            std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); \
-            std::exit(1);                                                                    \
-        }                                                                                    \
-    } while (0)
-
-using bf16 = __nv_bfloat16;
 constexpr int SPLIT = 2, ROWS_PER_GROUP = ROWS_WARPS / SPLIT, VEC = 8;
 
 struct Matrix {
@@ -44,16 +29,6 @@ struct Matrix {
     const bf16* w;
     bf16* y;
 };
-
-__global__ void fill(bf16* p, long long n, unsigned seed) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 13;
-        h *= 0x5bd1e995u;
-        h ^= h >> 15;
-        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * 0.1f);
-    }
-}
 
 // A grid-wide barrier for co-resident blocks (a cooperative launch guarantees it): the last
 // block to arrive resets the count and advances the generation the others spin on.
@@ -147,21 +122,6 @@ __global__ void barriers_only(int count) {
     for (int i = 0; i < count; ++i) grid_barrier();
 }
 
-static double time_us(cudaStream_t stream, int replays, const std::function<void()>& body) {
-    body();
-    CHECK(cudaStreamSynchronize(stream));
-    cudaEvent_t start, end;
-    CHECK(cudaEventCreate(&start));
-    CHECK(cudaEventCreate(&end));
-    CHECK(cudaEventRecord(start, stream));
-    for (int r = 0; r < replays; ++r) body();
-    CHECK(cudaEventRecord(end, stream));
-    CHECK(cudaEventSynchronize(end));
-    float ms;
-    CHECK(cudaEventElapsedTime(&ms, start, end));
-    return ms * 1e3 / replays;
-}
-
 static float largest_difference(const std::vector<Matrix>& mats, const std::vector<bf16*>& reference) {
     float worst = 0.0f;
     for (size_t i = 0; i < mats.size(); ++i) {
@@ -191,13 +151,7 @@ int main() {
         reference.push_back(y_ref);
         bytes += 2.0 * n * k;
     };
-    for (int layer = 0; layer < 32; ++layer) {
-        add(layer % 4 == 3 ? 10240 : 12352, 2560);
-        add(2560, 4096);
-        add(18432, 2560);
-        add(2560, 9216);
-    }
-    add(248320, 2560);
+    for (const Shape& shape : decode_step_shapes()) add(shape.n, shape.k);
     bf16* x;
     CHECK(cudaMalloc(&x, 9216 * sizeof(bf16)));
     fill<<<16, 256, 0, stream>>>(x, 9216, 7);
@@ -208,25 +162,13 @@ int main() {
     const int count = (int)mats.size();
 
     // 1. One launch per matrix, recorded as a graph.
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    for (size_t i = 0; i < mats.size(); ++i) {
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3((mats[i].n * SPLIT + ROWS_WARPS - 1) / ROWS_WARPS);
-        cfg.blockDim = dim3(ROWS_WARPS * 32);
-        cfg.stream = stream;
-        cudaLaunchAttribute attr;
-        attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr.val.programmaticStreamSerializationAllowed = 1;
-        cfg.attrs = &attr;
-        cfg.numAttrs = 1;
-        CHECK(cudaLaunchKernelEx(&cfg, matmul_rows1_s2_bf16, (const bf16*)x, 2560LL, mats[i].w, reference[i], mats[i].k,
-                                 mats[i].n));
-    }
-    CHECK(cudaStreamEndCapture(stream, &graph));
-    CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    const double launches = time_us(stream, 20, [&] { CHECK(cudaGraphLaunch(exec, stream)); });
+    const double launches = graph_us(stream, 20, [&] {
+        for (size_t i = 0; i < mats.size(); ++i) {
+            const dim3 grid((mats[i].n * SPLIT + ROWS_WARPS - 1) / ROWS_WARPS), block(ROWS_WARPS * 32);
+            dependent(stream, grid, block, matmul_rows1_s2_bf16, (const bf16*)x, 2560LL, mats[i].w, reference[i], mats[i].k,
+                      mats[i].n);
+        }
+    });
     std::printf("%s: %d matrices, %.2f GB, one row\n", prop.name, count, bytes / 1e9);
     std::printf("one launch per matrix (graph, dependent launches): %.1f us (%.0f GB/s)\n", launches, bytes / launches / 1e3);
 
