@@ -63,6 +63,22 @@ def limits():
     return {"kind": "limits", "copy_gb_s": 2 * src.numel() / copy / 1e9, "bf16_tflop_s": 2 * 8192**3 / mm / 1e12}
 
 
+def decode_rate(model, cfg, step, batch, prompt, gen):
+    """Tokens/s of `gen` greedy decode steps of `step` (the model's forward, or it compiled) after
+    an eager prefill of `batch` random prompts of `prompt` tokens; the prefill is not timed."""
+    ids = torch.randint(0, cfg.vocab_size, (batch, prompt), device="cuda")
+    cache = DynamicCache(config=cfg)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    nxt = out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(gen):
+        out = step(input_ids=nxt, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+    torch.cuda.synchronize()
+    return batch * gen / (time.perf_counter() - start)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", required=True, choices=sorted(SHAPES))
@@ -91,18 +107,7 @@ def main():
     vocab = cfg.vocab_size
 
     def decode(step, batch, gen):
-        """Tokens/s of `gen` greedy steps of `step` after an eager prefill of `batch` prompts."""
-        ids = torch.randint(0, vocab, (batch, a.decode_prompt), device="cuda")
-        cache = DynamicCache(config=cfg)
-        out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        nxt = out.logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(gen):
-            out = step(input_ids=nxt, past_key_values=cache, use_cache=True)
-            nxt = out.logits[:, -1:].argmax(-1)
-        torch.cuda.synchronize()
-        return batch * gen / (time.perf_counter() - start)
+        return decode_rate(model, cfg, step, batch, a.decode_prompt, gen)
 
     batches = list(map(int, a.batch.split(",")))
     with torch.no_grad():

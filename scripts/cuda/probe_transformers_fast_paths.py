@@ -49,18 +49,8 @@ def main():
     def compiled_loop():
         step = torch.compile(model.forward, dynamic=True)
         with torch.no_grad():
-            for _ in range(2):
-                cache = bt.DynamicCache(config=cfg)
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-                nxt = out.logits[:, -1:].argmax(-1)
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(32):
-                    out = step(input_ids=nxt, past_key_values=cache, use_cache=True)
-                    nxt = out.logits[:, -1:].argmax(-1)
-                torch.cuda.synchronize()
-                rate = 32 / (time.perf_counter() - start)
-        return rate
+            bt.decode_rate(model, cfg, step, 1, 128, 32)  # compiles
+            return bt.decode_rate(model, cfg, step, 1, 128, 32)
 
     run("generate, dynamic cache", generate)
     run("generate, static cache", lambda: generate(cache_implementation="static"))
