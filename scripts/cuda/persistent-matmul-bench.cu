@@ -9,8 +9,17 @@
 //     previous phase's output;
 //  3. the same, each block loading its first weights of the next matrix before the barrier
 //     (weights do not depend on the phase before, so the barrier's wait overlaps their loads);
-// and the barriers alone (129 of them, no work). Each block writes its rows' dot products, so
-// the outputs are comparable with the first way's (checked: the largest difference is printed).
+// and the barriers alone (129 of them, no work); and
+//  4. a warp-specialised launch, one block a multiprocessor: a producer thread streams the
+//     block's share of every matrix in turn (contiguous weight rows) through a ring of
+//     shared-memory slots with bulk (TMA) copies, running ahead across matrix boundaries, while
+//     eight consumer warps take the slots; before each matrix the consumers wait for every
+//     block to have written the matrix before (a counter in memory per matrix), as a decode
+//     step's next projection waits for its input, and read their input row then — the weights
+//     keep arriving meanwhile, up to the ring's 192 KB a multiprocessor (~6 us of the GPU's
+//     bandwidth). Also without the waits: the streaming alone.
+// Each block writes its rows' dot products, so the outputs are comparable with the first way's
+// (checked: the largest difference is printed).
 //
 // Build (here, no GPU needed):
 //   source scripts/cuda/env.sh
@@ -122,6 +131,173 @@ __global__ void barriers_only(int count) {
     for (int i = 0; i < count; ++i) grid_barrier();
 }
 
+// Way 4: the weights streamed through shared memory.
+constexpr int CONSUMER_WARPS = 8;
+constexpr int SLOT_BYTES = 16384, SLOTS = 12;  // the ring: 192 KB of the 227 KB a block may hold
+constexpr int UNIT_BYTES = 512;                // what a consumer warp reads at once: 16 bytes a lane
+constexpr int MAX_K = 9216, MAX_BLOCK_ROWS = 2048;
+static_assert(SLOT_BYTES % (CONSUMER_WARPS * UNIT_BYTES) == 0, "a warp's units are 4 KB apart in every slot");
+
+// Per matrix, how many blocks have written their rows: launch `epoch` (1, 2, ...) waits for
+// epoch × blocks. Never reset, so a launch needs no memset before it.
+__device__ unsigned int matrix_done[256];
+
+__device__ __forceinline__ unsigned int smem(const void* p) { return (unsigned int)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void mbarrier_init(unsigned long long* bar, unsigned int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_arrive(unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(unsigned long long* bar, unsigned int parity) {
+    asm volatile(
+        "{\n"
+        ".reg .pred ready;\n"
+        "WAIT:\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 ready, [%0], %1;\n"
+        "@!ready bra WAIT;\n"
+        "}\n" ::"r"(smem(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// `bytes` (a multiple of 16) from global `src` to shared `dst`, counted on `bar`'s transaction.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned int bytes, unsigned long long* bar) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem(bar)), "r"(bytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(smem(dst)),
+                 "l"(src), "r"(bytes), "r"(smem(bar))
+                 : "memory");
+}
+
+__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(CONSUMER_WARPS * 32) : "memory"); }
+
+// This block's rows of `m`, as bytes of its weights: contiguous, since w is row-major.
+struct Share {
+    long long begin, end;
+    int first_row;
+};
+
+__device__ Share share_of(const Matrix& m) {
+    const long long first = (long long)m.n * blockIdx.x / gridDim.x, last = (long long)m.n * (blockIdx.x + 1) / gridDim.x;
+    return {first * m.k * 2, last * m.k * 2, (int)first};
+}
+
+// Two bf16 packed in a word, as f32: a bf16 is the high half of its f32.
+__device__ __forceinline__ float low_bf16(unsigned int v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float high_bf16(unsigned int v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ float dot8(uint4 w, uint4 x) {
+    float acc = low_bf16(w.x) * low_bf16(x.x);
+    acc += high_bf16(w.x) * high_bf16(x.x);
+    acc += low_bf16(w.y) * low_bf16(x.y);
+    acc += high_bf16(w.y) * high_bf16(x.y);
+    acc += low_bf16(w.z) * low_bf16(x.z);
+    acc += high_bf16(w.z) * high_bf16(x.z);
+    acc += low_bf16(w.w) * low_bf16(x.w);
+    acc += high_bf16(w.w) * high_bf16(x.w);
+    return acc;
+}
+
+// Adds a warp's sum for one of the block's rows to the rows' sums in shared memory (summed in
+// whatever order the warps come: this measures time, strata's kernels fix their order).
+__device__ __forceinline__ void add_row(float* row_sum, int row, float acc) {
+    acc = warp_sum(acc);
+    if (row >= 0 && threadIdx.x % 32 == 0) atomicAdd(row_sum + row, acc);
+}
+
+// Matrix rows' byte widths are multiples of UNIT_BYTES (K a multiple of 256; the host checks), so
+// a warp's unit never straddles two rows, and a block's share starts on a row.
+template <bool WAIT>
+__global__ void __launch_bounds__((CONSUMER_WARPS + 1) * 32, 1)
+    streamed_chain(const Matrix* mats, int count, const bf16* x, unsigned int epoch) {
+    extern __shared__ __align__(128) unsigned char ring[];
+    __shared__ __align__(16) bf16 xs[MAX_K];
+    __shared__ float row_sum[MAX_BLOCK_ROWS];
+    __shared__ unsigned long long full[SLOTS], empty[SLOTS];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < SLOTS; ++s) {
+            mbarrier_init(&full[s], 1);
+            mbarrier_init(&empty[s], CONSUMER_WARPS);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    for (int i = threadIdx.x; i < MAX_BLOCK_ROWS; i += blockDim.x) row_sum[i] = 0.0f;
+    __syncthreads();
+
+    if (warp == CONSUMER_WARPS) {
+        // The producer: every slot of every matrix's share, in order, as soon as its slot is free
+        // (a fresh barrier's phase before the first counts as complete: the first pass does not wait).
+        if (lane != 0) return;
+        unsigned int q = 0;
+        for (int i = 0; i < count; ++i) {
+            const Share share = share_of(mats[i]);
+            const unsigned char* w = reinterpret_cast<const unsigned char*>(mats[i].w);
+            for (long long at = share.begin; at < share.end; at += SLOT_BYTES, ++q) {
+                const int s = q % SLOTS;
+                mbarrier_wait(&empty[s], ((q / SLOTS) & 1) ^ 1);
+                bulk_load(ring + s * SLOT_BYTES, w + at, (unsigned int)min((long long)SLOT_BYTES, share.end - at), &full[s]);
+            }
+        }
+        return;
+    }
+
+    unsigned int q = 0;
+    for (int i = 0; i < count; ++i) {
+        const Matrix m = mats[i];
+        const Share share = share_of(m);
+        const int row_bytes = m.k * 2;
+        if (WAIT && i > 0 && threadIdx.x == 0) {
+            unsigned int done;
+            do {
+                asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(done) : "l"(&matrix_done[i - 1]) : "memory");
+            } while (done < epoch * gridDim.x);
+        }
+        consumers_sync();  // the wait is over, and the previous matrix's sums are written out
+        for (int c = threadIdx.x; c < m.k / 8; c += CONSUMER_WARPS * 32)
+            reinterpret_cast<uint4*>(xs)[c] = __ldcg(reinterpret_cast<const uint4*>(x) + c);  // from L2: another block wrote it
+        consumers_sync();
+
+        // A warp's units are CONSUMER_WARPS units apart, across slots too: follow their row and
+        // column without dividing.
+        int row = warp * UNIT_BYTES / row_bytes, column = warp * UNIT_BYTES % row_bytes, summed_row = -1;
+        float acc = 0.0f;
+        for (long long at = share.begin; at < share.end; at += SLOT_BYTES, ++q) {
+            const int s = q % SLOTS, bytes = (int)min((long long)SLOT_BYTES, share.end - at);
+            mbarrier_wait(&full[s], (q / SLOTS) & 1);
+            const unsigned char* slot = ring + s * SLOT_BYTES;
+            for (int u = warp * UNIT_BYTES; u < bytes; u += CONSUMER_WARPS * UNIT_BYTES) {
+                if (row != summed_row) {
+                    add_row(row_sum, summed_row, acc);
+                    summed_row = row;
+                    acc = 0.0f;
+                }
+                const uint4 wv = *reinterpret_cast<const uint4*>(slot + u + lane * 16);
+                const uint4 xv = *reinterpret_cast<const uint4*>(reinterpret_cast<const unsigned char*>(xs) + column + lane * 16);
+                acc += dot8(wv, xv);
+                for (column += CONSUMER_WARPS * UNIT_BYTES; column >= row_bytes; column -= row_bytes) ++row;
+            }
+            __syncwarp();
+            if (lane == 0) mbarrier_arrive(&empty[s]);
+        }
+        add_row(row_sum, summed_row, acc);
+        consumers_sync();
+        const int rows = (int)((share.end - share.begin) / row_bytes);
+        for (int r = threadIdx.x; r < rows; r += CONSUMER_WARPS * 32) {
+            m.y[share.first_row + r] = from_f32<bf16>(row_sum[r]);
+            row_sum[r] = 0.0f;
+        }
+        consumers_sync();
+        if (threadIdx.x == 0) {
+            __threadfence();
+            atomicAdd(&matrix_done[i], 1);
+        }
+    }
+}
+
 static float largest_difference(const std::vector<Matrix>& mats, const std::vector<bf16*>& reference) {
     float worst = 0.0f;
     for (size_t i = 0; i < mats.size(); ++i) {
@@ -194,6 +370,29 @@ int main() {
         std::printf("  with the next matrix's first loads before each barrier: %.1f us (%.0f GB/s; largest difference %g)\n",
                     preload, bytes / preload / 1e3, preload_diff);
         std::printf("  the %d barriers alone: %.1f us (%.2f us each)\n", count, barriers, barriers / count);
+    }
+
+    // 4. The weights streamed through shared memory, one block a multiprocessor.
+    for (const Matrix& m : mats) {
+        if (m.k % 256 != 0 || m.k > MAX_K || (m.n + prop.multiProcessorCount - 1) / prop.multiProcessorCount > MAX_BLOCK_ROWS) {
+            std::fprintf(stderr, "a %d x %d matrix does not fit the streamed kernel's limits\n", m.n, m.k);
+            return 1;
+        }
+    }
+    unsigned int epoch = 0;  // launches so far, waiting or not: each adds a count a block to every matrix
+    for (const bool wait : {true, false}) {
+        const void* kernel = wait ? (const void*)streamed_chain<true> : (const void*)streamed_chain<false>;
+        CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SLOTS * SLOT_BYTES));
+        void* args[] = {&mats_dev, (void*)&count, &x, &epoch};
+        const double us = time_us(stream, 20, [&] {
+            ++epoch;
+            CHECK(cudaLaunchCooperativeKernel(kernel, dim3(prop.multiProcessorCount), dim3((CONSUMER_WARPS + 1) * 32), args,
+                                              SLOTS * SLOT_BYTES, stream));
+        });
+        const float diff = largest_difference(mats, reference);
+        std::printf("weights streamed through shared memory, a block a multiprocessor, %s: %.1f us (%.0f GB/s; largest "
+                    "difference %g)\n",
+                    wait ? "each matrix after every block wrote the one before" : "no waits", us, bytes / us / 1e3, diff);
     }
     return 0;
 }
