@@ -21,14 +21,14 @@
 
 using bf16 = __nv_bfloat16;
 
-// Hashed values in [-0.05, 0.05).
-__global__ void fill(bf16* p, long long n, unsigned seed) {
+// Hashed values in [-range / 2, range / 2).
+__global__ void fill(bf16* p, long long n, unsigned seed, float range = 0.1f) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
         unsigned h = (unsigned)i * 2654435761u ^ seed;
         h ^= h >> 13;
         h *= 0x5bd1e995u;
         h ^= h >> 15;
-        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * 0.1f);
+        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * range);
     }
 }
 
