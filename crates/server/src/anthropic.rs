@@ -14,9 +14,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use crate::error::{parse_body, ApiError, ApiResult, Dialect};
-use crate::output::{drive, Finish, Outcome, OutputOptions, Piece};
-use crate::parse::thinking::prompt_opens_thinking;
-use crate::request::{generation_options, render_chat, SamplingFields};
+use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
+use crate::request::{generation_options, null_as_default, render_chat, SamplingFields};
 use crate::state::AppState;
 
 #[derive(Debug, Deserialize)]
@@ -25,7 +24,7 @@ struct MessagesRequest {
     max_tokens: i64,
     messages: Vec<Value>,
     system: Option<Value>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     stream: bool,
     stop_sequences: Option<Vec<String>>,
     tools: Option<Vec<Value>>,
@@ -145,19 +144,15 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let thinking_on = req.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled");
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), Value::Bool(thinking_on));
-    let (prompt_text, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
+    let (opens_thinking, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
     let opts = generation_options(&state, prompt.tokens.len(), Some(req.max_tokens), 0, sampling, None)?;
-    let output = OutputOptions {
-        stop: req.stop_sequences.unwrap_or_default(),
-        thinking: Some(prompt_opens_thinking(&prompt_text)),
-        tools,
-    };
+    let output = OutputOptions { stop: req.stop_sequences.unwrap_or_default(), thinking: Some(opens_thinking), tools };
     let model = req.model.unwrap_or_else(|| state.config.model_name.clone());
     let id = new_id("msg_");
 
     if !req.stream {
         let mut blocks: Vec<Value> = Vec::new();
-        let outcome = drive(&state, prompt, opts, output, |p| {
+        let outcome = drive(&state, prompt, opts, output, std::future::pending(), |p| {
             append_block(&mut blocks, p);
             true
         })
@@ -183,7 +178,7 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
         // The open block: its index and kind ("text" or "thinking").
         let mut open: Option<(usize, &'static str)> = None;
         let mut next = 0;
-        let sent = drive(&state, prompt, opts, output, |p| {
+        let sent = drive(&state, prompt, opts, output, client_gone(&tx), |p| {
             let send = |name, v| tx.send((name, v)).is_ok();
             let kind = match &p {
                 Piece::Content(_) => "text",

@@ -4,7 +4,7 @@ use std::convert::Infallible;
 
 use axum::body::Bytes;
 use axum::extract::State;
-use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
@@ -14,9 +14,8 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use crate::error::{parse_body, ApiError, ApiResult};
-use crate::output::{drive, Finish, Outcome, OutputOptions, Piece};
-use crate::parse::thinking::prompt_opens_thinking;
-use crate::request::{generation_options, render_chat, Prompt, SamplingFields, StopField};
+use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
+use crate::request::{generation_options, null_as_default, render_chat, Prompt, SamplingFields, StopField};
 use crate::state::AppState;
 
 #[derive(Debug, Deserialize)]
@@ -28,14 +27,14 @@ struct StreamOptions {
 struct ChatRequest {
     model: Option<String>,
     messages: Vec<Value>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     stream: bool,
     stream_options: Option<StreamOptions>,
     max_tokens: Option<i64>,
     max_completion_tokens: Option<i64>,
     stop: Option<StopField>,
     n: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     logprobs: bool,
     top_logprobs: Option<usize>,
     tools: Option<Vec<Value>>,
@@ -178,21 +177,18 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
     if req.reasoning_effort.as_deref() == Some("none") {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
-    let (prompt_text, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
+    let (opens_thinking, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
     let top = if req.logprobs { Some(req.top_logprobs.unwrap_or(0).min(20)) } else { None };
     let opts =
         generation_options(&state, prompt.tokens.len(), req.max_completion_tokens.or(req.max_tokens), 4096, sampling, top)?;
-    let output = OutputOptions {
-        stop: req.stop.map(StopField::into_vec).unwrap_or_default(),
-        thinking: Some(prompt_opens_thinking(&prompt_text)),
-        tools,
-    };
+    let output =
+        OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: Some(opens_thinking), tools };
     let model = req.model.unwrap_or_else(|| state.config.model_name.clone());
     let id = new_id("chatcmpl-");
 
     if !req.stream {
         let (mut content, mut reasoning, mut calls, mut logprobs) = (String::new(), String::new(), Vec::new(), Vec::new());
-        let outcome = drive(&state, prompt, opts, output, |p| {
+        let outcome = drive(&state, prompt, opts, output, std::future::pending(), |p| {
             match p {
                 Piece::Content(t) => content.push_str(&t),
                 Piece::Reasoning(t) => reasoning.push_str(&t),
@@ -233,7 +229,7 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
     let _ = tx.send(chunk(json!({"role": "assistant", "content": ""}), Value::Null, Value::Null));
     tokio::spawn(async move {
         let mut calls = 0;
-        let sent = drive(&state, prompt, opts, output, |p| {
+        let sent = drive(&state, prompt, opts, output, client_gone(&tx), |p| {
             let c = match p {
                 Piece::Content(t) => chunk(json!({"content": t}), Value::Null, Value::Null),
                 Piece::Reasoning(t) => chunk(json!({"reasoning_content": t}), Value::Null, Value::Null),
@@ -272,7 +268,7 @@ fn sse(rx: mpsc::UnboundedReceiver<Value>) -> Response {
     let events = UnboundedReceiverStream::new(rx)
         .map(|v| Ok::<_, Infallible>(SseEvent::default().data(v.to_string())))
         .chain(tokio_stream::once(Ok(SseEvent::default().data("[DONE]"))));
-    Sse::new(events).into_response()
+    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }
 
 #[derive(Debug, Deserialize)]
@@ -287,13 +283,13 @@ enum PromptField {
 struct CompletionRequest {
     model: Option<String>,
     prompt: PromptField,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     stream: bool,
     stream_options: Option<StreamOptions>,
     max_tokens: Option<i64>,
     stop: Option<StopField>,
     n: Option<i64>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_as_default")]
     echo: bool,
     logprobs: Option<usize>,
 }
@@ -350,7 +346,7 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
     if !req.stream {
         let mut text = echo;
         let mut entries = Vec::new();
-        let outcome = drive(&state, Prompt::plain(prompt), opts, output, |p| {
+        let outcome = drive(&state, Prompt::plain(prompt), opts, output, std::future::pending(), |p| {
             match p {
                 Piece::Content(t) | Piece::Reasoning(t) => text.push_str(&t),
                 Piece::ToolCall(_) => {}
@@ -380,7 +376,7 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
         let _ = tx.send(chunk(choice(echo, Value::Null, Value::Null)));
     }
     tokio::spawn(async move {
-        let sent = drive(&state, Prompt::plain(prompt), opts, output, |p| {
+        let sent = drive(&state, Prompt::plain(prompt), opts, output, client_gone(&tx), |p| {
             let c = match p {
                 Piece::Content(t) | Piece::Reasoning(t) => choice(t, Value::Null, Value::Null),
                 Piece::ToolCall(_) => return true,

@@ -62,6 +62,16 @@ pub struct OutputOptions {
     pub tools: Option<Vec<serde_json::Value>>,
 }
 
+/// Completes when the receiving end of a stream's channel (its SSE response body) is dropped:
+/// the client has gone.
+pub fn client_gone<T>(stream: &mpsc::UnboundedSender<T>) -> impl std::future::Future<Output = ()> + 'static
+where
+    T: Send + 'static,
+{
+    let stream = stream.clone();
+    async move { stream.closed().await }
+}
+
 struct ChannelSink(mpsc::UnboundedSender<Event>);
 
 impl EventSink for ChannelSink {
@@ -74,13 +84,16 @@ impl EventSink for ChannelSink {
 }
 
 /// Runs one generation and hands each piece to `emit` as soon as it is known. `emit` returns
-/// false when the client has gone; the generation is then cancelled (the engine notices the
-/// dropped channel within one step).
+/// false when the client has gone, and `client_gone` completes when it goes (a stream's
+/// client can leave while its request waits, prefills or has its text held back, when nothing
+/// is emitted); either cancels the generation: the engine notices the dropped channel before
+/// admitting the request, between prefill chunks and within one decode step.
 pub async fn drive(
     state: &AppState,
     prompt: Prompt,
     opts: GenerationOptions,
     output: OutputOptions,
+    client_gone: impl std::future::Future<Output = ()>,
     mut emit: impl FnMut(Piece) -> bool,
 ) -> ApiResult<Option<Outcome>> {
     let started = Instant::now();
@@ -141,7 +154,13 @@ pub async fn drive(
     let mut ttft = None;
     let mut completion_tokens = 0;
     let mut saw_call = false;
-    while let Some(event) = rx.recv().await {
+    tokio::pin!(client_gone);
+    loop {
+        let event = tokio::select! {
+            event = rx.recv() => event,
+            () = &mut client_gone => return Ok(None),
+        };
+        let Some(event) = event else { break };
         match event {
             Event::Token(Sampled { id, logprob, top_logprobs }) => {
                 ttft.get_or_insert_with(|| started.elapsed());

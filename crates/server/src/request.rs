@@ -8,7 +8,18 @@ use serde_json::{Map, Value};
 use strata_engine::{GenerationOptions, SamplingChoice, SamplingParams};
 
 use crate::error::{ApiError, ApiResult};
+use crate::parse::thinking::prompt_opens_thinking;
 use crate::state::AppState;
+
+/// For the flags the APIs mark nullable (`stream`, `logprobs`, `echo`): `null` reads as leaving
+/// the field out, as it does for every optional field.
+pub(crate) fn null_as_default<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Deserialize<'de> + Default,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
+}
 
 /// Sampling fields as the APIs spell them; absent ones default from generation_config.json.
 #[derive(Debug, Deserialize)]
@@ -131,16 +142,18 @@ impl Prompt {
     }
 }
 
-/// Renders the chat template; returns the prompt text and tokens. The conversation without the
-/// generation prompt is rendered too: where it ends is where the next turn's prompt (which
-/// re-renders this history, often differently after it — e.g. without the empty think block
-/// the generation prompt opened) stops sharing tokens, so the cache keeps a snapshot there.
+/// Renders the chat template; returns whether the answer starts inside a think block, and the
+/// prompt's tokens. The conversation without the generation prompt is rendered too: where it
+/// ends is where the next turn's prompt (which re-renders this history, often differently after
+/// it — e.g. without the empty think block the generation prompt opened) stops sharing tokens,
+/// so the cache keeps a snapshot there; and what the generation prompt adds to it is what may
+/// open a think block (a `<think>` in a message's own text does not).
 pub fn render_chat(
     state: &AppState,
     messages: &[Value],
     tools: Option<&[Value]>,
     kwargs: &Map<String, Value>,
-) -> ApiResult<(String, Prompt)> {
+) -> ApiResult<(bool, Prompt)> {
     let template = state
         .template
         .as_ref()
@@ -157,10 +170,13 @@ pub fn render_chat(
         template.render(&context).map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
     };
     let encode = |text: &str| state.tokenizer.encode(text).map_err(|e| ApiError::internal(e.to_string()));
-    let text = render(true)?;
+    let (text, history_text) = (render(true)?, render(false)?);
+    // A template whose history renders differently with the generation prompt leaves no clean
+    // suffix: then the whole prompt decides.
+    let opens_thinking = prompt_opens_thinking(text.strip_prefix(history_text.as_str()).unwrap_or(&text));
     let tokens = encode(&text)?;
-    let history = encode(&render(false)?)?;
+    let history = encode(&history_text)?;
     let cache_points =
         if history.len() < tokens.len() && tokens.starts_with(&history) { vec![history.len()] } else { Vec::new() };
-    Ok((text, Prompt { tokens, cache_points }))
+    Ok((opens_thinking, Prompt { tokens, cache_points }))
 }

@@ -21,7 +21,25 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn state(name: &str, max_context: usize, api_key: Option<&str>) -> AppState {
-    let folder = ModelFolder::open(&fixture(name)).unwrap();
+    state_configured(name, max_context, api_key, EngineConfig::for_device(&Device::Cpu), None)
+}
+
+fn state_with(name: &str, max_context: usize, engine: EngineConfig) -> AppState {
+    state_configured(name, max_context, None, engine, None)
+}
+
+/// With `template`, that chat template in place of the folder's.
+fn state_configured(
+    name: &str,
+    max_context: usize,
+    api_key: Option<&str>,
+    engine: EngineConfig,
+    template: Option<&str>,
+) -> AppState {
+    let mut folder = ModelFolder::open(&fixture(name)).unwrap();
+    if let Some(source) = template {
+        folder.chat_template = Some(strata_model::ChatTemplate::new(source).unwrap());
+    }
     let model = folder.load(DType::F32, &Device::Cpu).unwrap();
     let eos_token_ids = folder.eos_token_ids();
     Arc::new(Shared {
@@ -32,8 +50,7 @@ fn state(name: &str, max_context: usize, api_key: Option<&str>) -> AppState {
             max_context,
             api_key: api_key.map(str::to_string),
         },
-        worker: Worker::spawn(model, EngineConfig::for_device(&Device::Cpu), CacheConfig::for_device(&Device::Cpu), None)
-            .unwrap(),
+        worker: Worker::spawn(model, engine, CacheConfig::for_device(&Device::Cpu), None).unwrap(),
         vocab_size: folder.config.vocab_size,
         tokenizer: folder.tokenizer,
         template: folder.chat_template,
@@ -317,6 +334,86 @@ async fn a_client_that_disconnects_frees_the_engine() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(load(&stats.generated_tokens), generated, "the abandoned request kept generating");
     assert_eq!(stats.active.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stream_whose_client_leaves_while_queued_is_never_prefilled() {
+    let state = state_with("qwen3_5-tiny-a", 100_000, EngineConfig { max_batch: 1, ..EngineConfig::for_device(&Device::Cpu) });
+    let app = router(state.clone());
+    let stats = state.worker.stats();
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let open = |path: &'static str, body: Value| {
+        let app = app.clone();
+        async move {
+            let req = Request::builder().method("POST").uri(path).header("content-type", "application/json");
+            let resp = app.oneshot(req.body(Body::from(body.to_string())).unwrap()).await.unwrap();
+            assert_eq!(resp.status(), StatusCode::OK);
+            resp.into_body().into_data_stream()
+        }
+    };
+    // The batch's one row: a stream that does not end by itself (no end-of-sequence token).
+    let no_end: serde_json::Map<String, Value> = state.eos_token_ids.iter().map(|id| (id.to_string(), json!(-100))).collect();
+    let mut holder = open(
+        "/v1/completions",
+        json!({"prompt": [1, 2, 3], "max_tokens": 50_000, "temperature": 0, "stream": true, "logit_bias": no_end}),
+    )
+    .await;
+    holder.next().await.unwrap().unwrap();
+    // Queued behind it, in both dialects: each client reads the stream's first event and leaves.
+    for (path, body) in [
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hello there"}], "stream": true})),
+        ("/v1/messages", json!({"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8, "stream": true})),
+    ] {
+        let mut queued = open(path, body).await;
+        queued.next().await.unwrap().unwrap();
+        drop(queued);
+    }
+    // Let the servers' stream tasks notice, then free the row: the queued requests must be
+    // dropped at admission, their prompts never prefilled.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(holder);
+    let start = Instant::now();
+    while load(&stats.cancelled) < 3 {
+        assert!(start.elapsed() < Duration::from_secs(20), "cancelled {} of 3", load(&stats.cancelled));
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(load(&stats.prompt_tokens), 3, "a request whose client had left was prefilled");
+}
+
+/// On a template without thinking, a `<think>` in the user's own text opens no think block: only
+/// what the generation prompt adds can.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_think_tag_in_a_message_does_not_make_the_answer_reasoning() {
+    let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}\
+                  {% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+    let app = router(state_configured("qwen3_5-tiny-a", 4096, None, EngineConfig::for_device(&Device::Cpu), Some(chatml)));
+    let question = json!([{"role": "user", "content": "What does the <think> tag do?"}]);
+    let (status, r) = post(&app, "/v1/chat/completions", chat(json!({"messages": question}))).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    let message = &r["choices"][0]["message"];
+    assert!(message.get("reasoning_content").is_none(), "{message}");
+    assert!(!message["content"].as_str().unwrap().is_empty(), "{message}");
+    let (status, r) = post(&app, "/v1/messages", json!({"messages": question, "max_tokens": 12, "temperature": 0})).await;
+    assert_eq!(status, StatusCode::OK, "{r}");
+    assert!(r["content"].as_array().unwrap().iter().all(|block| block["type"] == "text"), "{r}");
+}
+
+/// `null` for a flag the APIs mark nullable reads as leaving it out (SDKs send explicit nulls).
+#[tokio::test(flavor = "multi_thread")]
+async fn nullable_flags_accept_null() {
+    let app = app();
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": null, "logprobs": null}),
+        ),
+        ("/v1/completions", json!({"prompt": [1, 2, 3], "max_tokens": 2, "stream": null, "echo": null})),
+        ("/v1/messages", json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "stream": null})),
+    ] {
+        let (status, r) = post(&app, path, body).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {r}");
+        assert!(r["usage"].is_object(), "{path} answered without streaming: {r}");
+    }
 }
 
 /// Property test of the JSON layer: every field of valid requests replaced by values of every
