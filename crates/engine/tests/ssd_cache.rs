@@ -231,6 +231,68 @@ fn startup_reaps_tmp_files_and_removes_damaged_entries() {
     assert_bitwise_eq(&store.load(&hit, &model.new_state(1).unwrap()).unwrap().state, &run(&model, &tokens(10)));
 }
 
+/// Rewrites an entry's JSON header through `edit` (given the file's bytes) with its hash
+/// recomputed: a header that passes its hash but whose own numbers disagree, as a buggy or
+/// hostile writer could leave. The header may grow into the room before the page-aligned first
+/// tensor.
+fn rewrite_header(path: &Path, edit: impl FnOnce(&mut serde_json::Value, &[u8])) {
+    let mut bytes = fs::read(path).unwrap();
+    let len = u32::from_le_bytes(bytes[12..16].try_into().unwrap()) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[16..16 + len]).unwrap();
+    let room = header["tensors"].as_array().unwrap().iter().map(|t| t["offset"].as_u64().unwrap()).min().unwrap() as usize;
+    edit(&mut header, &bytes);
+    let json = serde_json::to_vec(&header).unwrap();
+    assert!(16 + json.len() + 8 <= room, "the edited header does not fit before the first tensor");
+    bytes[12..16].copy_from_slice(&(json.len() as u32).to_le_bytes());
+    bytes[16..16 + json.len()].copy_from_slice(&json);
+    bytes[16 + json.len()..24 + json.len()].copy_from_slice(&xxhash_rust::xxh3::xxh3_64(&json).to_le_bytes());
+    fs::write(path, bytes).unwrap();
+}
+
+/// The first tensor record whose name ends with `suffix`.
+fn record<'a>(header: &'a mut serde_json::Value, suffix: &str) -> &'a mut serde_json::Value {
+    let tensors = header["tensors"].as_array_mut().unwrap();
+    tensors.iter_mut().find(|t| t["name"].as_str().unwrap().ends_with(suffix)).unwrap()
+}
+
+#[test]
+fn entries_of_another_format_are_kept_and_inconsistent_headers_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = model(DType::F32);
+    let tokens = |first: u32| -> Vec<u32> { (first..first + 5).collect() };
+    let (store, _, _) = open(dir.path(), GIB, false);
+    let [newer_format, wrong_length, past_u64, rank_zero] =
+        [10, 20, 30, 40].map(|first| store_one(dir.path(), &store, &snap(1, &tokens(first), run(&model, &tokens(first)), None)));
+    drop(store);
+
+    // Another strata build's format version: its file, not damage.
+    let mut bytes = fs::read(&newer_format).unwrap();
+    bytes[8..12].copy_from_slice(&2u32.to_le_bytes());
+    fs::write(&newer_format, bytes).unwrap();
+    // A length that is not what the shape takes; an offset whose end overflows u64.
+    rewrite_header(&wrong_length, |h, _| {
+        let r = record(h, ".conv");
+        r["len"] = (r["len"].as_u64().unwrap() + 4).into();
+    });
+    rewrite_header(&past_u64, |h, _| record(h, ".conv")["offset"] = u64::MAX.into());
+    // Self-consistent and hash-correct, but a rank-0 tensor where the model keeps a row of
+    // conv state: it panicked the reader, which the engine's prefetch thread runs.
+    rewrite_header(&rank_zero, |h, bytes| {
+        let r = record(h, ".conv");
+        let at = r["offset"].as_u64().unwrap() as usize;
+        r["shape"] = serde_json::json!([]);
+        r["len"] = 4.into();
+        r["hash"] = xxhash_rust::xxh3::xxh3_64(&bytes[at..at + 4]).into();
+    });
+
+    let (store, recovery, _) = open(dir.path(), GIB, false);
+    assert_eq!((recovery.skipped_foreign, recovery.removed_corrupt, recovery.entries), (1, 2, 1));
+    assert!(newer_format.exists() && !wrong_length.exists() && !past_u64.exists());
+    let hit = store.lookup(1, exact(&tokens(40))).unwrap();
+    let err = store.load(&hit, &model.new_state(1).unwrap()).unwrap_err();
+    assert!(matches!(err, SsdError::Mismatch { .. }) && err.to_string().contains("conv"), "{err}");
+}
+
 #[test]
 fn corrupt_tensor_data_is_never_served() {
     let dir = tempfile::tempdir().unwrap();

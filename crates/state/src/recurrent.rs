@@ -87,7 +87,7 @@ impl RecurrentState {
     /// names what does not match.
     pub fn single_row(&self, conv: Tensor, ssm: Tensor) -> Result<RecurrentState> {
         for (name, t, like) in [("conv", &conv, &self.conv), ("ssm", &ssm, &self.ssm)] {
-            if t.dims()[1..] != like.dims()[1..] || t.dims().first() != Some(&1) || t.dtype() != like.dtype() {
+            if t.dims().get(1..) != like.dims().get(1..) || t.dims().first() != Some(&1) || t.dtype() != like.dtype() {
                 return Err(StateError::BadPart(format!(
                     "recurrent {name} is {:?} {:?}, expected [1, {:?}] {:?}",
                     t.dtype(),

@@ -199,8 +199,12 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, SsdError> {
     })
 }
 
-/// Reads and checks the header: magic, version, header hash, then identity (a foreign file is
-/// reported as such, never as corrupt), codec and self-consistency.
+/// Reads and checks the header: magic, version, header hash, then identity, codec and
+/// self-consistency. A file of another format version or codec (another strata build sharing
+/// the folder) is reported as foreign, never as corrupt, like one of another identity. The
+/// hash guards against damage, not against a header whose own numbers disagree: every tensor
+/// record's length must be what its dtype and shape take, and lie within the file, before
+/// anything is allocated for it.
 fn read_header(file: &mut File, path: &Path, identity: &Identity) -> Result<Header, SsdError> {
     let mut preamble = [0u8; PREAMBLE as usize];
     file.read_exact(&mut preamble).at(path)?;
@@ -209,7 +213,8 @@ fn read_header(file: &mut File, path: &Path, identity: &Identity) -> Result<Head
     }
     let version = u32::from_le_bytes(preamble[8..12].try_into().expect("4 bytes"));
     if version != VERSION {
-        return Err(corrupt(path, format!("format version {version}, expected {VERSION}")));
+        let found = format!("cache format version {version}; this build reads version {VERSION}");
+        return Err(SsdError::Foreign { path: path.to_path_buf(), found });
     }
     let len = u32::from_le_bytes(preamble[12..16].try_into().expect("4 bytes"));
     if len > MAX_HEADER {
@@ -228,10 +233,25 @@ fn read_header(file: &mut File, path: &Path, identity: &Identity) -> Result<Head
         return Err(SsdError::Foreign { path: path.to_path_buf(), found });
     }
     if header.codec != CODEC {
-        return Err(corrupt(path, format!("unknown codec `{}`", header.codec)));
+        let found = format!("codec `{}`; this build reads `{CODEC}`", header.codec);
+        return Err(SsdError::Foreign { path: path.to_path_buf(), found });
     }
     if header.position != header.tokens.len() {
         return Err(corrupt(path, format!("position {} for {} tokens", header.position, header.tokens.len())));
+    }
+    let file_len = file.metadata().at(path)?.len();
+    for t in &header.tensors {
+        let dtype = t.dtype.parse::<DType>().map_err(|e| corrupt(path, format!("tensor `{}`: {e}", t.name)))?;
+        let len = t.shape.iter().try_fold(dtype.size_in_bytes() as u64, |n, &d| n.checked_mul(d as u64));
+        if len != Some(t.len) {
+            return Err(corrupt(path, format!("tensor `{}` records {} bytes for {} {:?}", t.name, t.len, t.dtype, t.shape)));
+        }
+        if t.offset.checked_add(t.len).is_none_or(|end| end > file_len) {
+            return Err(corrupt(
+                path,
+                format!("the file has {file_len} bytes, tensor `{}` needs {} from offset {}", t.name, t.len, t.offset),
+            ));
+        }
     }
     Ok(header)
 }
@@ -242,10 +262,6 @@ pub(super) fn inspect(path: &Path, identity: &Identity, verify: bool) -> Result<
     let mut file = File::open(path).at(path)?;
     let meta = file.metadata().at(path)?;
     let header = read_header(&mut file, path, identity)?;
-    let needed = header.tensors.iter().map(|t| t.offset + t.len).max().unwrap_or(0);
-    if meta.len() < needed {
-        return Err(corrupt(path, format!("the file has {} bytes, its tensor table needs {needed}", meta.len())));
-    }
     if verify {
         for record in &header.tensors {
             read_tensor(&mut file, record, path)?;
