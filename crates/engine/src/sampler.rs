@@ -6,9 +6,14 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use strata_kernels::sampling::first_max;
 
+/// Temperatures below this sample greedily (as vLLM does): dividing logits by a smaller one
+/// overflows f32 — a temperature of 1e-46 is 0 as f32 — where the distribution is one-hot in all
+/// but exact ties anyway.
+pub const MIN_TEMPERATURE: f64 = 1e-5;
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingParams {
-    /// 0 means greedy.
+    /// Below [`MIN_TEMPERATURE`] (0 included) means greedy.
     pub temperature: f64,
     /// 0 means off.
     pub top_k: usize,
@@ -49,7 +54,7 @@ impl SamplingParams {
     }
 
     pub fn is_greedy(&self) -> bool {
-        self.temperature <= 0.0
+        self.temperature < MIN_TEMPERATURE
     }
 
     /// Checks ranges; the message names the parameter.
@@ -58,9 +63,11 @@ impl SamplingParams {
             (self.temperature.is_finite() && self.temperature >= 0.0, "temperature must be >= 0"),
             (self.top_p > 0.0 && self.top_p <= 1.0, "top_p must be in (0, 1]"),
             ((0.0..=1.0).contains(&self.min_p), "min_p must be in [0, 1]"),
-            (self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite(), "repetition_penalty must be > 0"),
-            (self.presence_penalty.is_finite(), "presence_penalty must be finite"),
-            (self.frequency_penalty.is_finite(), "frequency_penalty must be finite"),
+            // As f32, which the logits are: 1e-46 would be 0, and divide them into infinities.
+            ((self.repetition_penalty as f32).is_normal() && self.repetition_penalty > 0.0, "repetition_penalty must be > 0"),
+            // OpenAI's range: -1e39 would be -inf as f32, and lift a token to +inf.
+            ((-2.0..=2.0).contains(&self.presence_penalty), "presence_penalty must be in [-2, 2]"),
+            ((-2.0..=2.0).contains(&self.frequency_penalty), "frequency_penalty must be in [-2, 2]"),
         ];
         match checks.iter().find(|(ok, _)| !ok) {
             Some((_, msg)) => Err(msg.to_string()),
@@ -302,6 +309,28 @@ mod tests {
             p.frequency_penalty = 0.6;
         });
         assert_eq!(s.sample(&logits, &[1, 1], &[1, 1]), 2); // 3 - 1.2 = 1.8 < 2
+    }
+
+    #[test]
+    fn a_temperature_too_small_for_f32_samples_greedily() {
+        // 1e-46 is 0 as f32: dividing by it gave NaN probabilities and the worst candidate.
+        for t in [1e-46, 1e-6] {
+            let mut s = sampler(|p| p.temperature = t);
+            assert_eq!(s.sample(&[1.0, 3.0, 2.0, -1.0], &[], &[]), 1, "temperature {t}");
+        }
+        let mut p = SamplingParams::greedy();
+        for (field, value) in [("repetition_penalty", 1e-46), ("presence_penalty", -1e39), ("frequency_penalty", 2.5)] {
+            let mut q = p.clone();
+            match field {
+                "repetition_penalty" => q.repetition_penalty = value,
+                "presence_penalty" => q.presence_penalty = value,
+                _ => q.frequency_penalty = value,
+            }
+            assert!(q.validate().unwrap_err().starts_with(field), "{field} = {value}");
+        }
+        p.presence_penalty = -2.0;
+        p.frequency_penalty = 2.0;
+        assert_eq!(p.validate(), Ok(()));
     }
 
     #[test]
