@@ -68,9 +68,13 @@ impl Score {
 
 /// Scores `text` (token ids, no BOS) as the module documentation defines.
 pub fn score(model: &Model, bos: Option<u32>, text: &[u32], ctx: usize, stride: usize, chunk: usize) -> Result<Score> {
-    let room = ctx - usize::from(bos.is_some());
-    if room < 2 || stride == 0 || stride >= room {
-        bail!("--ctx {ctx} --stride {stride}: need a window of at least 2 text tokens and 1 <= stride < {room}");
+    let with_bos = usize::from(bos.is_some());
+    let room = ctx.saturating_sub(with_bos);
+    if room < 2 {
+        bail!("--ctx {ctx}: a window needs at least 2 text tokens, so --ctx must be at least {}", 2 + with_bos);
+    }
+    if stride == 0 || stride >= room {
+        bail!("--ctx {ctx} --stride {stride}: the stride must be in 1..{room} (less than the window's text tokens)");
     }
     let mut total = Score::default();
     let mut start = 0;

@@ -59,6 +59,26 @@ fn perplexity_matches_llama_cpp() {
     }
 }
 
+/// A window too small for BOS and two text tokens, or a stride that does not fit it, is one
+/// clear error naming the flags (`--ctx 1` less BOS underflowed before).
+#[test]
+fn perplexity_refuses_windows_too_small() {
+    let model = demo_model();
+    for (args, want) in [
+        (["--ctx", "0", "--stride", "1"], "--ctx must be at least 3"),
+        (["--ctx", "2", "--stride", "1"], "--ctx must be at least 3"),
+        (["--ctx", "8", "--stride", "7"], "the stride must be in 1..7"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["perplexity", "--model", model.to_str().unwrap(), "--file", "/usr/share/common-licenses/GPL-3"])
+            .args(args)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(want) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
 /// Greedy continuation of [BOS] + the fixture's GPL-3 prompt (1675 tokens, past the 512-token
 /// window) equals llama.cpp's — with its default f16 KV cache and with an f32 one, which agree
 /// on this prompt — for at least the first 16 tokens (all 32 observed). The reference script
