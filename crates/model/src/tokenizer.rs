@@ -84,28 +84,69 @@ impl Tokenizer {
 
     /// A detokeniser that yields text as soon as it forms whole characters.
     pub fn stream(&self, skip_special: bool) -> TextStream<'_> {
-        TextStream { tokenizer: self, ids: Vec::new(), emitted: 0, skip_special }
+        TextStream { tokenizer: self, ids: Vec::new(), prefix: 0, read: 0, skip_special }
     }
 }
 
-/// Incremental decoding: decodes the whole generated sequence and emits the new suffix, holding
-/// it back while it ends in an incomplete UTF-8 character.
+/// Incremental decoding at a constant cost a token: each step decodes only a short window —
+/// the ids of the last piece emitted, as context, and those after them — and emits what the
+/// window's text adds to the context's (decoding the whole sequence each step cost O(n) a
+/// token, O(n²) a generation). The context keeps decoders that treat a sequence's start
+/// specially (a leading space stripped) from doing so mid-text; a piece that ends in an
+/// incomplete UTF-8 character waits for the tokens that complete it.
 pub struct TextStream<'a> {
     tokenizer: &'a Tokenizer,
+    /// The window: `ids[..read]` decode to text already emitted, `ids[prefix..read]` of it
+    /// being the context.
     ids: Vec<u32>,
-    emitted: usize,
+    prefix: usize,
+    read: usize,
     skip_special: bool,
 }
 
 impl TextStream<'_> {
     pub fn push(&mut self, id: u32) -> Result<String> {
         self.ids.push(id);
-        let text = self.tokenizer.decode(&self.ids, self.skip_special)?;
-        if text.ends_with('\u{FFFD}') || text.len() < self.emitted || !text.is_char_boundary(self.emitted) {
+        let context = self.tokenizer.decode(&self.ids[self.prefix..self.read], self.skip_special)?;
+        let text = self.tokenizer.decode(&self.ids[self.prefix..], self.skip_special)?;
+        if text.len() <= context.len() || text.ends_with('\u{FFFD}') || !text.is_char_boundary(context.len()) {
             return Ok(String::new());
         }
-        let new = text[self.emitted..].to_string();
-        self.emitted = text.len();
+        let new = text[context.len()..].to_string();
+        // The ids just emitted become the next context; those before it are done with.
+        self.ids.drain(..self.read);
+        (self.prefix, self.read) = (0, self.ids.len());
         Ok(new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use super::Tokenizer;
+
+    fn tokenizer() -> Tokenizer {
+        Tokenizer::from_folder(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a")).unwrap()
+    }
+
+    /// Streamed pieces join to the whole sequence's decoding — multi-byte characters split
+    /// across tokens included — while the stream holds a window of a few ids, not the sequence.
+    #[test]
+    fn streamed_text_is_the_whole_decoding_in_a_bounded_window() {
+        let tokenizer = tokenizer();
+        let text = "Grüße, 世界! naïve café — 🦀🚀 emoji, ﬁ ligature, \"quotes\"\n\tand  spaces <think> 1234567 ".repeat(40);
+        let ids = tokenizer.encode(&text).unwrap();
+        assert!(ids.len() > 1000);
+        let mut stream = tokenizer.stream(true);
+        let mut joined = String::new();
+        let mut widest = 0;
+        for &id in &ids {
+            joined.push_str(&stream.push(id).unwrap());
+            widest = widest.max(stream.ids.len());
+        }
+        assert_eq!(joined, tokenizer.decode(&ids, true).unwrap());
+        assert_eq!(joined, text);
+        assert!(widest <= 8, "the stream held {widest} ids");
     }
 }
