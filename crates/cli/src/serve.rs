@@ -56,6 +56,11 @@ pub struct Args {
     state_budget_bytes: Option<usize>,
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
+    /// After Ctrl-C / SIGTERM, seconds the requests still running (streams included) may take
+    /// to finish before they are closed and their generations cancelled. A second signal exits
+    /// at once, without flushing queued SSD cache writes.
+    #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
+    shutdown_timeout: f64,
     #[command(flatten)]
     cache: CacheArgs,
     #[command(flatten)]
@@ -133,7 +138,8 @@ pub fn run(a: Args) -> Result<()> {
         let addr = format!("{}:{}", a.host, a.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
         tracing::info!(address = %listener.local_addr()?, model = %dir.display(), "strata serving");
-        strata_server::serve(listener, state, shutdown_signal()).await.context("server failed")
+        let drain = std::time::Duration::from_secs_f64(a.shutdown_timeout);
+        strata_server::serve(listener, state, shutdown_signal(), drain).await.context("server failed")
     })?;
     let unwritten = worker.shutdown(SHUTDOWN_FLUSH);
     if unwritten > 0 {
@@ -145,8 +151,27 @@ pub fn run(a: Args) -> Result<()> {
 /// How long a graceful shutdown waits for queued SSD cache writes.
 const SHUTDOWN_FLUSH: std::time::Duration = std::time::Duration::from_secs(15);
 
-/// Ctrl-C or SIGTERM.
+/// `--shutdown-timeout`: seconds, finite and not negative.
+fn parse_seconds(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a number of seconds (0 or more)")),
+    }
+}
+
+/// The first Ctrl-C or SIGTERM; a second one, while the shutdown waits, ends the process.
 async fn shutdown_signal() {
+    signal().await;
+    tracing::info!("shutting down (a second Ctrl-C or SIGTERM exits at once)");
+    tokio::spawn(async {
+        signal().await;
+        tracing::warn!("second signal: exiting without waiting for requests or queued SSD cache writes");
+        std::process::exit(130);
+    });
+}
+
+/// Ctrl-C or SIGTERM.
+async fn signal() {
     let ctrl_c = async {
         let _ = tokio::signal::ctrl_c().await;
     };
@@ -162,5 +187,4 @@ async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
-    tracing::info!("shutting down");
 }

@@ -1,6 +1,7 @@
 //! `strata serve` with an SSD cache survives `kill -9`: killed while requests run and entries
 //! are being written, with debris planted in its cache folder, it starts again, serves the
 //! same output as a cold server, keeps another model's files, and reports what it dropped.
+//! And SIGTERM ends it within its shutdown timeout even while a stream is open.
 
 mod common;
 
@@ -106,4 +107,32 @@ fn killed_server_restarts_and_serves_the_right_state() {
     assert!(flushed["flushed"]["ssd_entries"].as_u64().unwrap() > 0);
     assert!(foreign.exists(), "another model's files are never deleted");
     server.kill();
+}
+
+#[test]
+fn sigterm_ends_the_server_within_its_timeout_while_a_stream_runs() {
+    let (child, url, _) = common::start_server(
+        Command::new(env!("CARGO_BIN_EXE_strata"))
+            .args(["serve", "--port", "0", "--shutdown-timeout", "1", "--max-context", "100000", "--model"])
+            .arg(fixture()),
+    );
+    let mut server = Server { child, url };
+    // A stream that would run for 50000 tokens: the fixture's end-of-sequence ids are banned.
+    let body = json!({"prompt": [1, 2, 3], "max_tokens": 50_000, "temperature": 0, "stream": true,
+                      "logit_bias": {"0": -100, "2": -100}});
+    let stream = ureq::post(&format!("{}/v1/completions", server.url)).send_json(body).unwrap();
+    let mut reader = std::io::BufReader::new(stream.into_reader());
+    let mut first = String::new();
+    std::io::BufRead::read_line(&mut reader, &mut first).unwrap();
+    assert!(first.starts_with("data: "), "{first}");
+
+    let started = std::time::Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap().success());
+    while server.child.try_wait().unwrap().is_none() {
+        assert!(started.elapsed() < Duration::from_secs(15), "still running 15 s after SIGTERM with --shutdown-timeout 1");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // It waited for the stream (about the timeout), then closed it.
+    assert!(started.elapsed() >= Duration::from_millis(900), "exited after {:?}", started.elapsed());
+    drop(reader);
 }

@@ -12,6 +12,7 @@ mod request;
 pub mod state;
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, StatusCode};
@@ -107,11 +108,28 @@ fn log_request(id: &str, o: &output::Outcome) {
     );
 }
 
-/// Serves `state` on `listener` until `shutdown` resolves.
+/// Serves `state` on `listener` until `shutdown` resolves; then stops accepting connections and
+/// lets the requests in flight finish for up to `drain`. A stream may run for as long as its
+/// `max_tokens` allows, so a shutdown waiting for every one would not end: past `drain` the
+/// rest are closed (returning drops their connections, and a stream's generation is cancelled
+/// when its connection goes).
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: AppState,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+    drain: std::time::Duration,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state)).with_graceful_shutdown(shutdown).await
+    let signalled = Arc::new(tokio::sync::Notify::new());
+    let notify = signalled.clone();
+    let graceful = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
+        shutdown.await;
+        notify.notify_one();
+    });
+    tokio::select! {
+        served = graceful => served,
+        () = async { signalled.notified().await; tokio::time::sleep(drain).await } => {
+            tracing::warn!(drain_s = drain.as_secs_f64(), "requests still running at the end of the shutdown's wait are closed");
+            Ok(())
+        }
+    }
 }
