@@ -197,9 +197,9 @@ pub fn run(mut a: Args) -> Result<()> {
         Ok(model)
     };
     if a.cache_ttft {
-        let identity = |dtype: DTypeArg| match (&a.model, &a.synthetic) {
-            (Some(dir), _) => crate::cache::folder_identity(dir, dtype.name()),
-            (_, name) => Ok(crate::cache::synthetic_identity(name.as_deref().unwrap_or_default(), dtype.name())),
+        let identity = |dtype: DTypeArg| match &folder {
+            Some(f) => crate::cache::folder_identity(&f.path, dtype.name()),
+            None => Ok(crate::cache::synthetic_identity(a.synthetic.as_deref().unwrap_or_default(), dtype.name())),
         };
         return cache_ttft(&a, &name, &machine, load, identity);
     }

@@ -71,10 +71,14 @@ impl CacheArgs {
     }
 }
 
-/// The identity of a model folder loaded at `dtype`: its name, a fingerprint of its config and
-/// weight files (names, sizes, modification times and safetensors headers — hashing gigabytes
-/// of weights at every start would cost too much), and a hash of its tokenizer.
+/// The identity of a model loaded at `dtype` from `dir` (a [`strata_model::ModelFolder`]'s
+/// path: a folder, or a `.gguf` file): its name, a fingerprint of its config and weight files
+/// (names, sizes, modification times and safetensors headers — hashing gigabytes of weights at
+/// every start would cost too much), and a hash of its tokenizer.
 pub fn folder_identity(dir: &Path, dtype: &str) -> Result<Identity> {
+    if dir.is_file() {
+        return gguf_identity(dir, dtype);
+    }
     let read = |name: &str| std::fs::read(dir.join(name)).with_context(|| format!("cannot read {}", dir.join(name).display()));
     let mut config = Xxh3::new();
     config.update(&read("config.json")?);
@@ -100,6 +104,26 @@ pub fn folder_identity(dir: &Path, dtype: &str) -> Result<Identity> {
         tokenizer_hash: xxhash_rust::xxh3::xxh3_64(&read("tokenizer.json")?),
         dtype: dtype.into(),
     })
+}
+
+/// A GGUF file's identity: its name, and a fingerprint of its size, modification time and first
+/// bytes — the header and metadata (architecture, hyperparameters, the tokenizer's vocabulary
+/// and merges), which is also what `tokenizer_hash` would cover.
+fn gguf_identity(path: &Path, dtype: &str) -> Result<Identity> {
+    use std::io::Read;
+    const FINGERPRINT_BYTES: u64 = 32 << 20;
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).unwrap_or_default();
+    let mut head = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|f| f.take(FINGERPRINT_BYTES).read_to_end(&mut head))
+        .with_context(|| format!("cannot read {}", path.display()))?;
+    let mut fingerprint = Xxh3::new();
+    fingerprint.update(&meta.len().to_le_bytes());
+    fingerprint.update(&modified.as_nanos().to_le_bytes());
+    fingerprint.update(&head);
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    Ok(Identity { model: name, config_hash: fingerprint.digest(), tokenizer_hash: 0, dtype: dtype.into() })
 }
 
 /// The identity of a synthetic (random-weight, seeded) model.

@@ -91,7 +91,7 @@ pub fn run(a: Args) -> Result<()> {
         prefill_chunk: a.prefill_chunk.unwrap_or(defaults.prefill_chunk).max(1),
         state_budget_bytes: a.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
     };
-    let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&dir, dtype.name()))?;
+    let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, dtype.name()))?;
     let model = folder.load(dtype.dtype(), &device)?;
     model.set_decode_graphs(!a.no_cuda_graphs);
     let speculation = a.draft.speculation(

@@ -142,3 +142,36 @@ fn serve_without_model_answers_chat_on_the_demo_model() {
     assert!(words.count() >= 10, "expected English text, got {text:?}");
     assert_eq!(reply["usage"]["completion_tokens"], 32);
 }
+
+/// `--ssd-cache` with a `.gguf` model: the file's own fingerprint names its cache folder (the
+/// identity used to read a folder's config.json, which a GGUF file has not: the server did not
+/// start), and a restarted server serves the prompt from the SSD tier.
+#[test]
+fn ssd_cache_serves_a_gguf_model_across_a_restart() {
+    let model = demo_model();
+    let ssd = tempfile::tempdir().unwrap();
+    let prompt: Vec<u32> = (0..40).map(|i| 1000 + i * 7).collect();
+    let body = serde_json::json!({"prompt": prompt, "max_tokens": 2, "temperature": 0});
+    let cached = |url: &str| -> u64 {
+        let reply: serde_json::Value =
+            ureq::post(&format!("{url}/v1/completions")).send_json(&body).unwrap().into_json().unwrap();
+        reply["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap()
+    };
+    let start = || {
+        common::start_server(
+            Command::new(env!("CARGO_BIN_EXE_strata"))
+                .args(["serve", "--port", "0", "--model", model.to_str().unwrap(), "--ssd-cache"])
+                .arg(ssd.path()),
+        )
+    };
+    let (mut child, url, _) = start();
+    assert_eq!(cached(&url), 0);
+    // SIGTERM flushes the queued SSD writes before the server exits.
+    assert!(Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap().success());
+    assert!(child.wait().unwrap().success());
+    let (mut child, url, _) = start();
+    let hit = cached(&url);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(hit > 0, "the restarted server did not serve the prompt from the SSD tier");
+}
