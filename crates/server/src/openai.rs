@@ -179,8 +179,14 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
     }
     let (opens_thinking, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
     let top = if req.logprobs { Some(req.top_logprobs.unwrap_or(0).min(20)) } else { None };
-    let opts =
-        generation_options(&state, prompt.tokens.len(), req.max_completion_tokens.or(req.max_tokens), 4096, sampling, top)?;
+    let opts = generation_options(
+        &state,
+        (prompt.tokens.len(), "messages"),
+        req.max_completion_tokens.or(req.max_tokens),
+        4096,
+        sampling,
+        top,
+    )?;
     let output =
         OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: Some(opens_thinking), tools };
     let model = req.model.unwrap_or_else(|| state.config.model_name.clone());
@@ -307,6 +313,14 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
     if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
     }
+    // The legacy API then scores the prompt's own tokens too (what evaluation harnesses read);
+    // answering with the generated tokens' logprobs alone would score every prompt as empty.
+    if req.echo && req.logprobs.is_some() {
+        return Err(ApiError::bad_request(
+            "echo with logprobs (the prompt's own logprobs) is not supported; `strata perplexity` scores text",
+            Some("echo"),
+        ));
+    }
     let prompt = match req.prompt {
         PromptField::Text(t) => state.tokenizer.encode_prompt(&t).map_err(|e| ApiError::internal(e.to_string()))?,
         PromptField::Tokens(ids) => ids,
@@ -324,7 +338,8 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
         ));
     }
     let sampling = sampling.resolve(&state)?;
-    let opts = generation_options(&state, prompt.len(), req.max_tokens, 16, sampling, req.logprobs.map(|n| n.min(20)))?;
+    let opts =
+        generation_options(&state, (prompt.len(), "prompt"), req.max_tokens, 16, sampling, req.logprobs.map(|n| n.min(20)))?;
     let output = OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: None, tools: None };
     let echo = if req.echo {
         state.tokenizer.decode(&prompt, false).map_err(|e| ApiError::internal(e.to_string()))?

@@ -76,7 +76,7 @@ impl SamplingFields {
 /// Checks the output budget and the context limit; returns the options for the engine.
 pub fn generation_options(
     state: &AppState,
-    prompt_len: usize,
+    (prompt_len, prompt_field): (usize, &'static str),
     max_tokens: Option<i64>,
     default_max: usize,
     sampling: SamplingParams,
@@ -84,12 +84,12 @@ pub fn generation_options(
 ) -> ApiResult<GenerationOptions> {
     let limit = state.config.max_context;
     if prompt_len == 0 {
-        return Err(ApiError::bad_request("the prompt is empty", Some("messages")));
+        return Err(ApiError::bad_request("the prompt is empty", Some(prompt_field)));
     }
     if prompt_len >= limit {
         return Err(ApiError::bad_request(
             format!("the prompt has {prompt_len} tokens; this server's context is {limit} tokens"),
-            Some("messages"),
+            Some(prompt_field),
         ));
     }
     let max_tokens = match max_tokens {

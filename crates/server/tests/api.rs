@@ -266,8 +266,17 @@ async fn bad_input_gets_400_in_each_dialect() {
     let (s, r) = post(&app, "/v1/chat/completions", huge).await;
     assert_eq!(s, StatusCode::BAD_REQUEST, "{r}");
     assert!(r["error"]["message"].as_str().unwrap().contains("larger than"));
-    let (s, r) = post(&app, "/v1/completions", json!({"prompt": [1, 99999]})).await;
-    assert_eq!((s, r["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some("prompt")));
+    for body in [
+        json!({"prompt": [1, 99999]}),
+        json!({"prompt": []}),
+        json!({"prompt": vec![1; 64]}),
+        // The prompt's own logprobs are not computed: refused, not answered without them.
+        json!({"prompt": [1, 2], "echo": true, "logprobs": 1}),
+    ] {
+        let (s, r) = post(&app, "/v1/completions", body.clone()).await;
+        let want = if body.get("echo").is_some() { "echo" } else { "prompt" };
+        assert_eq!((s, r["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some(want)), "{body} -> {r}");
+    }
     let (s, r) = post(&app, "/v1/messages", json!({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]})).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
     assert_eq!((r["type"].as_str(), r["error"]["type"].as_str()), (Some("error"), Some("invalid_request_error")));
@@ -427,7 +436,8 @@ async fn no_request_body_breaks_the_server() {
             "/v1/chat/completions",
             chat(json!({"max_tokens": 2, "stop": ["x"], "top_p": 0.9, "seed": 1, "logprobs": true, "top_logprobs": 2})),
         ),
-        ("/v1/completions", json!({"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "echo": true, "logprobs": 1})),
+        ("/v1/completions", json!({"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0, "echo": true, "stop": ["x"]})),
+        ("/v1/completions", json!({"prompt": "text", "max_tokens": 2, "temperature": 0, "logprobs": 1})),
         (
             "/v1/messages",
             json!({"max_tokens": 2, "temperature": 0, "system": "s", "messages": [{"role": "user", "content": "hi"}], "stop_sequences": ["x"]}),
