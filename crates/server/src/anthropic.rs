@@ -134,7 +134,18 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let sampling: SamplingFields = parse_body(&body)?;
     let sampling = sampling.resolve(&state)?;
     let messages = to_chat_messages(req.system.as_ref(), &req.messages)?;
-    let tool_choice_none = req.tool_choice.as_ref().and_then(|c| c.get("type")).and_then(Value::as_str) == Some("none");
+    // "any" and a named tool would need the output constrained to a call: refused rather than
+    // answered in plain text as if "auto".
+    let tool_choice_none = match req.tool_choice.as_ref().map(|c| c.get("type").and_then(Value::as_str)) {
+        None | Some(Some("auto")) => false,
+        Some(Some("none")) => true,
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                format!("tool_choice type {} is not supported: only \"auto\" and \"none\"", other.unwrap_or("(missing)")),
+                Some("tool_choice"),
+            ))
+        }
+    };
     let tools: Option<Vec<Value>> = req.tools.filter(|t| !t.is_empty() && !tool_choice_none).map(|tools| {
         tools
             .iter()

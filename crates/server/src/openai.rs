@@ -171,14 +171,28 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
     }
     let sampling = sampling.resolve(&state)?;
     let messages = template_messages(&req.messages)?;
-    let tool_choice_none = req.tool_choice.as_ref().and_then(Value::as_str) == Some("none");
+    // "required" and a named function would need the output constrained to a call: refused
+    // rather than answered in plain text as if "auto".
+    let tool_choice_none = match req.tool_choice.as_ref() {
+        None => false,
+        Some(Value::String(c)) if c == "auto" || c == "none" => c == "none",
+        Some(other) => {
+            return Err(ApiError::bad_request(
+                format!("tool_choice {other} is not supported: only \"auto\" and \"none\""),
+                Some("tool_choice"),
+            ))
+        }
+    };
     let tools = req.tools.filter(|t| !t.is_empty() && !tool_choice_none);
     let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
     if req.reasoning_effort.as_deref() == Some("none") {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
     let (opens_thinking, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
-    let top = if req.logprobs { Some(req.top_logprobs.unwrap_or(0).min(20)) } else { None };
+    if req.top_logprobs.is_some_and(|n| n > 20) {
+        return Err(ApiError::bad_request("top_logprobs must be at most 20", Some("top_logprobs")));
+    }
+    let top = if req.logprobs { Some(req.top_logprobs.unwrap_or(0)) } else { None };
     let opts = generation_options(
         &state,
         (prompt.tokens.len(), "messages"),

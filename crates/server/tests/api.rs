@@ -251,6 +251,12 @@ async fn bad_input_gets_400_in_each_dialect() {
         (json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}), "max_tokens"),
         (json!({"messages": [{"role": "user", "content": "word ".repeat(200)}]}), "messages"),
         (json!({"messages": "hi"}), "messages"),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}), "tool_choice"),
+        (
+            json!({"messages": [{"role": "user", "content": "hi"}], "tool_choice": {"type": "function", "function": {"name": "f"}}}),
+            "tool_choice",
+        ),
+        (json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}), "top_logprobs"),
     ];
     for (body, param) in cases {
         let (s, r) = post(&app, "/v1/chat/completions", body.clone()).await;
@@ -282,6 +288,12 @@ async fn bad_input_gets_400_in_each_dialect() {
     assert_eq!((r["type"].as_str(), r["error"]["type"].as_str()), (Some("error"), Some("invalid_request_error")));
     let (s, r) = post(&app, "/v1/messages", json!({"messages": [{"role": "user", "content": "x"}]})).await;
     assert_eq!((s, r["type"].as_str()), (StatusCode::BAD_REQUEST, Some("error")), "{r}");
+    for choice in [json!({"type": "any"}), json!({"type": "tool", "name": "f"})] {
+        let body = json!({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tool_choice": choice});
+        let (s, r) = post(&app, "/v1/messages", body).await;
+        assert_eq!((s, r["type"].as_str()), (StatusCode::BAD_REQUEST, Some("error")), "{r}");
+        assert!(r["error"]["message"].as_str().unwrap().contains("tool_choice"), "{r}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
