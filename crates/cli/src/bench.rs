@@ -59,16 +59,24 @@ pub struct Args {
 }
 
 /// Timestamps of one request's tokens.
-struct Timing(mpsc::Sender<(usize, Instant, bool)>, usize);
+/// What a measured request reports, with when and which request.
+enum Progress {
+    Token,
+    Finished,
+    Failed(String),
+}
+
+struct Timing(mpsc::Sender<(usize, Instant, Progress)>, usize);
 
 impl EventSink for Timing {
     fn send(&mut self, event: Event) -> bool {
-        let done = match event {
+        let progress = match event {
             Event::Started { .. } => return true,
-            Event::Token(_) => false,
-            Event::Finished(_) | Event::Failed(_) => true,
+            Event::Token(_) => Progress::Token,
+            Event::Finished(_) => Progress::Finished,
+            Event::Failed(e) => Progress::Failed(e),
         };
-        let _ = self.0.send((self.1, Instant::now(), done));
+        let _ = self.0.send((self.1, Instant::now(), progress));
         true
     }
     fn is_closed(&self) -> bool {
@@ -118,12 +126,14 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     let mut times: Vec<Vec<Instant>> = vec![Vec::new(); concurrency];
     let mut done = 0;
     while done < concurrency {
-        let (i, t, finished) = rx.recv()?;
-        if finished {
-            done += 1;
-        } else {
-            times[i].push(t);
+        match rx.recv()? {
+            (i, t, Progress::Token) => times[i].push(t),
+            (_, _, Progress::Finished) => done += 1,
+            (i, _, Progress::Failed(e)) => anyhow::bail!("measured request {i} failed: {e}"),
         }
+    }
+    if let Some(i) = times.iter().position(Vec::is_empty) {
+        anyhow::bail!("measured request {i} finished without a token");
     }
     let firsts: Vec<Instant> = times.iter().map(|t| t[0]).collect();
     let first = *firsts.iter().min().expect("at least one request");
