@@ -84,7 +84,8 @@ fn killed_server_restarts_and_serves_the_right_state() {
     let own = std::fs::read_dir(ssd.path()).unwrap().map(|e| e.unwrap().path()).find(|p| p.is_dir()).expect("the cache folder");
     let namespace = std::fs::read_dir(&own).unwrap().map(|e| e.unwrap().path()).find(|p| p.is_dir()).unwrap();
     std::fs::write(namespace.join("0123456789abcdef0123456789abcdef.entry.tmp"), b"half a write").unwrap();
-    std::fs::write(namespace.join("fedcba9876543210fedcba9876543210.entry"), b"STRATAKV truncated").unwrap();
+    // Our format's magic and version, then damage (a file of another version would be kept).
+    std::fs::write(namespace.join("fedcba9876543210fedcba9876543210.entry"), b"STRATAKV\x01\0\0\0truncated").unwrap();
     let foreign = ssd.path().join("0000000000000000/0000000000000000/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa.entry");
     std::fs::create_dir_all(foreign.parent().unwrap()).unwrap();
     std::fs::write(&foreign, b"another model's entry").unwrap();
