@@ -319,14 +319,15 @@ mod tests {
             assert_eq!(s.sample(&[1.0, 3.0, 2.0, -1.0], &[], &[]), 1, "temperature {t}");
         }
         let mut p = SamplingParams::greedy();
-        for (field, value) in [("repetition_penalty", 1e-46), ("presence_penalty", -1e39), ("frequency_penalty", 2.5)] {
+        let out_of_range: [(&str, fn(&mut SamplingParams)); 3] = [
+            ("repetition_penalty", |q| q.repetition_penalty = 1e-46),
+            ("presence_penalty", |q| q.presence_penalty = -1e39),
+            ("frequency_penalty", |q| q.frequency_penalty = 2.5),
+        ];
+        for (field, set) in out_of_range {
             let mut q = p.clone();
-            match field {
-                "repetition_penalty" => q.repetition_penalty = value,
-                "presence_penalty" => q.presence_penalty = value,
-                _ => q.frequency_penalty = value,
-            }
-            assert!(q.validate().unwrap_err().starts_with(field), "{field} = {value}");
+            set(&mut q);
+            assert!(q.validate().unwrap_err().starts_with(field), "{q:?}");
         }
         p.presence_penalty = -2.0;
         p.frequency_penalty = 2.0;

@@ -204,15 +204,23 @@ fn lookup_never_offers_an_entry_it_cannot_serve() {
     assert_eq!(newest(&store), [1, 2, 3, 7]);
 }
 
+/// Five tokens from `first` on.
+fn five(first: u32) -> Vec<u32> {
+    (first..first + 5).collect()
+}
+
+/// Four entries in a fresh store in `dir` (namespace 1, the state after `five(10)`, `five(20)`,
+/// `five(30)`, `five(40)`), the store closed again; their files.
+fn store_four(dir: &Path, model: &Model) -> [PathBuf; 4] {
+    let (store, _, _) = open(dir, GIB, false);
+    [10, 20, 30, 40].map(|first| store_one(dir, &store, &snap(1, &five(first), run(model, &five(first)), None)))
+}
+
 #[test]
 fn startup_reaps_tmp_files_and_removes_damaged_entries() {
     let dir = tempfile::tempdir().unwrap();
     let model = model(DType::F32);
-    let tokens = |first: u32| -> Vec<u32> { (first..first + 5).collect() };
-    let (store, _, _) = open(dir.path(), GIB, false);
-    let [intact, cut_in_header, cut_in_data, flipped_header] =
-        [10, 20, 30, 40].map(|first| store_one(dir.path(), &store, &snap(1, &tokens(first), run(&model, &tokens(first)), None)));
-    drop(store);
+    let [intact, cut_in_header, cut_in_data, flipped_header] = store_four(dir.path(), &model);
 
     let tmp = intact.parent().unwrap().join("0123456789abcdef0123456789abcdef.entry.tmp");
     fs::write(&tmp, b"half of an entry").unwrap();
@@ -227,8 +235,8 @@ fn startup_reaps_tmp_files_and_removes_damaged_entries() {
     assert_eq!(entry_files(dir.path()), vec![intact]);
     assert!(no_tmp_left(dir.path()));
     assert_eq!(stats.ssd_entries.load(Relaxed), 1);
-    let hit = store.lookup(1, exact(&tokens(10))).unwrap();
-    assert_bitwise_eq(&store.load(&hit, &model.new_state(1).unwrap()).unwrap().state, &run(&model, &tokens(10)));
+    let hit = store.lookup(1, exact(&five(10))).unwrap();
+    assert_bitwise_eq(&store.load(&hit, &model.new_state(1).unwrap()).unwrap().state, &run(&model, &five(10)));
 }
 
 /// Rewrites an entry's JSON header through `edit` (given the file's bytes) with its hash
@@ -259,11 +267,7 @@ fn record<'a>(header: &'a mut serde_json::Value, suffix: &str) -> &'a mut serde_
 fn entries_of_another_format_are_kept_and_inconsistent_headers_are_refused() {
     let dir = tempfile::tempdir().unwrap();
     let model = model(DType::F32);
-    let tokens = |first: u32| -> Vec<u32> { (first..first + 5).collect() };
-    let (store, _, _) = open(dir.path(), GIB, false);
-    let [newer_format, wrong_length, past_u64, rank_zero] =
-        [10, 20, 30, 40].map(|first| store_one(dir.path(), &store, &snap(1, &tokens(first), run(&model, &tokens(first)), None)));
-    drop(store);
+    let [newer_format, wrong_length, past_u64, rank_zero] = store_four(dir.path(), &model);
 
     // Another strata build's format version: its file, not damage.
     let mut bytes = fs::read(&newer_format).unwrap();
@@ -288,7 +292,7 @@ fn entries_of_another_format_are_kept_and_inconsistent_headers_are_refused() {
     let (store, recovery, _) = open(dir.path(), GIB, false);
     assert_eq!((recovery.skipped_foreign, recovery.removed_corrupt, recovery.entries), (1, 2, 1));
     assert!(newer_format.exists() && !wrong_length.exists() && !past_u64.exists());
-    let hit = store.lookup(1, exact(&tokens(40))).unwrap();
+    let hit = store.lookup(1, exact(&five(40))).unwrap();
     let err = store.load(&hit, &model.new_state(1).unwrap()).unwrap_err();
     assert!(matches!(err, SsdError::Mismatch { .. }) && err.to_string().contains("conv"), "{err}");
 }
@@ -401,7 +405,7 @@ fn byte_cap_evicts_least_recently_used() {
     let (store, _, stats) = open(dir.path(), cap, false);
     let [a, b, c] = [10, 20, 30].map(|first| store_one(dir.path(), &store, &entry(first)));
     // Reading `a` makes it the most recently used, so `b` is the oldest now.
-    store.load(&store.lookup(1, exact(&tokens(10))).unwrap(), &model.new_state(1).unwrap()).unwrap();
+    store.load(&store.lookup(1, exact(&five(10))).unwrap(), &model.new_state(1).unwrap()).unwrap();
     let d = store_one(dir.path(), &store, &entry(40));
     assert!(!b.exists() && a.exists() && c.exists() && d.exists());
     assert_eq!((store.entries(), store.bytes()), (3, 3 * size));
