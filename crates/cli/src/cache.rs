@@ -89,11 +89,8 @@ pub fn folder_identity(dir: &Path, dtype: &str) -> Result<Identity> {
         .collect();
     weights.sort();
     for path in weights {
-        let meta = std::fs::metadata(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).unwrap_or_default();
         config.update(path.file_name().map(|n| n.as_encoded_bytes()).unwrap_or_default());
-        config.update(&meta.len().to_le_bytes());
-        config.update(&modified.as_nanos().to_le_bytes());
+        stamp(&mut config, &path)?;
         config.update(&safetensors_header(&path)?);
     }
     let name = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
@@ -112,18 +109,24 @@ pub fn folder_identity(dir: &Path, dtype: &str) -> Result<Identity> {
 fn gguf_identity(path: &Path, dtype: &str) -> Result<Identity> {
     use std::io::Read;
     const FINGERPRINT_BYTES: u64 = 32 << 20;
-    let meta = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).unwrap_or_default();
     let mut head = Vec::new();
     std::fs::File::open(path)
         .and_then(|f| f.take(FINGERPRINT_BYTES).read_to_end(&mut head))
         .with_context(|| format!("cannot read {}", path.display()))?;
     let mut fingerprint = Xxh3::new();
-    fingerprint.update(&meta.len().to_le_bytes());
-    fingerprint.update(&modified.as_nanos().to_le_bytes());
+    stamp(&mut fingerprint, path)?;
     fingerprint.update(&head);
     let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
     Ok(Identity { model: name, config_hash: fingerprint.digest(), tokenizer_hash: 0, dtype: dtype.into() })
+}
+
+/// Adds a file's size and modification time to `fingerprint`: a replaced file changes them.
+fn stamp(fingerprint: &mut Xxh3, path: &Path) -> Result<()> {
+    let meta = std::fs::metadata(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let modified = meta.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).unwrap_or_default();
+    fingerprint.update(&meta.len().to_le_bytes());
+    fingerprint.update(&modified.as_nanos().to_le_bytes());
+    Ok(())
 }
 
 /// The identity of a synthetic (random-weight, seeded) model.
