@@ -1,66 +1,20 @@
 //! The HTTP API end to end (in process, through the router) on a fixture model.
 
-use std::path::PathBuf;
-use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+mod common;
+
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
-use candle_core::{DType, Device};
+use candle_core::Device;
+use common::{fixture, state, state_configured, state_with};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
-use strata_engine::{CacheConfig, EngineConfig, Worker};
+use strata_engine::EngineConfig;
 use strata_model::ModelFolder;
-use strata_server::{router, AppState, ServerConfig, Shared};
+use strata_server::router;
 use tower::ServiceExt;
-
-fn fixture(name: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
-}
-
-fn state(name: &str, max_context: usize, api_key: Option<&str>) -> AppState {
-    state_configured(name, max_context, api_key, EngineConfig::for_device(&Device::Cpu), None)
-}
-
-fn state_with(name: &str, max_context: usize, engine: EngineConfig) -> AppState {
-    state_configured(name, max_context, None, engine, None)
-}
-
-/// With `template`, that chat template in place of the folder's.
-fn state_configured(
-    name: &str,
-    max_context: usize,
-    api_key: Option<&str>,
-    engine: EngineConfig,
-    template: Option<&str>,
-) -> AppState {
-    let mut folder = ModelFolder::open(&fixture(name)).unwrap();
-    if let Some(source) = template {
-        folder.chat_template = Some(strata_model::ChatTemplate::new(source).unwrap());
-    }
-    let model = folder.load(DType::F32, &Device::Cpu).unwrap();
-    let eos_token_ids = folder.eos_token_ids();
-    Arc::new(Shared {
-        config: ServerConfig {
-            model_name: name.into(),
-            dtype: "f32".into(),
-            device: "cpu".into(),
-            max_context,
-            api_key: api_key.map(str::to_string),
-        },
-        worker: Worker::spawn(model, engine, CacheConfig::for_device(&Device::Cpu), None).unwrap(),
-        vocab_size: folder.config.vocab_size,
-        tokenizer: folder.tokenizer,
-        template: folder.chat_template,
-        generation: folder.generation,
-        eos_token_ids,
-        started: Instant::now(),
-        http_requests: AtomicU64::new(0),
-        http_errors: AtomicU64::new(0),
-    })
-}
 
 fn app() -> Router {
     router(state("qwen3_5-tiny-a", 4096, None))
