@@ -3,7 +3,7 @@
 use std::sync::atomic::Ordering;
 
 use axum::extract::State;
-use axum::http::header;
+use axum::http::{header, HeaderMap};
 use axum::response::IntoResponse;
 use axum::Json;
 use serde_json::{json, Value};
@@ -14,10 +14,25 @@ pub async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-pub async fn stats(State(state): State<AppState>) -> Json<Value> {
+/// With `--api-key`, a client without the key sees no filesystem paths: not the model (its
+/// `--model`, which may be a path) nor the SSD cache's folder; the counters stay open to
+/// monitoring, like `/metrics`.
+pub async fn stats(State(state): State<AppState>, headers: HeaderMap) -> Json<Value> {
+    let mut stats = all_stats(&state);
+    if !crate::has_key(&state, &headers) {
+        for (at, field) in [("", "model"), ("/prompt_cache/ssd", "dir")] {
+            if let Some(Value::Object(object)) = stats.pointer_mut(at) {
+                object.remove(field);
+            }
+        }
+    }
+    Json(stats)
+}
+
+fn all_stats(state: &AppState) -> Value {
     let w = state.worker.stats();
     let c = &state.config;
-    Json(json!({
+    json!({
         "model": c.model_name,
         "dtype": c.dtype,
         "device": c.device,
@@ -31,7 +46,7 @@ pub async fn stats(State(state): State<AppState>) -> Json<Value> {
         "prompt_tokens": w.prompt_tokens.load(Ordering::Relaxed),
         "generated_tokens": w.generated_tokens.load(Ordering::Relaxed),
         "max_context": c.max_context,
-        "prompt_cache": cache_stats(&state),
+        "prompt_cache": cache_stats(state),
         "speculation": {
             "draft_rounds": w.draft_rounds.load(Ordering::Relaxed),
             "drafted_tokens": w.drafted_tokens.load(Ordering::Relaxed),
@@ -39,7 +54,7 @@ pub async fn stats(State(state): State<AppState>) -> Json<Value> {
             "acceptance_rate": ratio(w.accepted_tokens.load(Ordering::Relaxed), w.drafted_tokens.load(Ordering::Relaxed)),
             "mean_accepted_per_round": ratio(w.accepted_tokens.load(Ordering::Relaxed), w.draft_rounds.load(Ordering::Relaxed)),
         },
-    }))
+    })
 }
 
 fn ratio(a: u64, b: u64) -> Option<f64> {

@@ -15,6 +15,7 @@ use tokio_stream::StreamExt;
 
 use crate::error::{parse_body, ApiError, ApiResult, Dialect};
 use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
+use crate::parse::tool_calls::schema_problem;
 use crate::request::{generation_options, null_as_default, render_chat, SamplingFields};
 use crate::state::AppState;
 
@@ -108,6 +109,23 @@ fn to_chat_messages(system: Option<&Value>, messages: &[Value]) -> ApiResult<Vec
     Ok(out)
 }
 
+/// Each tool must have a name and a usable JSON schema as its `input_schema`.
+fn check_tools(tools: &[Value]) -> ApiResult<()> {
+    for (i, tool) in tools.iter().enumerate() {
+        let Some(name) = tool.get("name").and_then(Value::as_str) else {
+            return Err(bad(format!("tools[{i}] must be {{\"name\", \"input_schema\"}}"), &format!("tools[{i}].name")));
+        };
+        let problem = match tool.get("input_schema") {
+            Some(schema) => schema_problem(schema, "input_schema"),
+            None => Some("input_schema is required".to_string()),
+        };
+        if let Some(problem) = problem {
+            return Err(bad(format!("tools[{i}] (`{name}`): {problem}"), &format!("tools[{i}].input_schema")));
+        }
+    }
+    Ok(())
+}
+
 fn stop_reason(o: &Outcome) -> &'static str {
     match (o.finish, &o.stop_string) {
         (Finish::ToolCalls, _) => "tool_use",
@@ -146,6 +164,7 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
             ))
         }
     };
+    check_tools(req.tools.as_deref().unwrap_or_default())?;
     let tools: Option<Vec<Value>> = req.tools.filter(|t| !t.is_empty() && !tool_choice_none).map(|tools| {
         tools
             .iter()

@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use axum::extract::{DefaultBodyLimit, Request, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -56,15 +56,22 @@ fn dialect_of(path: &str) -> Dialect {
 /// With `--api-key`, `/v1/*` needs `Authorization: Bearer KEY` (OpenAI) or `x-api-key: KEY`
 /// (Anthropic).
 async fn authorize(State(state): State<AppState>, req: Request, next: Next) -> Response {
-    if let Some(key) = &state.config.api_key {
-        let headers = req.headers();
-        let bearer = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|v| v.strip_prefix("Bearer "));
-        let x_api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
-        if bearer != Some(key.as_str()) && x_api_key != Some(key.as_str()) {
-            return ApiError::unauthorized().in_dialect(dialect_of(req.uri().path())).into_response();
-        }
+    if !has_key(&state, req.headers()) {
+        return ApiError::unauthorized().in_dialect(dialect_of(req.uri().path())).into_response();
     }
     next.run(req).await
+}
+
+/// Whether a request may do what `--api-key` guards: no key is set, or it presents the key
+/// (the auth scheme, like every HTTP auth scheme, in any case).
+pub(crate) fn has_key(state: &AppState, headers: &HeaderMap) -> bool {
+    let Some(key) = &state.config.api_key else { return true };
+    let text = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let bearer = text(header::AUTHORIZATION.as_str())
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| token.trim());
+    bearer == Some(key.as_str()) || text("x-api-key") == Some(key.as_str())
 }
 
 /// Counts requests and errors, and gives axum's own rejections (oversized body, unknown route)

@@ -15,6 +15,7 @@ use tokio_stream::StreamExt;
 
 use crate::error::{parse_body, ApiError, ApiResult};
 use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
+use crate::parse::tool_calls::schema_problem;
 use crate::request::{generation_options, null_as_default, render_chat, Prompt, SamplingFields, StopField};
 use crate::state::AppState;
 
@@ -103,23 +104,60 @@ fn template_messages(messages: &[Value]) -> ApiResult<Vec<Value>> {
                 }
             };
             out.insert("content".into(), content);
-            if let Some(Value::Array(calls)) = obj.get("tool_calls") {
-                let calls: Vec<Value> = calls
-                    .iter()
-                    .map(|c| {
-                        let mut c = c.clone();
-                        if let Some(args) = c.pointer("/function/arguments").and_then(Value::as_str) {
-                            let parsed = serde_json::from_str::<Value>(args).unwrap_or(Value::String(args.to_string()));
-                            c["function"]["arguments"] = parsed;
-                        }
-                        c
-                    })
-                    .collect();
-                out.insert("tool_calls".into(), Value::Array(calls));
+            match obj.get("tool_calls") {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(calls)) => {
+                    let calls = calls.iter().enumerate().map(|(j, c)| template_tool_call(i, j, c)).collect::<ApiResult<_>>()?;
+                    out.insert("tool_calls".into(), Value::Array(calls));
+                }
+                Some(_) => {
+                    return Err(ApiError::bad_request(
+                        format!("messages[{i}].tool_calls must be an array of tool calls"),
+                        Some(&format!("messages[{i}].tool_calls")),
+                    ))
+                }
             }
             Ok(Value::Object(out))
         })
         .collect()
+}
+
+/// A past tool call as the template reads it: `{"function": {"name", "arguments"}}`, the
+/// arguments' JSON string parsed into an object.
+fn template_tool_call(i: usize, j: usize, call: &Value) -> ApiResult<Value> {
+    if call.pointer("/function/name").and_then(Value::as_str).is_none() {
+        return Err(ApiError::bad_request(
+            format!(
+                "messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\", \"arguments\"}}}}"
+            ),
+            Some(&format!("messages[{i}].tool_calls[{j}]")),
+        ));
+    }
+    let mut call = call.clone();
+    if let Some(args) = call.pointer("/function/arguments").and_then(Value::as_str) {
+        let parsed = serde_json::from_str::<Value>(args).unwrap_or(Value::String(args.to_string()));
+        call["function"]["arguments"] = parsed;
+    }
+    Ok(call)
+}
+
+/// Each tool must be a named function whose `parameters`, if any, are a usable JSON schema.
+fn check_tools(tools: &[Value]) -> ApiResult<()> {
+    for (i, tool) in tools.iter().enumerate() {
+        let Some(name) = tool.pointer("/function/name").and_then(Value::as_str) else {
+            return Err(ApiError::bad_request(
+                format!("tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\", \"parameters\"}}}}"),
+                Some(&format!("tools[{i}]")),
+            ));
+        };
+        if let Some(problem) = tool.pointer("/function/parameters").and_then(|s| schema_problem(s, "parameters")) {
+            return Err(ApiError::bad_request(
+                format!("tools[{i}] (`{name}`): {problem}"),
+                Some(&format!("tools[{i}].function.parameters")),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn finish_name(outcome: &Outcome) -> &'static str {
@@ -183,6 +221,7 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
             ))
         }
     };
+    check_tools(req.tools.as_deref().unwrap_or_default())?;
     let tools = req.tools.filter(|t| !t.is_empty() && !tool_choice_none);
     let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
     if req.reasoning_effort.as_deref() == Some("none") {
@@ -327,6 +366,9 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
     if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
     }
+    if req.logprobs.is_some_and(|n| n > 5) {
+        return Err(ApiError::bad_request("logprobs must be between 0 and 5", Some("logprobs")));
+    }
     // The legacy API then scores the prompt's own tokens too (what evaluation harnesses read);
     // answering with the generated tokens' logprobs alone would score every prompt as empty.
     if req.echo && req.logprobs.is_some() {
@@ -352,8 +394,7 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
         ));
     }
     let sampling = sampling.resolve(&state)?;
-    let opts =
-        generation_options(&state, (prompt.len(), "prompt"), req.max_tokens, 16, sampling, req.logprobs.map(|n| n.min(20)))?;
+    let opts = generation_options(&state, (prompt.len(), "prompt"), req.max_tokens, 16, sampling, req.logprobs)?;
     let output = OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: None, tools: None };
     let echo = if req.echo {
         state.tokenizer.decode(&prompt, false).map_err(|e| ApiError::internal(e.to_string()))?

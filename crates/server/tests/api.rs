@@ -250,6 +250,73 @@ async fn bad_input_gets_400_in_each_dialect() {
     }
 }
 
+/// Tools whose schema cannot be used, past tool calls that are not a list of calls and legacy
+/// logprobs beyond OpenAI's 5 are each a 400 naming what is wrong (they were rendered into the
+/// prompt, failed in the template, or were silently capped).
+#[tokio::test(flavor = "multi_thread")]
+async fn unusable_tools_tool_calls_and_logprobs_are_400s_naming_the_field() {
+    let app = app();
+    let user = json!({"role": "user", "content": "Weather in Paris?"});
+    let tool = |parameters: Value| json!({"type": "function", "function": {"name": "get_weather", "parameters": parameters}});
+    let chat_cases = [
+        (json!({"tools": [tool(json!("zz"))]}), "tools[0].function.parameters", "get_weather"),
+        (json!({"tools": [tool(json!({"type": 5}))]}), "tools[0].function.parameters", "parameters.type"),
+        (json!({"tools": [tool(json!({"type": "object", "properties": {"city": 3}}))]}), "tools[0].function.parameters", "city"),
+        (
+            json!({"tools": [tool(json!({"type": "object", "properties": {"city": {"type": {}}}}))]}),
+            "tools[0].function.parameters",
+            "city",
+        ),
+        (json!({"tools": [tool(json!({"type": "object", "properties": []}))]}), "tools[0].function.parameters", "properties"),
+        (json!({"tools": [tool(json!({"type": "object", "required": "city"}))]}), "tools[0].function.parameters", "required"),
+        (json!({"tools": [{"type": "function", "function": {"parameters": {}}}]}), "tools[0]", "tools[0]"),
+        (
+            json!({"messages": [user, {"role": "assistant", "content": "", "tool_calls": "zz"}]}),
+            "messages[1].tool_calls",
+            "tool_calls",
+        ),
+        (
+            json!({"messages": [user, {"role": "assistant", "content": "", "tool_calls": ["zz"]}]}),
+            "messages[1].tool_calls[0]",
+            "tool_calls[0]",
+        ),
+    ];
+    for (extra, param, named) in chat_cases {
+        let (s, r) = post(&app, "/v1/chat/completions", chat(extra.clone())).await;
+        assert_eq!((s, r["error"]["param"].as_str()), (StatusCode::BAD_REQUEST, Some(param)), "{extra} -> {r}");
+        assert!(r["error"]["message"].as_str().unwrap().contains(named), "{extra} -> {r}");
+    }
+    // A usable schema, and a past call given properly, still work.
+    let weather = tool(json!({"type": "object", "properties": {"city": {"type": ["string", "null"]}}, "required": ["city"]}));
+    let call = json!({"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}});
+    let history = json!([user, {"role": "assistant", "content": "", "tool_calls": [call]}, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]);
+    let (s, r) = post(&app, "/v1/chat/completions", chat(json!({"tools": [weather], "messages": history}))).await;
+    assert_eq!(s, StatusCode::OK, "{r}");
+
+    let messages = |tools: Value| json!({"max_tokens": 4, "messages": [user], "tools": tools});
+    for (tools, named) in [
+        (json!([{"name": "get_weather", "input_schema": "zz"}]), "get_weather"),
+        (json!([{"name": "get_weather", "input_schema": {"type": ["object", 1]}}]), "input_schema.type"),
+        (json!([{"name": "get_weather"}]), "input_schema"),
+    ] {
+        let (s, r) = post(&app, "/v1/messages", messages(tools.clone())).await;
+        assert_eq!((s, r["type"].as_str()), (StatusCode::BAD_REQUEST, Some("error")), "{tools} -> {r}");
+        assert!(r["error"]["message"].as_str().unwrap().contains(named), "{tools} -> {r}");
+    }
+    let (s, r) = post(&app, "/v1/messages", messages(json!([{"name": "get_weather", "input_schema": {"type": "object"}}]))).await;
+    assert_eq!(s, StatusCode::OK, "{r}");
+
+    for (logprobs, want) in [(5, StatusCode::OK), (6, StatusCode::BAD_REQUEST), (20, StatusCode::BAD_REQUEST)] {
+        let (s, r) = post(&app, "/v1/completions", json!({"prompt": [1, 2, 3], "max_tokens": 2, "logprobs": logprobs})).await;
+        assert_eq!(s, want, "logprobs {logprobs}: {r}");
+        if s == StatusCode::OK {
+            assert_eq!(r["choices"][0]["logprobs"]["top_logprobs"][0].as_object().unwrap().len(), 5, "{r}");
+        } else {
+            assert_eq!(r["error"]["param"], "logprobs", "{r}");
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn api_key_and_admin_endpoints() {
     let app = router(state("qwen3_5-tiny-a", 4096, Some("sekrit")));
@@ -261,9 +328,16 @@ async fn api_key_and_admin_endpoints() {
         (s, serde_json::from_slice::<Value>(&r).unwrap()["error"]["type"].as_str()),
         (StatusCode::UNAUTHORIZED, Some("authentication_error"))
     );
-    let (s, r) = call(&app, "GET", "/v1/models", Value::Null, &[("authorization", "Bearer sekrit")]).await;
-    assert_eq!(s, StatusCode::OK);
-    assert_eq!(serde_json::from_slice::<Value>(&r).unwrap()["data"][0]["id"], "qwen3_5-tiny-a");
+    // Auth schemes are case-insensitive (RFC 9110), and a token may follow more than one space.
+    for authorization in ["Bearer sekrit", "bearer sekrit", "BEARER  sekrit"] {
+        let (s, r) = call(&app, "GET", "/v1/models", Value::Null, &[("authorization", authorization)]).await;
+        assert_eq!(s, StatusCode::OK, "{authorization}");
+        assert_eq!(serde_json::from_slice::<Value>(&r).unwrap()["data"][0]["id"], "qwen3_5-tiny-a");
+    }
+    for authorization in ["Basic sekrit", "Bearer sekrit2", "Bearersekrit", "sekrit"] {
+        let (s, _) = call(&app, "GET", "/v1/models", Value::Null, &[("authorization", authorization)]).await;
+        assert_eq!(s, StatusCode::UNAUTHORIZED, "{authorization}");
+    }
     let (s, _) = call(&app, "POST", "/v1/chat/completions", chat(json!({})), &[("x-api-key", "sekrit")]).await;
     assert_eq!(s, StatusCode::OK);
     let (s, _) = call(&app, "GET", "/health", Value::Null, &[]).await;
@@ -272,6 +346,10 @@ async fn api_key_and_admin_endpoints() {
     let stats: Value = serde_json::from_slice(&r).unwrap();
     assert_eq!((stats["requests"].as_u64(), stats["generated_tokens"].as_u64()), (Some(1), Some(12)));
     assert_eq!(stats["dtype"], "f32");
+    // The model (which `--model` may give as a path) only with the key.
+    assert!(stats.get("model").is_none(), "{stats}");
+    let (_, r) = call(&app, "GET", "/stats", Value::Null, &[("x-api-key", "sekrit")]).await;
+    assert_eq!(serde_json::from_slice::<Value>(&r).unwrap()["model"], "qwen3_5-tiny-a");
     let (_, r) = call(&app, "GET", "/metrics", Value::Null, &[]).await;
     let text = String::from_utf8(r).unwrap();
     assert!(text.contains("# TYPE strata_generated_tokens_total counter\nstrata_generated_tokens_total 12\n"), "{text}");

@@ -149,6 +149,42 @@ fn push_text(events: &mut Vec<ToolEvent>, text: &str) {
     }
 }
 
+/// What makes `schema` (a tool's `parameters` or `input_schema`, named `field`) unusable as the
+/// JSON schema the template shows the model and arguments are typed by, if anything: a schema
+/// that is not an object, a `type` that is not a name or a list of names, `properties` that
+/// are not schemas, `required` that is not a list of names. Anything else is the schema's own
+/// business.
+pub fn schema_problem(schema: &Value, field: &str) -> Option<String> {
+    let Some(schema) = schema.as_object() else { return Some(format!("{field} must be a JSON schema object")) };
+    let type_ok = |t: Option<&Value>| match t {
+        None | Some(Value::String(_)) => true,
+        Some(Value::Array(names)) => names.iter().all(Value::is_string),
+        Some(_) => false,
+    };
+    let bad_type = |at: &str| Some(format!("{at}.type must be a type name or a list of type names"));
+    if !type_ok(schema.get("type")) {
+        return bad_type(field);
+    }
+    match schema.get("properties") {
+        None => {}
+        Some(Value::Object(properties)) => {
+            for (name, property) in properties {
+                match property {
+                    Value::Bool(_) => {}
+                    Value::Object(p) if type_ok(p.get("type")) => {}
+                    Value::Object(_) => return bad_type(&format!("{field}.properties.{name}")),
+                    _ => return Some(format!("{field}.properties.{name} must be a JSON schema object")),
+                }
+            }
+        }
+        Some(_) => return Some(format!("{field}.properties must be an object of property schemas")),
+    }
+    if schema.get("required").is_some_and(|r| !r.as_array().is_some_and(|names| names.iter().all(Value::is_string))) {
+        return Some(format!("{field}.required must be a list of property names"));
+    }
+    None
+}
+
 /// Converts a raw value by its schema `type` (a name or a list of names, tried in order); a value
 /// that fits none, or has no schema, stays a string: a call is never dropped over a bad value.
 fn typed(raw: &str, schema_type: Option<&Value>) -> Value {
