@@ -1,12 +1,13 @@
 //! `strata serve`: the OpenAI- and Anthropic-compatible HTTP server.
 
+use std::num::NonZeroUsize;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use strata_engine::{EngineConfig, Worker};
-use strata_server::{ServerConfig, Shared};
+use strata_server::{HttpLimits, ServerConfig, Shared};
 
 use crate::cache::{folder_identity, CacheArgs};
 use crate::common::{parse_device, DTypeArg};
@@ -59,8 +60,28 @@ pub struct Args {
     /// After Ctrl-C / SIGTERM, seconds the requests still running (streams included) may take
     /// to finish before they are closed and their generations cancelled. A second signal exits
     /// at once, without flushing queued SSD cache writes.
-    #[arg(long, default_value_t = 10.0, value_parser = parse_seconds)]
-    shutdown_timeout: f64,
+    #[arg(long, default_value = "10", value_parser = seconds)]
+    shutdown_timeout: Duration,
+    /// Seconds a request's header may take to arrive whole, from its first byte (from the
+    /// connection's opening, for its first request); a slower connection is closed.
+    #[arg(long, default_value = "30", value_parser = positive_seconds)]
+    header_read_timeout: Duration,
+    /// Seconds a request's body may take to arrive whole after its header; a slower one gets a
+    /// 408.
+    #[arg(long, default_value = "60", value_parser = positive_seconds)]
+    body_read_timeout: Duration,
+    /// Seconds a kept-alive connection may wait for its next request; then it is closed.
+    #[arg(long, default_value = "75", value_parser = seconds)]
+    keep_alive_timeout: Duration,
+    /// Seconds a client may take none of the bytes sent to it (a stream included); then its
+    /// connection is closed and its generation cancelled.
+    #[arg(long, default_value = "60", value_parser = positive_seconds)]
+    send_timeout: Duration,
+    /// Connections held at once (default: half the open-file limit, at most 4096). At the cap,
+    /// a new connection closes the oldest one with no request in progress; while every one has
+    /// a request in progress, new ones wait.
+    #[arg(long)]
+    max_connections: Option<NonZeroUsize>,
     #[command(flatten)]
     cache: CacheArgs,
     #[command(flatten)]
@@ -76,6 +97,15 @@ pub fn run(a: Args) -> Result<()> {
         LogFormat::Text => subscriber.init(),
         LogFormat::Json => subscriber.json().init(),
     }
+    // Each connection is an open file; raised before sizing the default connection cap.
+    let open_files = strata_server::raise_open_files_limit();
+    let http = HttpLimits {
+        header_read_timeout: a.header_read_timeout,
+        body_read_timeout: a.body_read_timeout,
+        keep_alive_timeout: a.keep_alive_timeout,
+        send_timeout: a.send_timeout,
+        max_connections: a.max_connections.map_or_else(|| strata_server::default_max_connections(open_files), NonZeroUsize::get),
+    };
     let device = parse_device(&a.device)?;
     let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let dir = crate::hub::resolve_model(a.model.as_deref())?;
@@ -122,6 +152,7 @@ pub fn run(a: Args) -> Result<()> {
             device: a.device.clone(),
             max_context,
             api_key: a.api_key.clone(),
+            http,
         },
         worker: worker.clone(),
         tokenizer: folder.tokenizer,
@@ -137,9 +168,10 @@ pub fn run(a: Args) -> Result<()> {
     runtime.block_on(async move {
         let addr = format!("{}:{}", a.host, a.port);
         let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
-        tracing::info!(address = %listener.local_addr()?, model = %dir.display(), "strata serving");
-        let drain = std::time::Duration::from_secs_f64(a.shutdown_timeout);
-        strata_server::serve(listener, state, shutdown_signal(), drain).await.context("server failed")
+        let max_connections = state.config.http.max_connections;
+        tracing::info!(address = %listener.local_addr()?, model = %dir.display(), max_connections, "strata serving");
+        strata_server::serve(listener, state, shutdown_signal(), a.shutdown_timeout).await;
+        anyhow::Ok(())
     })?;
     let unwritten = worker.shutdown(SHUTDOWN_FLUSH);
     if unwritten > 0 {
@@ -151,12 +183,17 @@ pub fn run(a: Args) -> Result<()> {
 /// How long a graceful shutdown waits for queued SSD cache writes.
 const SHUTDOWN_FLUSH: std::time::Duration = std::time::Duration::from_secs(15);
 
-/// `--shutdown-timeout`: seconds, finite and not negative.
-fn parse_seconds(s: &str) -> std::result::Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if v.is_finite() && v >= 0.0 => Ok(v),
-        _ => Err(format!("`{s}` is not a number of seconds (0 or more)")),
-    }
+/// A number of seconds, 0 or more.
+fn seconds(s: &str) -> std::result::Result<Duration, String> {
+    s.parse::<f64>()
+        .ok()
+        .and_then(|v| Duration::try_from_secs_f64(v).ok())
+        .ok_or(format!("`{s}` is not a number of seconds (0 or more)"))
+}
+
+/// A number of seconds, more than 0.
+fn positive_seconds(s: &str) -> std::result::Result<Duration, String> {
+    seconds(s).ok().filter(|d| !d.is_zero()).ok_or(format!("`{s}` is not a number of seconds (more than 0)"))
 }
 
 /// The first Ctrl-C or SIGTERM; a second one, while the shutdown waits, ends the process.

@@ -52,6 +52,7 @@ impl ApiError {
         match (self.status, self.dialect) {
             (StatusCode::UNAUTHORIZED, Dialect::OpenAi) => "invalid_api_key",
             (StatusCode::UNAUTHORIZED, Dialect::Anthropic) => "authentication_error",
+            (StatusCode::PAYLOAD_TOO_LARGE, Dialect::Anthropic) => "request_too_large",
             (s, Dialect::OpenAi) if s.is_client_error() => "invalid_request_error",
             (s, Dialect::Anthropic) if s.is_client_error() => "invalid_request_error",
             (_, Dialect::OpenAi) => "server_error",

@@ -5,6 +5,7 @@
 mod admin;
 mod anthropic;
 pub mod error;
+mod http;
 mod openai;
 mod output;
 pub mod parse;
@@ -12,19 +13,21 @@ mod request;
 pub mod state;
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 
+use axum::body::Body;
 use axum::extract::{DefaultBodyLimit, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
+use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::error::{ApiError, Dialect};
+pub use crate::http::{default_max_connections, raise_open_files_limit, serve, HttpLimits};
 pub use crate::state::{AppState, ServerConfig, Shared};
 
-/// Largest request body accepted (larger ones get a 400 error object).
+/// Largest request body accepted (larger ones get a 413 error object).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
 
 pub fn router(state: AppState) -> Router {
@@ -34,6 +37,7 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/models", get(openai::models))
         .route("/v1/messages", post(anthropic::messages))
         .route("/admin/cache/flush", post(admin::flush_cache))
+        .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));
     Router::new()
         .merge(api)
@@ -74,7 +78,37 @@ pub(crate) fn has_key(state: &AppState, headers: &HeaderMap) -> bool {
     bearer == Some(key.as_str()) || text("x-api-key") == Some(key.as_str())
 }
 
-/// Counts requests and errors, and gives axum's own rejections (oversized body, unknown route)
+/// Reads a request's body before its handler runs. A `Content-Length` over the limit is
+/// refused from the header alone (413, no byte of the body read); a body that has not arrived
+/// whole within `--body-read-timeout` of its header is cut off with a 408. Both close the
+/// connection, whose unread rest cannot be told from a next request.
+async fn read_body(State(state): State<AppState>, req: Request, next: Next) -> Response {
+    let dialect = dialect_of(req.uri().path());
+    let refuse = |status, message: String| {
+        let mut response = ApiError { status, message, param: None, dialect }.into_response();
+        response.headers_mut().insert(header::CONNECTION, header::HeaderValue::from_static("close"));
+        response
+    };
+    let too_large = || refuse(StatusCode::PAYLOAD_TOO_LARGE, format!("request body is larger than {MAX_BODY_BYTES} bytes"));
+    let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > MAX_BODY_BYTES as u64) {
+        return too_large();
+    }
+    let (parts, body) = req.into_parts();
+    let timeout = state.config.http.body_read_timeout;
+    let body = match tokio::time::timeout(timeout, Limited::new(body, MAX_BODY_BYTES).collect()).await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => return too_large(),
+        Ok(Err(e)) => return refuse(StatusCode::BAD_REQUEST, format!("cannot read the request body: {e}")),
+        Err(_) => {
+            let message = format!("the request body did not arrive within {} s of its header", timeout.as_secs_f64());
+            return refuse(StatusCode::REQUEST_TIMEOUT, message);
+        }
+    };
+    next.run(Request::from_parts(parts, Body::from(body))).await
+}
+
+/// Counts requests and errors, and gives axum's own rejections (unknown route, wrong method)
 /// the API's error shape.
 async fn count_and_shape_errors(State(state): State<AppState>, req: Request, next: Next) -> Response {
     state.http_requests.fetch_add(1, Ordering::Relaxed);
@@ -89,12 +123,10 @@ async fn count_and_shape_errors(State(state): State<AppState>, req: Request, nex
         return response;
     }
     let message = match status {
-        StatusCode::PAYLOAD_TOO_LARGE => format!("request body is larger than {MAX_BODY_BYTES} bytes"),
         StatusCode::NOT_FOUND => "no such endpoint".to_string(),
         StatusCode::METHOD_NOT_ALLOWED => "method not allowed on this endpoint".to_string(),
         s => s.canonical_reason().unwrap_or("error").to_string(),
     };
-    let status = if status == StatusCode::PAYLOAD_TOO_LARGE { StatusCode::BAD_REQUEST } else { status };
     ApiError { status, message, param: None, dialect }.into_response()
 }
 
@@ -113,30 +145,4 @@ fn log_request(id: &str, o: &output::Outcome) {
         mean_accepted = o.speculation.map(|(rounds, _, accepted)| accepted as f64 / rounds.max(1) as f64),
         "request done"
     );
-}
-
-/// Serves `state` on `listener` until `shutdown` resolves; then stops accepting connections and
-/// lets the requests in flight finish for up to `drain`. A stream may run for as long as its
-/// `max_tokens` allows, so a shutdown waiting for every one would not end: past `drain` the
-/// rest are closed (returning drops their connections, and a stream's generation is cancelled
-/// when its connection goes).
-pub async fn serve(
-    listener: tokio::net::TcpListener,
-    state: AppState,
-    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-    drain: std::time::Duration,
-) -> std::io::Result<()> {
-    let signalled = Arc::new(tokio::sync::Notify::new());
-    let notify = signalled.clone();
-    let graceful = axum::serve(listener, router(state)).with_graceful_shutdown(async move {
-        shutdown.await;
-        notify.notify_one();
-    });
-    tokio::select! {
-        served = graceful => served,
-        () = async { signalled.notified().await; tokio::time::sleep(drain).await } => {
-            tracing::warn!(drain_s = drain.as_secs_f64(), "requests still running at the end of the shutdown's wait are closed");
-            Ok(())
-        }
-    }
 }

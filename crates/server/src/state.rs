@@ -7,6 +7,8 @@ use std::time::Instant;
 use strata_engine::Worker;
 use strata_model::{ChatTemplate, GenerationConfig, Tokenizer};
 
+use crate::http::HttpLimits;
+
 pub struct ServerConfig {
     /// Name reported by `/v1/models` (requests for any model name are served by this one).
     pub model_name: String,
@@ -15,6 +17,8 @@ pub struct ServerConfig {
     /// Longest prompt + output a request may ask for.
     pub max_context: usize,
     pub api_key: Option<String>,
+    /// Connection and request-reading limits.
+    pub http: HttpLimits,
 }
 
 pub struct Shared {

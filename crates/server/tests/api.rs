@@ -224,7 +224,7 @@ async fn bad_input_gets_400_in_each_dialect() {
     assert_eq!((s, r["error"]["type"].as_str()), (StatusCode::BAD_REQUEST, Some("invalid_request_error")));
     let huge = json!({"messages": [{"role": "user", "content": "x".repeat(strata_server::MAX_BODY_BYTES)}]});
     let (s, r) = post(&app, "/v1/chat/completions", huge).await;
-    assert_eq!(s, StatusCode::BAD_REQUEST, "{r}");
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE, "{r}");
     assert!(r["error"]["message"].as_str().unwrap().contains("larger than"));
     for body in [
         json!({"prompt": [1, 99999]}),

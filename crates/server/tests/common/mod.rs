@@ -10,7 +10,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use strata_engine::{CacheConfig, EngineConfig, Worker};
 use strata_model::ModelFolder;
-use strata_server::{AppState, ServerConfig, Shared};
+use strata_server::{AppState, HttpLimits, ServerConfig, Shared};
 
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
@@ -18,6 +18,13 @@ pub fn fixture(name: &str) -> PathBuf {
 
 pub fn state(name: &str, max_context: usize, api_key: Option<&str>) -> AppState {
     state_configured(name, max_context, api_key, EngineConfig::for_device(&Device::Cpu), None)
+}
+
+/// The fixture's state with these connection limits.
+pub fn state_limited(max_context: usize, http: HttpLimits) -> AppState {
+    let mut state = state("qwen3_5-tiny-a", max_context, None);
+    Arc::get_mut(&mut state).expect("a fresh state").config.http = http;
+    state
 }
 
 pub fn state_with(name: &str, max_context: usize, engine: EngineConfig) -> AppState {
@@ -45,6 +52,7 @@ pub fn state_configured(
             device: "cpu".into(),
             max_context,
             api_key: api_key.map(str::to_string),
+            http: HttpLimits::default(),
         },
         worker: Worker::spawn(model, engine, CacheConfig::for_device(&Device::Cpu), None).unwrap(),
         vocab_size: folder.config.vocab_size,
