@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use strata_engine::{EngineConfig, Worker};
-use strata_server::{HttpLimits, ServerConfig, Shared};
+use strata_server::{Cutoff, HttpLimits, ServerConfig, Shared};
 
 use crate::cache::{folder_identity, CacheArgs};
 use crate::common::{parse_device, DTypeArg};
@@ -58,8 +58,9 @@ pub struct Args {
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
     /// After Ctrl-C / SIGTERM, seconds the requests still running (streams included) may take
-    /// to finish before they are closed and their generations cancelled. A second signal exits
-    /// at once, without flushing queued SSD cache writes.
+    /// to finish; then they are ended (a stream with its last events, as if at its token limit;
+    /// a request waiting for its whole answer with a 503) and their generations cancelled. A
+    /// second signal exits at once, without flushing queued SSD cache writes.
     #[arg(long, default_value = "10", value_parser = seconds)]
     shutdown_timeout: Duration,
     /// Seconds a request's header may take to arrive whole, from its first byte (from the
@@ -163,6 +164,7 @@ pub fn run(a: Args) -> Result<()> {
         started: Instant::now(),
         http_requests: AtomicU64::new(0),
         http_errors: AtomicU64::new(0),
+        cutoff: Cutoff::default(),
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
     runtime.block_on(async move {

@@ -1,7 +1,8 @@
 //! `strata serve` with an SSD cache survives `kill -9`: killed while requests run and entries
 //! are being written, with debris planted in its cache folder, it starts again, serves the
 //! same output as a cold server, keeps another model's files, and reports what it dropped.
-//! And SIGTERM ends it within its shutdown timeout even while a stream is open.
+//! And SIGTERM ends it within its shutdown timeout even while a stream is open, with the
+//! stream's proper ending.
 
 mod common;
 
@@ -110,6 +111,8 @@ fn killed_server_restarts_and_serves_the_right_state() {
     server.kill();
 }
 
+/// And the stream cut gets a proper end: its last chunk with a finish reason, `data: [DONE]`,
+/// and a terminated chunked body (which the client's reader checks).
 #[test]
 fn sigterm_ends_the_server_within_its_timeout_while_a_stream_runs() {
     let (child, url, _) = common::start_server(
@@ -129,11 +132,16 @@ fn sigterm_ends_the_server_within_its_timeout_while_a_stream_runs() {
 
     let started = std::time::Instant::now();
     assert!(Command::new("kill").args(["-TERM", &server.child.id().to_string()]).status().unwrap().success());
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut reader, &mut rest).expect("a whole chunked body");
+    let events: Vec<&str> = rest.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).collect();
+    assert_eq!(events.last(), Some(&"[DONE]"), "{rest}");
+    let last: Value = serde_json::from_str(events[events.len() - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "length", "{rest}");
     while server.child.try_wait().unwrap().is_none() {
         assert!(started.elapsed() < Duration::from_secs(15), "still running 15 s after SIGTERM with --shutdown-timeout 1");
         std::thread::sleep(Duration::from_millis(20));
     }
-    // It waited for the stream (about the timeout), then closed it.
+    // It waited for the stream (about the timeout), then ended it.
     assert!(started.elapsed() >= Duration::from_millis(900), "exited after {:?}", started.elapsed());
-    drop(reader);
 }

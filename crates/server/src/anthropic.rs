@@ -129,7 +129,7 @@ fn check_tools(tools: &[Value]) -> ApiResult<()> {
 fn stop_reason(o: &Outcome) -> &'static str {
     match (o.finish, &o.stop_string) {
         (Finish::ToolCalls, _) => "tool_use",
-        (Finish::Length, _) => "max_tokens",
+        (Finish::Length | Finish::Shutdown, _) => "max_tokens",
         (Finish::Stop, Some(_)) => "stop_sequence",
         (Finish::Stop, None) => "end_turn",
     }
@@ -187,7 +187,8 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
             true
         })
         .await?
-        .expect("the collector never stops early");
+        .expect("the collector never stops early")
+        .whole()?;
         crate::log_request(&id, &outcome);
         return Ok(Json(json!({
             "id": id, "type": "message", "role": "assistant", "model": model, "content": blocks,

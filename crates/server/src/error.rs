@@ -43,6 +43,11 @@ impl ApiError {
         Self { status: StatusCode::INTERNAL_SERVER_ERROR, message: message.into(), param: None, dialect: Dialect::OpenAi }
     }
 
+    /// The server is shutting down (SDKs retry a 503).
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self { status: StatusCode::SERVICE_UNAVAILABLE, message: message.into(), param: None, dialect: Dialect::OpenAi }
+    }
+
     pub fn in_dialect(mut self, dialect: Dialect) -> Self {
         self.dialect = dialect;
         self

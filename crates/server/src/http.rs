@@ -120,14 +120,19 @@ pub fn raise_open_files_limit() -> Option<u64> {
     open_files_limit()
 }
 
+/// How long, after the shutdown's wait has ended the requests still running, their last
+/// events may take to reach clients before the connections are dropped.
+const FINAL_WRITE_GRACE: Duration = Duration::from_secs(2);
+
 /// Serves `state` on `listener` until `shutdown` resolves; then stops accepting connections,
 /// closes the idle ones and lets the requests in flight finish for up to `drain`. A stream may
 /// run for as long as its `max_tokens` allows, so a shutdown waiting for every one would not
-/// end: past `drain` the rest are closed (returning drops their connections, and a stream's
-/// generation is cancelled when its connection goes).
+/// end: past `drain` the rest are ended (a stream with its dialect's last events, a request
+/// waiting for a whole answer with a 503: see `output::Finish::Shutdown`), given
+/// [`FINAL_WRITE_GRACE`] to reach their clients, and then dropped.
 pub async fn serve(listener: TcpListener, state: AppState, shutdown: impl std::future::Future<Output = ()>, drain: Duration) {
     let limits = state.config.http.clone();
-    let router = crate::router(state);
+    let router = crate::router(state.clone());
     let registry = Arc::new(Registry::default());
     let (draining, draining_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
@@ -157,7 +162,11 @@ pub async fn serve(listener: TcpListener, state: AppState, shutdown: impl std::f
     drop(listener);
     draining.send_replace(true);
     if !registry.emptied_within(drain).await {
-        tracing::warn!(drain_s = drain.as_secs_f64(), "requests still running at the end of the shutdown's wait are closed");
+        tracing::warn!(drain_s = drain.as_secs_f64(), "requests still running at the end of the shutdown's wait are ended");
+        state.cutoff.trigger();
+        if !registry.emptied_within(FINAL_WRITE_GRACE).await {
+            tracing::warn!("connections still sending their last bytes are dropped");
+        }
     }
 }
 

@@ -25,7 +25,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::error::{ApiError, Dialect};
 pub use crate::http::{default_max_connections, raise_open_files_limit, serve, HttpLimits};
-pub use crate::state::{AppState, ServerConfig, Shared};
+pub use crate::state::{AppState, Cutoff, ServerConfig, Shared};
 
 /// Largest request body accepted (larger ones get a 413 error object).
 pub const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;

@@ -163,7 +163,7 @@ fn check_tools(tools: &[Value]) -> ApiResult<()> {
 fn finish_name(outcome: &Outcome) -> &'static str {
     match outcome.finish {
         Finish::Stop => "stop",
-        Finish::Length => "length",
+        Finish::Length | Finish::Shutdown => "length",
         Finish::ToolCalls => "tool_calls",
     }
 }
@@ -257,7 +257,8 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
             true
         })
         .await?
-        .expect("the collector never stops early");
+        .expect("the collector never stops early")
+        .whole()?;
         crate::log_request(&id, &outcome);
         let mut message = json!({"role": "assistant", "content": if content.is_empty() && !calls.is_empty() { Value::Null } else { Value::String(content) }});
         if !reasoning.is_empty() {
@@ -425,7 +426,8 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
             true
         })
         .await?
-        .expect("the collector never stops early");
+        .expect("the collector never stops early")
+        .whole()?;
         crate::log_request(&id, &outcome);
         let logprobs = if req.logprobs.is_some() { legacy_logprobs(&entries) } else { Value::Null };
         return Ok(Json(json!({

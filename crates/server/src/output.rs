@@ -35,6 +35,11 @@ pub enum Finish {
     Stop,
     Length,
     ToolCalls,
+    /// Cut by a shutdown whose wait for running requests (`--shutdown-timeout`) ran out.
+    /// Streams then end as if at their token limit (OpenAI `finish_reason: "length"`,
+    /// Anthropic `stop_reason: "max_tokens"`, values every client library handles as an answer
+    /// cut short); a request waiting for its whole answer gets a 503 instead (`Outcome::whole`).
+    Shutdown,
 }
 
 #[derive(Debug, Clone)]
@@ -51,6 +56,21 @@ pub struct Outcome {
     /// Speculative decoding, when the generation ran to its end in the engine: verify steps
     /// with drafts, tokens drafted, tokens accepted.
     pub speculation: Option<(usize, usize, usize)>,
+}
+
+impl Outcome {
+    /// The outcome of a request answered whole (not streamed): one cut by a shutdown is a 503,
+    /// which SDKs retry (behind a load balancer, on a server that is not stopping); the text
+    /// so far under "length" would pass for a whole answer that hit `max_tokens`.
+    pub fn whole(self) -> ApiResult<Self> {
+        if self.finish == Finish::Shutdown {
+            return Err(ApiError::unavailable(format!(
+                "the server is shutting down: this request was stopped after {} generated tokens; retry it",
+                self.completion_tokens
+            )));
+        }
+        Ok(self)
+    }
 }
 
 /// How to read the generated text.
@@ -87,7 +107,8 @@ impl EventSink for ChannelSink {
 /// false when the client has gone, and `client_gone` completes when it goes (a stream's
 /// client can leave while its request waits, prefills or has its text held back, when nothing
 /// is emitted); either cancels the generation: the engine notices the dropped channel before
-/// admitting the request, between prefill chunks and within one decode step.
+/// admitting the request, between prefill chunks and within one decode step. A shutdown's
+/// cutoff ends it too, as `Finish::Shutdown`, with the text held back so far emitted.
 pub async fn drive(
     state: &AppState,
     prompt: Prompt,
@@ -154,13 +175,16 @@ pub async fn drive(
     let mut ttft = None;
     let mut completion_tokens = 0;
     let mut saw_call = false;
-    tokio::pin!(client_gone);
-    loop {
+    let cutoff = state.cutoff.reached();
+    tokio::pin!(client_gone, cutoff);
+    // The engine's end of the generation; None when the shutdown's cutoff came first.
+    let finished = loop {
         let event = tokio::select! {
             event = rx.recv() => event,
             () = &mut client_gone => return Ok(None),
+            () = &mut cutoff => break None,
         };
-        let Some(event) = event else { break };
+        let Some(event) = event else { return Err(ApiError::internal("the engine dropped the request")) };
         match event {
             Event::Token(Sampled { id, logprob, top_logprobs }) => {
                 ttft.get_or_insert_with(|| started.elapsed());
@@ -191,30 +215,29 @@ pub async fn drive(
                     }));
                 }
             }
-            Event::Finished(g) => {
-                let rest = stop.finish();
-                if !pipeline(&rest, true, &mut saw_call, &mut emit) {
-                    return Ok(None);
-                }
-                let finish = match (saw_call, g.finish) {
-                    (true, _) => Finish::ToolCalls,
-                    (false, FinishReason::Length) => Finish::Length,
-                    (false, _) => Finish::Stop,
-                };
-                return Ok(Some(Outcome {
-                    finish,
-                    stop_string: None,
-                    prompt_tokens,
-                    cached_tokens,
-                    completion_tokens,
-                    ttft,
-                    elapsed: started.elapsed(),
-                    speculation: (g.drafted_tokens > 0).then_some((g.draft_rounds, g.drafted_tokens, g.accepted_tokens)),
-                }));
-            }
+            Event::Finished(g) => break Some(g),
             Event::Started { cached_tokens: n } => cached_tokens = n,
             Event::Failed(message) => return Err(ApiError::internal(message)),
         }
+    };
+    let rest = stop.finish();
+    if !pipeline(&rest, true, &mut saw_call, &mut emit) {
+        return Ok(None);
     }
-    Err(ApiError::internal("the engine dropped the request"))
+    let finish = match (&finished, saw_call) {
+        (None, _) => Finish::Shutdown,
+        (Some(_), true) => Finish::ToolCalls,
+        (Some(g), false) if matches!(g.finish, FinishReason::Length) => Finish::Length,
+        (Some(_), false) => Finish::Stop,
+    };
+    Ok(Some(Outcome {
+        finish,
+        stop_string: None,
+        prompt_tokens,
+        cached_tokens,
+        completion_tokens,
+        ttft,
+        elapsed: started.elapsed(),
+        speculation: finished.filter(|g| g.drafted_tokens > 0).map(|g| (g.draft_rounds, g.drafted_tokens, g.accepted_tokens)),
+    }))
 }

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use strata_engine::Worker;
 use strata_model::{ChatTemplate, GenerationConfig, Tokenizer};
+use tokio::sync::watch;
 
 use crate::http::HttpLimits;
 
@@ -32,6 +33,23 @@ pub struct Shared {
     pub started: Instant,
     pub http_requests: AtomicU64,
     pub http_errors: AtomicU64,
+    pub cutoff: Cutoff,
+}
+
+/// Reached when a shutdown's wait for the requests still running is over: each then ends at
+/// once, with a proper ending (see `output::Finish::Shutdown`).
+#[derive(Default)]
+pub struct Cutoff(watch::Sender<bool>);
+
+impl Cutoff {
+    pub fn trigger(&self) {
+        self.0.send_replace(true);
+    }
+
+    pub async fn reached(&self) {
+        // The sender is self: waiting ends only at the cutoff.
+        let _ = self.0.subscribe().wait_for(|&cut| cut).await;
+    }
 }
 
 pub type AppState = Arc<Shared>;

@@ -1,6 +1,6 @@
 //! The connection layer over real sockets, with raw HTTP/1.1 clients: header, body and
-//! keep-alive and send timeouts, the body limit from `Content-Length`, and the connection cap
-//! under slow clients.
+//! keep-alive timeouts, the body limit from `Content-Length`, the connection cap under slow
+//! clients, and the endings a shutdown gives requests still running.
 
 mod common;
 
@@ -16,8 +16,8 @@ use tokio::task::JoinHandle;
 
 struct Server {
     addr: SocketAddr,
-    _stop: oneshot::Sender<()>,
-    _task: JoinHandle<()>,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<()>,
 }
 
 /// Serves `state` on a free port; dropping `stop` (or sending on it) begins the shutdown.
@@ -33,7 +33,7 @@ async fn start(state: AppState, drain: Duration) -> Server {
         },
         drain,
     ));
-    Server { addr, _stop: stop, _task: task }
+    Server { addr, stop: Some(stop), task }
 }
 
 fn limits(change: impl FnOnce(&mut HttpLimits)) -> HttpLimits {
@@ -313,4 +313,100 @@ async fn a_client_that_reads_nothing_is_dropped_at_the_send_timeout() {
     assert!(started.elapsed() >= Duration::from_secs(1), "cancelled after {:?}", started.elapsed());
     let (sent, _) = read_until_closed(&mut stream, Duration::from_secs(5)).await;
     assert!(sent.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&sent));
+}
+
+/// Requests still running when a shutdown's wait runs out get their dialect's proper ending:
+/// streams their last events and a terminated chunked body, whole answers a 503.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shutdown_ends_running_requests_properly() {
+    let state = common::state("qwen3_5-tiny-a", 100_000, None);
+    let stats = state.worker.stats();
+    let no_end: serde_json::Map<String, Value> = state.eos_token_ids.iter().map(|id| (id.to_string(), json!(-100))).collect();
+    let mut server = start(state.clone(), Duration::from_millis(300)).await;
+    let endless = |path: &'static str, stream: bool| {
+        let messages = json!([{"role": "user", "content": "hello there"}]);
+        let mut body = json!({"max_tokens": 50_000, "temperature": 0, "stream": stream, "logit_bias": no_end});
+        if path == "/v1/completions" {
+            body["prompt"] = json!([1, 2, 3]);
+        } else {
+            body["messages"] = messages;
+        }
+        if path == "/v1/chat/completions" && stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        (path, stream, request("POST", path, &body.to_string(), "connection: close\r\n"))
+    };
+    let cases = [
+        endless("/v1/chat/completions", true),
+        endless("/v1/completions", true),
+        endless("/v1/messages", true),
+        endless("/v1/chat/completions", false),
+        endless("/v1/messages", false),
+    ];
+    let mut streams = Vec::new();
+    for (path, stream, raw) in &cases {
+        let mut s = connect(&server).await;
+        s.write_all(raw).await.unwrap();
+        let mut seen = Vec::new();
+        while *stream && !seen.windows(5).any(|w| w == b"data:") {
+            let mut chunk = [0u8; 4096];
+            let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut chunk)).await.unwrap().unwrap();
+            assert!(n > 0, "{path}: closed early");
+            seen.extend_from_slice(&chunk[..n]);
+        }
+        streams.push((*path, *stream, s, seen));
+    }
+    let running = Instant::now();
+    while stats.active.load(std::sync::atomic::Ordering::Relaxed) < cases.len() {
+        assert!(running.elapsed() < Duration::from_secs(10), "the requests never all ran");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let stopping = Instant::now();
+    server.stop.take();
+    for (path, stream, mut s, mut seen) in streams {
+        let (rest, _) = read_until_closed(&mut s, Duration::from_secs(10)).await;
+        seen.extend_from_slice(&rest);
+        let (response, used) =
+            parse_response(&seen).unwrap_or_else(|| panic!("{path}: unfinished: {}", String::from_utf8_lossy(&seen)));
+        assert_eq!(used, seen.len(), "{path}");
+        if !stream {
+            assert_eq!(response.status, 503, "{path}");
+            let error = response.json();
+            assert_eq!(error["type"] == "error", path == "/v1/messages", "{error}");
+            assert!(error["error"]["message"].as_str().unwrap().contains("shutting down"), "{error}");
+            continue;
+        }
+        assert_eq!(response.status, 200);
+        let text = String::from_utf8(response.body).unwrap();
+        let events: Vec<(&str, &str)> = text
+            .split("\n\n")
+            .filter_map(|e| {
+                let field = |name: &str| e.lines().find_map(|l| l.strip_prefix(name)).map(str::trim);
+                Some((field("event:").unwrap_or(""), field("data:")?))
+            })
+            .collect();
+        let data = |i: usize| -> Value { serde_json::from_str(events[events.len() - i].1).unwrap() };
+        match path {
+            "/v1/messages" => {
+                assert_eq!(events.last().unwrap().0, "message_stop", "{text}");
+                let delta = data(2);
+                assert_eq!(
+                    (delta["type"].as_str(), delta["delta"]["stop_reason"].as_str()),
+                    (Some("message_delta"), Some("max_tokens"))
+                );
+                assert!(delta["usage"]["output_tokens"].as_u64().unwrap() > 0, "{delta}");
+            }
+            _ => {
+                assert_eq!(events.last().unwrap().1, "[DONE]", "{text}");
+                let with_usage = path == "/v1/chat/completions";
+                let last = data(if with_usage { 3 } else { 2 });
+                assert_eq!(last["choices"][0]["finish_reason"], "length", "{text}");
+                if with_usage {
+                    assert!(data(2)["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{text}");
+                }
+            }
+        }
+    }
+    tokio::time::timeout(Duration::from_secs(5), server.task).await.expect("serve returned").unwrap();
+    assert!(stopping.elapsed() >= Duration::from_millis(300), "{:?}", stopping.elapsed());
 }

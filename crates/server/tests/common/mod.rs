@@ -10,7 +10,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use strata_engine::{CacheConfig, EngineConfig, Worker};
 use strata_model::ModelFolder;
-use strata_server::{AppState, HttpLimits, ServerConfig, Shared};
+use strata_server::{AppState, Cutoff, HttpLimits, ServerConfig, Shared};
 
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
@@ -63,5 +63,6 @@ pub fn state_configured(
         started: Instant::now(),
         http_requests: AtomicU64::new(0),
         http_errors: AtomicU64::new(0),
+        cutoff: Cutoff::default(),
     })
 }
