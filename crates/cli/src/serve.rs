@@ -83,6 +83,10 @@ pub struct Args {
     /// a request in progress, new ones wait.
     #[arg(long)]
     max_connections: Option<NonZeroUsize>,
+    /// Let special-token strings typed in chat messages (`<|im_start|>`…) be control tokens,
+    /// as transformers' `apply_chat_template` does; by default message text is only ever text.
+    #[arg(long)]
+    special_tokens_in_content: bool,
     #[command(flatten)]
     cache: CacheArgs,
     #[command(flatten)]
@@ -153,6 +157,7 @@ pub fn run(a: Args) -> Result<()> {
             device: a.device.clone(),
             max_context,
             api_key: a.api_key.clone(),
+            special_tokens_in_content: a.special_tokens_in_content,
             http,
         },
         worker: worker.clone(),

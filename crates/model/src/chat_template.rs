@@ -8,6 +8,8 @@ use minijinja::{Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 
 use crate::error::{ModelError, Result};
+use crate::literal::Rendered;
+use crate::Tokenizer;
 
 pub struct ChatTemplate {
     env: Environment<'static>,
@@ -58,7 +60,7 @@ impl ChatTemplate {
     }
 
     /// Makes the tokenizer's BOS and EOS strings available as `bos_token` and `eos_token`.
-    pub fn with_special_tokens(mut self, tokenizer: &crate::Tokenizer) -> Self {
+    pub fn with_special_tokens(mut self, tokenizer: &Tokenizer) -> Self {
         if let Some((bos, _)) = tokenizer.bos() {
             self.special_tokens.insert("bos_token".into(), bos.into());
         }
@@ -75,6 +77,32 @@ impl ChatTemplate {
         let context = Value::from_serialize(&context);
         let defaults = Value::from_serialize(&self.special_tokens);
         template.render(minijinja::context! { ..context, ..defaults }).map_err(|e| ModelError::Template(describe(&e)))
+    }
+
+    /// Renders a chat prompt and tokenizes it. With `content_as_text`, the request's text
+    /// (messages, tool results, tools, keyword arguments) is only ever text: an added-token
+    /// string typed in it becomes the tokens of its characters, and only the template's own
+    /// markup yields added tokens (see [`crate::literal`]). Without, as transformers'
+    /// `apply_chat_template` does: `<|im_start|>` in a message is the control token.
+    pub fn render_tokens(
+        &self,
+        mut context: serde_json::Value,
+        tokenizer: &Tokenizer,
+        content_as_text: bool,
+    ) -> Result<(String, Vec<u32>)> {
+        let rendered = if content_as_text {
+            let literal = tokenizer.literal();
+            literal.escape_context(&mut context);
+            let restore = |text| literal.restore(text).text;
+            literal.restore(self.render(&context).map_err(|e| match e {
+                ModelError::Template(message) => ModelError::Template(restore(message)),
+                other => other,
+            })?)
+        } else {
+            Rendered { text: self.render(&context)?, typed: Vec::new() }
+        };
+        let ids = tokenizer.encode_rendered(&rendered.text, &rendered.typed)?;
+        Ok((rendered.text, ids))
     }
 }
 

@@ -11,6 +11,7 @@ pub mod folder;
 pub mod gemma3;
 pub mod generation_config;
 pub mod gguf;
+pub mod literal;
 pub mod model;
 pub mod qwen3_5;
 pub mod source;

@@ -1,13 +1,20 @@
 //! `tokenizer.json` through the `tokenizers` crate, and streaming detokenisation.
 
+use std::ops::Range;
 use std::path::Path;
+use std::sync::OnceLock;
 
 use crate::error::{ModelError, Result};
+use crate::literal::Literal;
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
     bos: Option<String>,
     eos: Option<String>,
+    /// Made on first use: a copy of `inner` that reads every added token's string as plain
+    /// text, and the matcher that finds those strings in request text.
+    as_text: OnceLock<tokenizers::Tokenizer>,
+    literal: OnceLock<Literal>,
 }
 
 impl Tokenizer {
@@ -17,7 +24,7 @@ impl Tokenizer {
         }
         let inner =
             tokenizers::Tokenizer::from_file(path).map_err(|e| ModelError::file(path, format!("not a valid tokenizer: {e}")))?;
-        Ok(Self { inner, bos: None, eos: None })
+        Ok(Self::new(inner, None, None))
     }
 
     /// `tokenizer.json` of a model folder, with the BOS/EOS strings `tokenizer_config.json` names
@@ -43,7 +50,12 @@ impl Tokenizer {
     pub fn from_gguf(metadata: &std::collections::HashMap<String, candle_core::quantized::gguf_file::Value>) -> Result<Self> {
         let built = crate::gguf::tokenizer::from_metadata(metadata)?;
         let name = |id: Option<u32>| id.and_then(|id| built.tokenizer.id_to_token(id));
-        Ok(Self { bos: name(built.bos), eos: name(built.eos), inner: built.tokenizer })
+        let (bos, eos) = (name(built.bos), name(built.eos));
+        Ok(Self::new(built.tokenizer, bos, eos))
+    }
+
+    fn new(inner: tokenizers::Tokenizer, bos: Option<String>, eos: Option<String>) -> Self {
+        Self { inner, bos, eos, as_text: OnceLock::new(), literal: OnceLock::new() }
     }
 
     /// The beginning-of-sequence token, as text and id, when the model has one.
@@ -68,6 +80,70 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of a rendered chat prompt in which the byte ranges `typed` are added-token
+    /// strings that came from the request (see [`Literal`]): those are tokenized as the text
+    /// they are; only the template's own markup yields added tokens.
+    pub fn encode_rendered(&self, text: &str, typed: &[Range<usize>]) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        if typed.is_empty() {
+            return Ok(enc.get_ids().to_vec());
+        }
+        // The added tokens split the text into pieces the tokenizer reads one by one: a piece
+        // between two of the template's is kept as it was tokenized unless it holds a typed
+        // one, then it is tokenized again with added tokens read as text. (A pre-tokenizer that
+        // marks only the text's start, SentencePiece's `▁` prepended "first", marks that
+        // piece's start too: there alone the tokens differ from the whole text's read as text.)
+        let added = self.inner.get_added_vocabulary().get_added_tokens_decoder();
+        let is_typed = |start: usize, end: usize| typed.iter().any(|r| r.start < end && start < r.end);
+        let tokens = enc.get_ids();
+        let mut ids = Vec::with_capacity(tokens.len());
+        // Where the current piece starts in the text and in `tokens`, and whether it holds a
+        // typed added token.
+        let mut piece = (0, 0, false);
+        for (i, (&id, &(start, end))) in tokens.iter().zip(enc.get_offsets()).enumerate() {
+            match (added.contains_key(&id), is_typed(start, end)) {
+                (true, false) => {
+                    self.push_piece(&mut ids, &text[piece.0..start], &tokens[piece.1..i], piece.2)?;
+                    ids.push(id);
+                    piece = (end, i + 1, false);
+                }
+                (true, true) => piece.2 = true,
+                (false, _) => {}
+            }
+        }
+        self.push_piece(&mut ids, &text[piece.0..], &tokens[piece.1..], piece.2)?;
+        Ok(ids)
+    }
+
+    fn push_piece(&self, ids: &mut Vec<u32>, text: &str, tokens: &[u32], typed: bool) -> Result<()> {
+        if typed {
+            let enc = self.as_text().encode(text, false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            ids.extend_from_slice(enc.get_ids());
+        } else {
+            ids.extend_from_slice(tokens);
+        }
+        Ok(())
+    }
+
+    fn as_text(&self) -> &tokenizers::Tokenizer {
+        self.as_text.get_or_init(|| {
+            // Special tokens can be read as text; the others are made special to be so too.
+            let mut copy = self.inner.clone();
+            let all = copy.get_added_tokens_decoder().into_values().map(|token| token.special(true));
+            copy.add_special_tokens(all).expect("re-adding the tokenizer's own added tokens");
+            copy.set_encode_special_tokens(true);
+            copy
+        })
+    }
+
+    /// The matcher of this tokenizer's added-token strings, for [`Literal`] rendering.
+    pub fn literal(&self) -> &Literal {
+        self.literal.get_or_init(|| {
+            let added = self.inner.get_added_vocabulary().get_added_tokens_decoder();
+            Literal::new(added.values().map(|token| (token.content.clone(), token.special)))
+        })
     }
 
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use strata_engine::{GenerationOptions, SamplingChoice, SamplingParams};
+use strata_model::ModelError;
 
 use crate::error::{ApiError, ApiResult};
 use crate::parse::thinking::prompt_opens_thinking;
@@ -167,15 +168,16 @@ pub fn render_chat(
         for (k, v) in kwargs {
             context[k] = v.clone();
         }
-        template.render(&context).map_err(|e| ApiError::bad_request(e.to_string(), Some("messages")))
+        let content_as_text = !state.config.special_tokens_in_content;
+        template.render_tokens(context, &state.tokenizer, content_as_text).map_err(|e| match e {
+            ModelError::Template(_) => ApiError::bad_request(e.to_string(), Some("messages")),
+            other => ApiError::internal(other.to_string()),
+        })
     };
-    let encode = |text: &str| state.tokenizer.encode(text).map_err(|e| ApiError::internal(e.to_string()));
-    let (text, history_text) = (render(true)?, render(false)?);
+    let ((text, tokens), (history_text, history)) = (render(true)?, render(false)?);
     // A template whose history renders differently with the generation prompt leaves no clean
     // suffix: then the whole prompt decides.
     let opens_thinking = prompt_opens_thinking(text.strip_prefix(history_text.as_str()).unwrap_or(&text));
-    let tokens = encode(&text)?;
-    let history = encode(&history_text)?;
     let cache_points =
         if history.len() < tokens.len() && tokens.starts_with(&history) { vec![history.len()] } else { Vec::new() };
     Ok((opens_thinking, Prompt { tokens, cache_points }))

@@ -18,6 +18,9 @@ pub struct ServerConfig {
     /// Longest prompt + output a request may ask for.
     pub max_context: usize,
     pub api_key: Option<String>,
+    /// Special-token strings typed in message content become control tokens, as with
+    /// transformers' `apply_chat_template` (off: content is only ever text).
+    pub special_tokens_in_content: bool,
     /// Connection and request-reading limits.
     pub http: HttpLimits,
 }

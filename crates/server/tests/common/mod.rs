@@ -52,6 +52,7 @@ pub fn state_configured(
             device: "cpu".into(),
             max_context,
             api_key: api_key.map(str::to_string),
+            special_tokens_in_content: false,
             http: HttpLimits::default(),
         },
         worker: Worker::spawn(model, engine, CacheConfig::for_device(&Device::Cpu), None).unwrap(),
