@@ -9,6 +9,7 @@ use serde::Serialize;
 
 use crate::error::{ModelError, Result};
 use crate::literal::Rendered;
+use crate::tokenizer::Bound;
 use crate::Tokenizer;
 
 pub struct ChatTemplate {
@@ -89,6 +90,7 @@ impl ChatTemplate {
         mut context: serde_json::Value,
         tokenizer: &Tokenizer,
         content_as_text: bool,
+        bound: &Bound,
     ) -> Result<(String, Vec<u32>)> {
         let rendered = if content_as_text {
             let literal = tokenizer.literal();
@@ -101,7 +103,7 @@ impl ChatTemplate {
         } else {
             Rendered { text: self.render(&context)?, typed: Vec::new() }
         };
-        let ids = tokenizer.encode_rendered(&rendered.text, &rendered.typed)?;
+        let ids = tokenizer.encode_rendered(&rendered.text, &rendered.typed, bound)?;
         Ok((rendered.text, ids))
     }
 }

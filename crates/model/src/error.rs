@@ -20,6 +20,11 @@ pub enum ModelError {
     Template(String),
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    /// Tokenizing stopped past a limit (see [`crate::tokenizer::Bound`]).
+    #[error("the text has more than {0} tokens")]
+    TooLong(usize),
+    #[error("cancelled")]
+    Cancelled,
     #[error("{0}")]
     Invalid(String),
     #[error("tensor operation failed: {0}")]

@@ -23,6 +23,8 @@ pub struct Literal {
     /// only those are escaped, as the model wrote the others (`<think>`, `<tool_call>`) itself.
     special: Vec<bool>,
     matcher: DoubleArrayAhoCorasick<u32>,
+    /// Bytes of the longest string.
+    longest: usize,
 }
 
 /// A rendered prompt, and the byte ranges in it of added-token strings that came from the
@@ -44,7 +46,17 @@ impl Literal {
             .match_kind(MatchKind::LeftmostLongest)
             .build(&strings)
             .expect("distinct non-empty strings, as added tokens are, build");
-        Self { strings, special, matcher }
+        let longest = strings.iter().map(String::len).max().unwrap_or(0);
+        Self { strings, special, matcher, longest }
+    }
+
+    /// Where the added-token strings are in `text`, as the tokenizer finds them.
+    pub fn spans(&self, text: &str) -> Vec<Range<usize>> {
+        self.matcher.leftmost_find_iter(text).map(|m| m.start()..m.end()).collect()
+    }
+
+    pub fn longest(&self) -> usize {
+        self.longest
     }
 
     /// Escapes every string of a template context: each message's values (the assistant's

@@ -2,10 +2,31 @@
 
 use std::ops::Range;
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::OnceLock;
 
 use crate::error::{ModelError, Result};
 use crate::literal::Literal;
+
+/// Bytes of a long text tokenized at a time: the tokenizers crate's working memory is a few
+/// hundred bytes per byte of text (3.6 GB for a 15 MB prompt, tokenized whole).
+const PIECE_BYTES: usize = 64 * 1024;
+
+/// How far tokenizing a long text may go: it stops with [`ModelError::TooLong`] once past
+/// `max_tokens`, with [`ModelError::Cancelled`] once `cancelled` is set (both checked between
+/// pieces of [`PIECE_BYTES`]), so the work and memory spent are bounded by the limit, not by
+/// the text.
+pub struct Bound<'a> {
+    pub max_tokens: usize,
+    pub cancelled: &'a AtomicBool,
+}
+
+impl Bound<'static> {
+    pub fn none() -> Self {
+        static NEVER: AtomicBool = AtomicBool::new(false);
+        Bound { max_tokens: usize::MAX, cancelled: &NEVER }
+    }
+}
 
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
@@ -71,7 +92,21 @@ impl Tokenizer {
     /// Token ids of a plain-text prompt, with the special tokens the tokenizer adds to every
     /// sequence (e.g. BOS for Llama and Gemma), as transformers and llama.cpp do by default.
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, true).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        self.encode_prompt_within(text, &Bound::none())
+    }
+
+    /// [`Self::encode_prompt`] within `bound`.
+    pub fn encode_prompt_within(&self, text: &str, bound: &Bound) -> Result<Vec<u32>> {
+        let ids = self.encode_pieces(text, bound, |piece| {
+            let enc = self.inner.encode(&text[piece], false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+            Ok(enc.get_ids().to_vec())
+        })?;
+        // The post-processor reads the ids alone.
+        let tokens = ids.into_iter().map(|id| tokenizers::Token::new(id, String::new(), (0, 0))).collect();
+        let enc = self
+            .inner
+            .post_process(tokenizers::Encoding::from_tokens(tokens, 0), None, true)
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -85,7 +120,16 @@ impl Tokenizer {
     /// Token ids of a rendered chat prompt in which the byte ranges `typed` are added-token
     /// strings that came from the request (see [`Literal`]): those are tokenized as the text
     /// they are; only the template's own markup yields added tokens.
-    pub fn encode_rendered(&self, text: &str, typed: &[Range<usize>]) -> Result<Vec<u32>> {
+    pub fn encode_rendered(&self, text: &str, typed: &[Range<usize>], bound: &Bound) -> Result<Vec<u32>> {
+        self.encode_pieces(text, bound, |piece| {
+            // Pieces are never cut inside an added-token string, so a typed one is in one piece.
+            let typed: Vec<Range<usize>> =
+                typed.iter().filter(|r| piece.contains(&r.start)).map(|r| r.start - piece.start..r.end - piece.start).collect();
+            self.encode_rendered_piece(&text[piece], &typed)
+        })
+    }
+
+    fn encode_rendered_piece(&self, text: &str, typed: &[Range<usize>]) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, false).map_err(|e| ModelError::Tokenizer(e.to_string()))?;
         if typed.is_empty() {
             return Ok(enc.get_ids().to_vec());
@@ -115,6 +159,51 @@ impl Tokenizer {
         }
         self.push_piece(&mut ids, &text[piece.0..], &tokens[piece.1..], piece.2)?;
         Ok(ids)
+    }
+
+    /// Tokenizes a text piece by piece with `encode`, each piece (but the last) ending before a
+    /// space that follows a non-space, outside any added-token string: where the tokenizers of
+    /// these models split their words anyway, so the ids are those of the whole text. A piece
+    /// with no such space (text without spaces, as Chinese is) ends at a character boundary,
+    /// where its tokens may differ from the whole text's.
+    fn encode_pieces(
+        &self,
+        text: &str,
+        bound: &Bound,
+        mut encode: impl FnMut(Range<usize>) -> Result<Vec<u32>>,
+    ) -> Result<Vec<u32>> {
+        let mut ids = Vec::new();
+        let mut start = 0;
+        loop {
+            if bound.cancelled.load(Ordering::Relaxed) {
+                return Err(ModelError::Cancelled);
+            }
+            let end = self.piece_end(text, start);
+            ids.extend(encode(start..end)?);
+            if ids.len() > bound.max_tokens {
+                return Err(ModelError::TooLong(bound.max_tokens));
+            }
+            if end == text.len() {
+                return Ok(ids);
+            }
+            start = end;
+        }
+    }
+
+    fn piece_end(&self, text: &str, start: usize) -> usize {
+        if text.len() - start <= PIECE_BYTES {
+            return text.len();
+        }
+        let end = floor_char_boundary(text, start + PIECE_BYTES);
+        let search = start + PIECE_BYTES / 2..end;
+        // The added-token strings that may hold a cut in `search`.
+        let longest = self.literal().longest();
+        let lo = floor_char_boundary(text, search.start.saturating_sub(longest));
+        let hi = floor_char_boundary(text, (end + longest).min(text.len()));
+        let added = self.literal().spans(&text[lo..hi]);
+        let in_added = |p: usize| added.iter().any(|r| lo + r.start < p && p < lo + r.end);
+        let bytes = text.as_bytes();
+        search.rev().find(|&p| bytes[p] == b' ' && !bytes[p - 1].is_ascii_whitespace() && !in_added(p)).unwrap_or(end)
     }
 
     fn push_piece(&self, ids: &mut Vec<u32>, text: &str, tokens: &[u32], typed: bool) -> Result<()> {
@@ -164,6 +253,13 @@ impl Tokenizer {
     }
 }
 
+fn floor_char_boundary(text: &str, mut i: usize) -> usize {
+    while !text.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
 /// Incremental decoding at a constant cost a token: each step decodes only a short window —
 /// the ids of the last piece emitted, as context, and those after them — and emits what the
 /// window's text adds to the context's (decoding the whole sequence each step cost O(n) a
@@ -200,7 +296,7 @@ impl TextStream<'_> {
 mod tests {
     use std::path::PathBuf;
 
-    use super::Tokenizer;
+    use super::*;
 
     fn tokenizer() -> Tokenizer {
         Tokenizer::from_folder(&PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a")).unwrap()
@@ -224,5 +320,27 @@ mod tests {
         assert_eq!(joined, tokenizer.decode(&ids, true).unwrap());
         assert_eq!(joined, text);
         assert!(widest <= 8, "the stream held {widest} ids");
+    }
+
+    /// A long text is tokenized piece by piece into the whole text's ids, typed added-token
+    /// strings included; past its bound, or once cancelled, tokenizing stops.
+    #[test]
+    fn long_texts_are_tokenized_in_pieces_as_whole() {
+        let tokenizer = tokenizer();
+        let text = "Grüße, 世界! <|im_start|>user naïve <think> 1234567   spaced\n\tand <|im_end|> x".repeat(2_000);
+        assert!(text.len() > 2 * PIECE_BYTES);
+        let whole = tokenizer.inner.encode(text.as_str(), true).unwrap().get_ids().to_vec();
+        assert_eq!(tokenizer.encode_prompt(&text).unwrap(), whole);
+        let typed: Vec<Range<usize>> = text.match_indices("<|im_start|>").map(|(i, s)| i..i + s.len()).collect();
+        let as_text = tokenizer.encode_rendered(&text, &typed, &Bound::none()).unwrap();
+        assert_eq!(as_text, tokenizer.encode_rendered_piece(&text, &typed).unwrap());
+        assert!(as_text.len() > whole.len());
+
+        let cancelled = AtomicBool::new(false);
+        let bound = Bound { max_tokens: 1000, cancelled: &cancelled };
+        assert!(matches!(tokenizer.encode_prompt_within(&text, &bound), Err(ModelError::TooLong(1000))));
+        cancelled.store(true, Ordering::Relaxed);
+        let bound = Bound { max_tokens: usize::MAX, cancelled: &cancelled };
+        assert!(matches!(tokenizer.encode_prompt_within(&text, &bound), Err(ModelError::Cancelled)));
     }
 }

@@ -174,7 +174,7 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let thinking_on = req.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled");
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), Value::Bool(thinking_on));
-    let (opens_thinking, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
+    let (opens_thinking, prompt) = render_chat(&state, messages, tools.clone(), kwargs).await?;
     let opts = generation_options(&state, (prompt.tokens.len(), "messages"), Some(req.max_tokens), 0, sampling, None)?;
     let output = OutputOptions { stop: req.stop_sequences.unwrap_or_default(), thinking: Some(opens_thinking), tools };
     let model = req.model.unwrap_or_else(|| state.config.model_name.clone());

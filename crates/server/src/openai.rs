@@ -16,7 +16,7 @@ use tokio_stream::StreamExt;
 use crate::error::{parse_body, ApiError, ApiResult};
 use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
 use crate::parse::tool_calls::schema_problem;
-use crate::request::{generation_options, null_as_default, render_chat, Prompt, SamplingFields, StopField};
+use crate::request::{encode_prompt, generation_options, null_as_default, render_chat, Prompt, SamplingFields, StopField};
 use crate::state::AppState;
 
 #[derive(Debug, Deserialize)]
@@ -227,7 +227,7 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
     if req.reasoning_effort.as_deref() == Some("none") {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
-    let (opens_thinking, prompt) = render_chat(&state, &messages, tools.as_deref(), &kwargs)?;
+    let (opens_thinking, prompt) = render_chat(&state, messages, tools.clone(), kwargs).await?;
     if req.top_logprobs.is_some_and(|n| n > 20) {
         return Err(ApiError::bad_request("top_logprobs must be at most 20", Some("top_logprobs")));
     }
@@ -379,14 +379,14 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
         ));
     }
     let prompt = match req.prompt {
-        PromptField::Text(t) => state.tokenizer.encode_prompt(&t).map_err(|e| ApiError::internal(e.to_string()))?,
-        PromptField::Tokens(ids) => ids,
-        PromptField::Batch(mut items) if items.len() == 1 => match items.remove(0) {
-            PromptField::Text(t) => state.tokenizer.encode_prompt(&t).map_err(|e| ApiError::internal(e.to_string()))?,
-            PromptField::Tokens(ids) => ids,
-            PromptField::Batch(_) => return Err(ApiError::bad_request("prompt: nested lists are not supported", Some("prompt"))),
-        },
+        PromptField::Batch(mut items) if items.len() == 1 => items.remove(0),
         PromptField::Batch(_) => return Err(ApiError::bad_request("only one prompt per request is supported", Some("prompt"))),
+        single => single,
+    };
+    let prompt = match prompt {
+        PromptField::Text(t) => encode_prompt(&state, t).await?,
+        PromptField::Tokens(ids) => ids,
+        PromptField::Batch(_) => return Err(ApiError::bad_request("prompt: nested lists are not supported", Some("prompt"))),
     };
     if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= state.vocab_size) {
         return Err(ApiError::bad_request(

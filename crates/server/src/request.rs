@@ -2,10 +2,13 @@
 //! chat-template prompt.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use serde::Deserialize;
 use serde_json::{Map, Value};
 use strata_engine::{GenerationOptions, SamplingChoice, SamplingParams};
+use strata_model::tokenizer::Bound;
 use strata_model::ModelError;
 
 use crate::error::{ApiError, ApiResult};
@@ -143,42 +146,117 @@ impl Prompt {
     }
 }
 
+/// Runs a request's CPU-heavy preparation (rendering, tokenizing) on the blocking pool, off the
+/// async threads. When the request is dropped (its client hung up), `cancelled` is set: the
+/// tokenizer stops at its next piece.
+pub async fn prepare<T: Send + 'static>(work: impl FnOnce(&AtomicBool) -> ApiResult<T> + Send + 'static) -> ApiResult<T> {
+    struct CancelOnDrop(Arc<AtomicBool>);
+    impl Drop for CancelOnDrop {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
+    let cancelled = Arc::new(AtomicBool::new(false));
+    let _cancel_on_drop = CancelOnDrop(cancelled.clone());
+    tokio::task::spawn_blocking(move || work(&cancelled))
+        .await
+        .map_err(|e| ApiError::internal(format!("preparing the prompt failed: {e}")))?
+}
+
+/// Tokenizing stops once a prompt cannot fit the context (it must leave room for a token).
+fn prompt_bound<'a>(state: &AppState, cancelled: &'a AtomicBool) -> Bound<'a> {
+    Bound { max_tokens: state.config.max_context - 1, cancelled }
+}
+
+/// A rendering or tokenizing error as a response: a prompt past the context or a template
+/// error is the request's fault, a 400 naming `field`.
+fn prompt_error(state: &AppState, e: ModelError, field: &str) -> ApiError {
+    match e {
+        ModelError::TooLong(n) => ApiError::bad_request(
+            format!("the prompt has more than {n} tokens; this server's context is {} tokens", state.config.max_context),
+            Some(field),
+        ),
+        ModelError::Template(_) => ApiError::bad_request(e.to_string(), Some(field)),
+        other => ApiError::internal(other.to_string()),
+    }
+}
+
+/// Token ids of a `/v1/completions` text prompt (see [`prepare`]).
+pub async fn encode_prompt(state: &AppState, text: String) -> ApiResult<Vec<u32>> {
+    let state = state.clone();
+    prepare(move |cancelled| {
+        state
+            .tokenizer
+            .encode_prompt_within(&text, &prompt_bound(&state, cancelled))
+            .map_err(|e| prompt_error(&state, e, "prompt"))
+    })
+    .await
+}
+
 /// Renders the chat template; returns whether the answer starts inside a think block, and the
 /// prompt's tokens. The conversation without the generation prompt is rendered too: where it
 /// ends is where the next turn's prompt (which re-renders this history, often differently after
 /// it — e.g. without the empty think block the generation prompt opened) stops sharing tokens,
 /// so the cache keeps a snapshot there; and what the generation prompt adds to it is what may
-/// open a think block (a `<think>` in a message's own text does not).
-pub fn render_chat(
+/// open a think block (a `<think>` in a message's own text does not). Runs in [`prepare`].
+pub async fn render_chat(
     state: &AppState,
-    messages: &[Value],
-    tools: Option<&[Value]>,
-    kwargs: &Map<String, Value>,
+    messages: Vec<Value>,
+    tools: Option<Vec<Value>>,
+    kwargs: Map<String, Value>,
 ) -> ApiResult<(bool, Prompt)> {
-    let template = state
-        .template
-        .as_ref()
-        .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions", Some("messages")))?;
-    let render = |generation_prompt: bool| {
-        let mut context = serde_json::json!({
-            "messages": messages,
-            "tools": tools,
-            "add_generation_prompt": generation_prompt,
+    let state = state.clone();
+    prepare(move |cancelled| {
+        let template = state
+            .template
+            .as_ref()
+            .ok_or_else(|| ApiError::bad_request("this model has no chat template; use /v1/completions", Some("messages")))?;
+        let bound = prompt_bound(&state, cancelled);
+        let render = |generation_prompt: bool| {
+            let mut context = serde_json::json!({
+                "messages": messages,
+                "tools": tools,
+                "add_generation_prompt": generation_prompt,
+            });
+            for (k, v) in &kwargs {
+                context[k] = v.clone();
+            }
+            let content_as_text = !state.config.special_tokens_in_content;
+            template
+                .render_tokens(context, &state.tokenizer, content_as_text, &bound)
+                .map_err(|e| prompt_error(&state, e, "messages"))
+        };
+        // The prompt first: one past the context is refused before its history is rendered.
+        let (text, tokens) = render(true)?;
+        let (history_text, history) = render(false)?;
+        // A template whose history renders differently with the generation prompt leaves no
+        // clean suffix: then the whole prompt decides.
+        let opens_thinking = prompt_opens_thinking(text.strip_prefix(history_text.as_str()).unwrap_or(&text));
+        let cache_points =
+            if history.len() < tokens.len() && tokens.starts_with(&history) { vec![history.len()] } else { Vec::new() };
+        Ok((opens_thinking, Prompt { tokens, cache_points }))
+    })
+    .await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A request dropped while its prompt is prepared (its client hung up) stops that work.
+    #[tokio::test(flavor = "multi_thread")]
+    async fn dropping_a_request_cancels_its_preparation() {
+        let (stopped, saw_stop) = std::sync::mpsc::channel();
+        let work = prepare(move |cancelled| {
+            while !cancelled.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            stopped.send(()).unwrap();
+            Ok(())
         });
-        for (k, v) in kwargs {
-            context[k] = v.clone();
-        }
-        let content_as_text = !state.config.special_tokens_in_content;
-        template.render_tokens(context, &state.tokenizer, content_as_text).map_err(|e| match e {
-            ModelError::Template(_) => ApiError::bad_request(e.to_string(), Some("messages")),
-            other => ApiError::internal(other.to_string()),
-        })
-    };
-    let ((text, tokens), (history_text, history)) = (render(true)?, render(false)?);
-    // A template whose history renders differently with the generation prompt leaves no clean
-    // suffix: then the whole prompt decides.
-    let opens_thinking = prompt_opens_thinking(text.strip_prefix(history_text.as_str()).unwrap_or(&text));
-    let cache_points =
-        if history.len() < tokens.len() && tokens.starts_with(&history) { vec![history.len()] } else { Vec::new() };
-    Ok((opens_thinking, Prompt { tokens, cache_points }))
+        assert!(tokio::time::timeout(Duration::from_millis(50), work).await.is_err(), "the work runs until cancelled");
+        saw_stop.recv_timeout(Duration::from_secs(10)).expect("the work was cancelled");
+    }
 }
