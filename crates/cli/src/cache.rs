@@ -37,6 +37,11 @@ pub struct CacheArgs {
 }
 
 impl CacheArgs {
+    /// The SSD tier's folder, if one is set.
+    pub fn ssd_dir(&self) -> Option<&Path> {
+        self.ssd_cache.as_deref()
+    }
+
     /// The cache settings on `device` for an engine that prefills `prefill_chunk` tokens a forward.
     pub fn config(
         &self,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use strata_engine::{EngineConfig, Worker};
-use strata_server::{Cutoff, HttpLimits, ServerConfig, Shared};
+use strata_server::{Cutoff, HttpLimits, ResponseStore, ServerConfig, Shared};
 
 use crate::cache::{folder_identity, CacheArgs};
 use crate::common::{parse_device, DTypeArg};
@@ -87,6 +87,14 @@ pub struct Args {
     /// as transformers' `apply_chat_template` does; by default message text is only ever text.
     #[arg(long)]
     special_tokens_in_content: bool,
+    /// Most responses kept for `GET /v1/responses/{id}` and `previous_response_id` (requests
+    /// with `store`, the default); the least recently used go first. With --ssd-cache they are
+    /// kept on disk too, in its `responses` folder, so a restart keeps them.
+    #[arg(long, default_value_t = ResponseStore::DEFAULT_ENTRIES)]
+    response_store_entries: usize,
+    /// Most bytes those stored responses may take, each with its whole conversation.
+    #[arg(long, default_value_t = ResponseStore::DEFAULT_BYTES)]
+    response_store_bytes: usize,
     #[command(flatten)]
     cache: CacheArgs,
     #[command(flatten)]
@@ -146,6 +154,17 @@ pub fn run(a: Args) -> Result<()> {
             "SSD cache opened"
         );
     }
+    let (entries, bytes) = (a.response_store_entries, a.response_store_bytes);
+    let responses = match a.cache.ssd_dir() {
+        Some(dir) => {
+            let dir = dir.join("responses");
+            let store = ResponseStore::open(&dir, entries, bytes)
+                .with_context(|| format!("cannot open the stored responses in {}", dir.display()))?;
+            tracing::info!(responses = store.len(), folder = %dir.display(), "stored responses opened");
+            store
+        }
+        None => ResponseStore::in_memory(entries, bytes),
+    };
     let model_name =
         a.model.clone().unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
     let vocab_size = folder.config.vocab_size;
@@ -170,6 +189,7 @@ pub fn run(a: Args) -> Result<()> {
         http_requests: AtomicU64::new(0),
         http_errors: AtomicU64::new(0),
         cutoff: Cutoff::default(),
+        responses,
     });
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
     runtime.block_on(async move {

@@ -1,4 +1,4 @@
-//! The HTTP server: OpenAI- and Anthropic-compatible endpoints over the engine. The only crate
+//! The HTTP server: OpenAI- (chat, completions, responses) and Anthropic-compatible endpoints over the engine. The only crate
 //! that knows HTTP and the wire schemas; handlers never touch model state (they queue jobs
 //! for the engine thread and read its events).
 
@@ -10,6 +10,8 @@ mod openai;
 mod output;
 pub mod parse;
 mod request;
+mod response_store;
+mod responses;
 pub mod state;
 
 use std::sync::atomic::Ordering;
@@ -25,6 +27,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::error::{ApiError, Dialect};
 pub use crate::http::{default_max_connections, raise_open_files_limit, serve, HttpLimits};
+pub use crate::response_store::ResponseStore;
 pub use crate::state::{AppState, Cutoff, ServerConfig, Shared};
 
 /// Largest request body accepted (larger ones get a 413 error object).
@@ -36,6 +39,8 @@ pub fn router(state: AppState) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/responses/{id}", get(responses::retrieve).delete(responses::delete))
         .route("/admin/cache/flush", post(admin::flush_cache))
         .route_layer(middleware::from_fn_with_state(state.clone(), read_body))
         .route_layer(middleware::from_fn_with_state(state.clone(), authorize));

@@ -9,6 +9,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
+use strata_engine::GenerationOptions;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
@@ -24,8 +25,8 @@ struct StreamOptions {
     include_usage: Option<bool>,
 }
 
-#[derive(Debug, Deserialize)]
-struct ChatRequest {
+#[derive(Debug, Default, Deserialize)]
+pub(crate) struct ChatRequest {
     model: Option<String>,
     messages: Vec<Value>,
     #[serde(default, deserialize_with = "null_as_default")]
@@ -44,11 +45,31 @@ struct ChatRequest {
     reasoning_effort: Option<String>,
 }
 
-fn new_id(prefix: &str) -> String {
+impl ChatRequest {
+    /// A request of these messages, for a dialect that translates onto chat.
+    pub(crate) fn translated(
+        messages: Vec<Value>,
+        max_tokens: Option<i64>,
+        tools: Option<Vec<Value>>,
+        tool_choice: Option<Value>,
+        chat_template_kwargs: Map<String, Value>,
+    ) -> Self {
+        Self {
+            messages,
+            max_completion_tokens: max_tokens,
+            tools,
+            tool_choice,
+            chat_template_kwargs: Some(chat_template_kwargs),
+            ..Self::default()
+        }
+    }
+}
+
+pub(crate) fn new_id(prefix: &str) -> String {
     format!("{prefix}{:016x}{:08x}", rand::random::<u64>(), rand::random::<u32>())
 }
 
-fn now() -> u64 {
+pub(crate) fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
@@ -193,21 +214,20 @@ fn logprob_json(token: &str, logprob: f32, top: &[(String, f32)]) -> Value {
     v
 }
 
-pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
-    match chat(state, body).await {
-        Ok(r) => r,
-        Err(e) => e.into_response(),
-    }
+/// A chat request made ready for the engine: its prompt, generation options and how to read its
+/// output. Chat completions run one, and so does the Responses API, translated onto chat.
+pub(crate) struct ChatJob {
+    pub prompt: Prompt,
+    pub opts: GenerationOptions,
+    pub output: OutputOptions,
 }
 
-async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
-    let req: ChatRequest = parse_body(&body)?;
-    // Parsed on its own rather than flattened into the request, so errors name the field.
-    let sampling: SamplingFields = parse_body(&body)?;
+/// Checks a chat request's messages, tools and limits and renders its prompt.
+pub(crate) async fn prepare_chat(state: &AppState, req: ChatRequest, sampling: &SamplingFields) -> ApiResult<ChatJob> {
     if req.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
     }
-    let sampling = sampling.resolve(&state)?;
+    let sampling = sampling.resolve(state)?;
     let messages = template_messages(&req.messages)?;
     // "required" and a named function would need the output constrained to a call: refused
     // rather than answered in plain text as if "auto".
@@ -227,13 +247,13 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
     if req.reasoning_effort.as_deref() == Some("none") {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
-    let (opens_thinking, prompt) = render_chat(&state, messages, tools.clone(), kwargs).await?;
+    let (opens_thinking, prompt) = render_chat(state, messages, tools.clone(), kwargs).await?;
     if req.top_logprobs.is_some_and(|n| n > 20) {
         return Err(ApiError::bad_request("top_logprobs must be at most 20", Some("top_logprobs")));
     }
     let top = if req.logprobs { Some(req.top_logprobs.unwrap_or(0)) } else { None };
     let opts = generation_options(
-        &state,
+        state,
         (prompt.tokens.len(), "messages"),
         req.max_completion_tokens.or(req.max_tokens),
         4096,
@@ -242,10 +262,27 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
     )?;
     let output =
         OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: Some(opens_thinking), tools };
-    let model = req.model.unwrap_or_else(|| state.config.model_name.clone());
+    Ok(ChatJob { prompt, opts, output })
+}
+
+pub async fn chat_completions(State(state): State<AppState>, body: Bytes) -> Response {
+    match chat(state, body).await {
+        Ok(r) => r,
+        Err(e) => e.into_response(),
+    }
+}
+
+async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
+    let req: ChatRequest = parse_body(&body)?;
+    // Parsed on its own rather than flattened into the request, so errors name the field.
+    let sampling: SamplingFields = parse_body(&body)?;
+    let (stream, wants_logprobs) = (req.stream, req.logprobs);
+    let include_usage = req.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+    let model = req.model.clone().unwrap_or_else(|| state.config.model_name.clone());
+    let ChatJob { prompt, opts, output } = prepare_chat(&state, req, &sampling).await?;
     let id = new_id("chatcmpl-");
 
-    if !req.stream {
+    if !stream {
         let (mut content, mut reasoning, mut calls, mut logprobs) = (String::new(), String::new(), Vec::new(), Vec::new());
         let outcome = drive(&state, prompt, opts, output, std::future::pending(), |p| {
             match p {
@@ -267,7 +304,7 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
         if !calls.is_empty() {
             message["tool_calls"] = calls.iter().enumerate().map(|(i, c)| tool_call_json(i, c)).collect();
         }
-        let logprobs = if req.logprobs { json!({"content": logprobs}) } else { Value::Null };
+        let logprobs = if wants_logprobs { json!({"content": logprobs}) } else { Value::Null };
         return Ok(Json(json!({
             "id": id, "object": "chat.completion", "created": now(), "model": model,
             "choices": [{"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_name(&outcome)}],
@@ -276,7 +313,6 @@ async fn chat(state: AppState, body: Bytes) -> ApiResult<Response> {
         .into_response());
     }
 
-    let include_usage = req.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
     let (tx, rx) = mpsc::unbounded_channel::<Value>();
     let created = now();
     let chunk = {

@@ -9,6 +9,7 @@ use strata_model::{ChatTemplate, GenerationConfig, Tokenizer};
 use tokio::sync::watch;
 
 use crate::http::HttpLimits;
+use crate::response_store::ResponseStore;
 
 pub struct ServerConfig {
     /// Name reported by `/v1/models` (requests for any model name are served by this one).
@@ -37,6 +38,8 @@ pub struct Shared {
     pub http_requests: AtomicU64,
     pub http_errors: AtomicU64,
     pub cutoff: Cutoff,
+    /// Responses kept for `GET /v1/responses/{id}` and `previous_response_id`.
+    pub responses: ResponseStore,
 }
 
 /// Reached when a shutdown's wait for the requests still running is over: each then ends at

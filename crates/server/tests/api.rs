@@ -8,7 +8,7 @@ use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use axum::Router;
 use candle_core::Device;
-use common::{fixture, state, state_configured, state_with};
+use common::{call, fixture, post, sse, state, state_configured, state_with};
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 use strata_engine::EngineConfig;
@@ -19,42 +19,6 @@ use tower::ServiceExt;
 
 fn app() -> Router {
     router(state("qwen3_5-tiny-a", 4096, None))
-}
-
-async fn call(app: &Router, method: &str, path: &str, body: Value, headers: &[(&str, &str)]) -> (StatusCode, Vec<u8>) {
-    let mut req = Request::builder().method(method).uri(path).header("content-type", "application/json");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let body = if body.is_null() { Body::empty() } else { Body::from(body.to_string()) };
-    let resp = app.clone().oneshot(req.body(body).unwrap()).await.unwrap();
-    let status = resp.status();
-    (status, axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap().to_vec())
-}
-
-async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
-    let (s, b) = call(app, "POST", path, body, &[]).await;
-    (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
-}
-
-/// `(event name, data)` pairs of an SSE body.
-fn sse(body: &[u8]) -> Vec<(String, String)> {
-    let text = String::from_utf8_lossy(body);
-    text.split("\n\n")
-        .filter(|e| !e.trim().is_empty())
-        .map(|e| {
-            let mut name = String::new();
-            let mut data = String::new();
-            for line in e.lines() {
-                if let Some(v) = line.strip_prefix("event: ").or_else(|| line.strip_prefix("event:")) {
-                    name = v.trim().to_string();
-                } else if let Some(v) = line.strip_prefix("data: ").or_else(|| line.strip_prefix("data:")) {
-                    data.push_str(v);
-                }
-            }
-            (name, data)
-        })
-        .collect()
 }
 
 fn chat(extra: Value) -> Value {

@@ -1,5 +1,5 @@
-//! Property test of the request parsers of `/v1/chat/completions`, `/v1/completions` and
-//! `/v1/messages`: valid bodies truncated at every byte, and mutated (fields deleted at any
+//! Property test of the request parsers of `/v1/chat/completions`, `/v1/completions`,
+//! `/v1/messages` and `/v1/responses`: valid bodies truncated at every byte, and mutated (fields deleted at any
 //! depth, values swapped for other types, huge numbers, deep nesting, flipped bytes, bad
 //! UTF-8). Every answer must be a 200 — a whole answer, or a stream that ends properly — or a
 //! 4xx in the endpoint's dialect; never a 5xx, a panic or a hang. A seeded PRNG makes every
@@ -58,6 +58,20 @@ fn valid_bodies() -> Vec<(&'static str, Value)> {
                                 {"role": "assistant", "content": [{"type": "text", "text": "Let me look."},
                                     {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Paris"}}]},
                                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "sunny"}]}]}),
+        ),
+        (
+            "/v1/responses",
+            json!({"model": "m", "input": "Hello!", "instructions": "Be brief.", "max_output_tokens": 3, "temperature": 0,
+                   "top_p": 0.9, "reasoning": {"effort": "low"}, "metadata": {"k": "v"}, "store": false}),
+        ),
+        (
+            "/v1/responses",
+            json!({"input": [user, {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "hm"}]},
+                             {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+                             {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                             {"role": "user", "content": [{"type": "input_text", "text": "Thanks"}]}],
+                   "tools": [{"type": "function", "name": "get_weather", "parameters": weather["function"]["parameters"]}],
+                   "tool_choice": "auto", "max_output_tokens": 3, "stream": true, "reasoning": {"effort": "none"}}),
         ),
     ]
 }
@@ -164,8 +178,13 @@ async fn check(app: &Router, path: &str, body: Vec<u8>, case: &str) -> StatusCod
         assert_eq!(error["type"] == "error", anthropic, "{case}: wrong dialect {error}");
     } else if is_stream {
         let last_event = text.trim_end().rsplit("\n\n").next().unwrap_or_default();
-        let end = if anthropic { "event: message_stop" } else { "data: [DONE]" };
-        assert!(last_event.starts_with(end) && !text.contains("event: error"), "{case}: stream ended badly: {text}");
+        let ends: &[&str] = match path {
+            "/v1/messages" => &["event: message_stop"],
+            "/v1/responses" => &["event: response.completed", "event: response.incomplete"],
+            _ => &["data: [DONE]"],
+        };
+        let ended = ends.iter().any(|end| last_event.starts_with(end));
+        assert!(ended && !text.contains("event: error"), "{case}: stream ended badly: {text}");
     } else {
         let answer: Value = serde_json::from_slice(&bytes).unwrap_or_else(|e| panic!("{case}: not JSON ({e}): {text}"));
         assert!(answer["usage"].is_object(), "{case}: {answer}");

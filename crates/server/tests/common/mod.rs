@@ -7,10 +7,15 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Instant;
 
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
 use candle_core::{DType, Device};
+use serde_json::Value;
 use strata_engine::{CacheConfig, EngineConfig, Worker};
 use strata_model::ModelFolder;
-use strata_server::{AppState, Cutoff, HttpLimits, ServerConfig, Shared};
+use strata_server::{AppState, Cutoff, HttpLimits, ResponseStore, ServerConfig, Shared};
+use tower::ServiceExt;
 
 pub fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
@@ -65,5 +70,42 @@ pub fn state_configured(
         http_requests: AtomicU64::new(0),
         http_errors: AtomicU64::new(0),
         cutoff: Cutoff::default(),
+        responses: ResponseStore::default(),
     })
+}
+
+pub async fn call(app: &Router, method: &str, path: &str, body: Value, headers: &[(&str, &str)]) -> (StatusCode, Vec<u8>) {
+    let mut req = Request::builder().method(method).uri(path).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let body = if body.is_null() { Body::empty() } else { Body::from(body.to_string()) };
+    let resp = app.clone().oneshot(req.body(body).unwrap()).await.unwrap();
+    let status = resp.status();
+    (status, axum::body::to_bytes(resp.into_body(), usize::MAX).await.unwrap().to_vec())
+}
+
+pub async fn post(app: &Router, path: &str, body: Value) -> (StatusCode, Value) {
+    let (s, b) = call(app, "POST", path, body, &[]).await;
+    (s, serde_json::from_slice(&b).unwrap_or(Value::Null))
+}
+
+/// `(event name, data)` pairs of an SSE body.
+pub fn sse(body: &[u8]) -> Vec<(String, String)> {
+    let text = String::from_utf8_lossy(body);
+    text.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let mut name = String::new();
+            let mut data = String::new();
+            for line in e.lines() {
+                if let Some(v) = line.strip_prefix("event: ").or_else(|| line.strip_prefix("event:")) {
+                    name = v.trim().to_string();
+                } else if let Some(v) = line.strip_prefix("data: ").or_else(|| line.strip_prefix("data:")) {
+                    data.push_str(v);
+                }
+            }
+            (name, data)
+        })
+        .collect()
 }
