@@ -228,7 +228,7 @@ def main():
     out = sys.argv[1]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4, linear_key_head_dim=16,
-                linear_value_head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                linear_value_head_dim=16, rms_norm_eps=1e-6, max_position_embeddings=131072,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
                                  "mrope_interleaved": True})

@@ -123,10 +123,14 @@ pub fn run(a: Args) -> Result<()> {
     let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let dir = crate::hub::resolve_model(a.model.as_deref())?;
     let folder = crate::common::open_model(&dir)?;
+    // At least 1: the config's parser refuses less, naming the field.
     let model_max = folder.config.max_position_embeddings;
     let max_context = a.max_context.unwrap_or(model_max);
     if max_context == 0 {
         anyhow::bail!("--max-context must be at least 1");
+    }
+    if max_context > model_max {
+        anyhow::bail!("--max-context {max_context} is more than the model's {model_max} positions (max_position_embeddings)");
     }
     let defaults = EngineConfig::for_device(&device);
     let engine = EngineConfig {
@@ -136,6 +140,12 @@ pub fn run(a: Args) -> Result<()> {
     };
     let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, dtype.name()))?;
     let model = folder.load(dtype.dtype(), &device)?;
+    if model.state_cost().bytes(max_context).is_none() {
+        anyhow::bail!(
+            "--max-context {max_context} (by default the model's max_position_embeddings): the state of that many tokens \
+             would be more bytes than this machine can count"
+        );
+    }
     model.set_decode_graphs(!a.no_cuda_graphs);
     let speculation = a.draft.speculation(
         folder.config.vocab_size,

@@ -3,7 +3,8 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor};
 
@@ -22,14 +23,35 @@ fn copy_fixture(src: &Path) -> tempfile::TempDir {
 
 /// Runs `strata generate` on `dir` and returns stderr after checking it is one clean error line.
 fn generate_error(dir: &Path, extra: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_strata"))
-        .args(["generate", "--model"])
+    command_error(&["generate"], dir, &[&["--tokens", "1,2,3", "--max-tokens", "2"], extra].concat())
+}
+
+/// The same for `strata serve`, which must fail before it serves (else it is killed after a
+/// minute, and the test fails).
+fn serve_error(dir: &Path, extra: &[&str]) -> String {
+    command_error(&["serve", "--port", "0"], dir, extra)
+}
+
+fn command_error(command: &[&str], dir: &Path, extra: &[&str]) -> String {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(command)
+        .arg("--model")
         .arg(dir)
-        .args(["--tokens", "1,2,3", "--max-tokens", "2"])
         .args(extra)
         .env("RUST_BACKTRACE", "1")
-        .output()
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).to_string();
     assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
     assert_eq!(out.status.code(), Some(1), "{stderr}");
@@ -171,4 +193,24 @@ fn draft_mtp_without_a_head() {
     rewrite_weights(dir.path(), |t| t.retain(|k, _| !k.starts_with("mtp.")));
     let err = generate_error(dir.path(), &["--draft", "mtp"]);
     assert!(err.contains("--draft mtp") && err.contains("no multi-token-prediction head"), "{err}");
+}
+
+/// Sizes that would overflow are refused at start, naming the flag or field: a context past the
+/// model's positions, a config's positions whose state no byte count holds, none at all.
+#[test]
+fn contexts_past_the_model_or_past_counting() {
+    let err = serve_error(&fixture(), &["--max-context", "4611686018427387904"]);
+    assert!(err.contains("--max-context 4611686018427387904") && err.contains("max_position_embeddings"), "{err}");
+    let with_positions = |n: &'static str| {
+        move |d: &Path| {
+            let config = std::fs::read_to_string(d.join("config.json")).unwrap();
+            let config = config.replace("\"max_position_embeddings\": 131072", &format!("\"max_position_embeddings\": {n}"));
+            write(d, "config.json", &config);
+        }
+    };
+    let dir = copy_fixture(&fixture());
+    with_positions("4611686018427387904")(dir.path());
+    let err = serve_error(dir.path(), &[]);
+    assert!(err.contains("--max-context 4611686018427387904") && err.contains("more bytes than"), "{err}");
+    check(with_positions("0"), &["config.json", "max_position_embeddings`", "at least 1"]);
 }

@@ -171,8 +171,8 @@ impl<'a> Engine<'a> {
                 self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            let need = self.cost.bytes(job.prompt.len() + job.opts.max_tokens);
-            if self.reserved() + need > self.config.state_budget_bytes {
+            let need = self.cost.bytes(job.prompt.len() + job.opts.max_tokens).expect("submit() checked the job's state size");
+            if self.reserved().checked_add(need).is_none_or(|total| total > self.config.state_budget_bytes) {
                 return Ok(());
             }
             let Queued { job, restored } = self.waiting.pop_front().expect("front exists");

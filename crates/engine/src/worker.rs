@@ -182,6 +182,7 @@ pub struct Worker {
     recovery: Option<Recovery>,
     cost: StateCost,
     config: EngineConfig,
+    max_positions: usize,
 }
 
 impl Worker {
@@ -196,6 +197,7 @@ impl Worker {
         let stats = Arc::new(WorkerStats::default());
         let cache_stats = Arc::new(CacheStats::default());
         let cost = model.state_cost();
+        let max_positions = model.max_position_embeddings();
         let (writer, recovery) = match &cache.ssd {
             Some(ssd) => {
                 let (store, recovery) = SsdStore::open(ssd.options.clone(), ssd.identity.clone(), cache_stats.clone())?;
@@ -237,13 +239,15 @@ impl Worker {
                 Engine::new(model, config, cost, &thread_stats, &thread_cache, speculation.map(Drafter::new)).run(queue)
             })
             .expect("the OS can start a thread");
-        Ok(Self { jobs, stats, cache: shared, recovery, cost, config })
+        Ok(Self { jobs, stats, cache: shared, recovery, cost, config, max_positions })
     }
 
     /// Whether a job of `tokens` total tokens (prompt + output budget) can ever be admitted;
     /// the error says why not.
     pub fn admissible(&self, tokens: usize) -> Result<(), String> {
-        let need = self.cost.bytes(tokens);
+        let Some(need) = self.cost.bytes(tokens) else {
+            return Err(format!("the state of {tokens} tokens would be more bytes than this machine can count"));
+        };
         if need > self.config.state_budget_bytes {
             return Err(format!(
                 "the request needs {need} bytes of state for {tokens} tokens but the engine's state budget is {} bytes",
@@ -260,6 +264,12 @@ impl Worker {
             self.stats.queued.fetch_sub(1, Ordering::Relaxed);
             "the engine thread has stopped".to_string()
         })
+    }
+
+    /// The positions the model has (`max_position_embeddings`): the most tokens a sequence may
+    /// hold.
+    pub fn max_positions(&self) -> usize {
+        self.max_positions
     }
 
     pub fn stats(&self) -> &WorkerStats {

@@ -161,7 +161,7 @@ fn admission_respects_the_state_budget_and_arrival_order() {
     let (model, tokens) = load(dir);
     let cost = model.state_cost();
     // Room for exactly one request of 30 tokens at a time.
-    let budget = cost.bytes(30) + cost.bytes(30) / 2;
+    let budget = cost.bytes(30).unwrap() + cost.bytes(30).unwrap() / 2;
     let worker = Worker::spawn(
         model,
         EngineConfig { max_batch: 8, prefill_chunk: 8, state_budget_bytes: budget },

@@ -182,6 +182,7 @@ impl Qwen35Config {
             ("linear_value_head_dim", self.linear_value_head_dim),
             ("linear_num_key_heads", self.linear_num_key_heads),
             ("linear_num_value_heads", self.linear_num_value_heads),
+            ("max_position_embeddings", self.max_position_embeddings),
         ];
         for (name, v) in positive {
             if v == 0 {

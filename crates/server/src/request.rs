@@ -86,7 +86,7 @@ pub fn generation_options(
     sampling: SamplingParams,
     logprobs: Option<usize>,
 ) -> ApiResult<GenerationOptions> {
-    let limit = state.config.max_context;
+    let limit = state.context();
     if prompt_len == 0 {
         return Err(ApiError::bad_request("the prompt is empty", Some(prompt_field)));
     }
@@ -98,10 +98,11 @@ pub fn generation_options(
     }
     let max_tokens = match max_tokens {
         Some(n) if n <= 0 => return Err(ApiError::bad_request("max_tokens must be at least 1", Some("max_tokens"))),
-        Some(n) => n as usize,
+        Some(n) => usize::try_from(n).unwrap_or(usize::MAX),
         None => default_max.min(limit - prompt_len),
     };
-    if prompt_len + max_tokens > limit {
+    // limit - prompt_len: no overflow, whatever max_tokens asks.
+    if max_tokens > limit - prompt_len {
         return Err(ApiError::bad_request(
             format!("prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) exceeds this server's context of {limit} tokens"),
             Some("max_tokens"),
@@ -165,7 +166,7 @@ pub async fn prepare<T: Send + 'static>(work: impl FnOnce(&AtomicBool) -> ApiRes
 
 /// Tokenizing stops once a prompt cannot fit the context (it must leave room for a token).
 fn prompt_bound<'a>(state: &AppState, cancelled: &'a AtomicBool) -> Bound<'a> {
-    Bound { max_tokens: state.config.max_context - 1, cancelled }
+    Bound { max_tokens: state.context() - 1, cancelled }
 }
 
 /// A rendering or tokenizing error as a response: a prompt past the context or a template
@@ -173,7 +174,7 @@ fn prompt_bound<'a>(state: &AppState, cancelled: &'a AtomicBool) -> Bound<'a> {
 fn prompt_error(state: &AppState, e: ModelError, field: &str) -> ApiError {
     match e {
         ModelError::TooLong(n) => ApiError::bad_request(
-            format!("the prompt has more than {n} tokens; this server's context is {} tokens", state.config.max_context),
+            format!("the prompt has more than {n} tokens; this server's context is {} tokens", state.context()),
             Some(field),
         ),
         ModelError::Template(_) => ApiError::bad_request(e.to_string(), Some(field)),

@@ -58,4 +58,12 @@ impl Cutoff {
     }
 }
 
+impl Shared {
+    /// Longest prompt + output a request may ask for: the configured context, within the
+    /// model's positions.
+    pub fn context(&self) -> usize {
+        self.config.max_context.min(self.worker.max_positions())
+    }
+}
+
 pub type AppState = Arc<Shared>;

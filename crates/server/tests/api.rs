@@ -490,6 +490,25 @@ fn peak_memory() -> Option<u64> {
     Some(kb << 10)
 }
 
+/// A request past the model's positions is a 400 naming `max_tokens`, whatever the server's
+/// context says, and a byte count that would overflow is one too (2^56 tokens of state once
+/// wrapped to a few KB, and a stream ran past the model's positions).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_past_the_models_positions_is_a_400_naming_max_tokens() {
+    let app = router(state("qwen3_5-tiny-a", 1 << 62, None));
+    let positions = ModelFolder::open(&fixture("qwen3_5-tiny-a")).unwrap().config.max_position_embeddings as u64;
+    for max_tokens in [1u64 << 56, positions - 2, i64::MAX as u64] {
+        let body = json!({"prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0});
+        let answer = tokio::time::timeout(Duration::from_secs(30), post(&app, "/v1/completions", body)).await;
+        let (s, r) = answer.expect("refused at once, not generated");
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{max_tokens}: {r}");
+        assert_eq!(r["error"]["param"], "max_tokens", "{r}");
+        assert!(r["error"]["message"].as_str().unwrap().contains(&positions.to_string()), "{r}");
+    }
+    let (s, r) = post(&app, "/v1/completions", json!({"prompt": [1, 2, 3], "max_tokens": 2, "temperature": 0})).await;
+    assert_eq!(s, StatusCode::OK, "{r}");
+}
+
 /// `null` for a flag the APIs mark nullable reads as leaving it out (SDKs send explicit nulls).
 #[tokio::test(flavor = "multi_thread")]
 async fn nullable_flags_accept_null() {

@@ -125,6 +125,7 @@ impl DenseConfig {
             ("num_hidden_layers", self.num_hidden_layers),
             ("num_key_value_heads", self.num_key_value_heads),
             ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
         ];
         for (name, v) in positive {
             if v == 0 {

@@ -100,6 +100,7 @@ impl Gemma3Config {
             ("num_key_value_heads", self.num_key_value_heads),
             ("head_dim", self.head_dim),
             ("sliding_window", self.sliding_window),
+            ("max_position_embeddings", self.max_position_embeddings),
         ];
         for (name, v) in positive {
             if v == 0 {

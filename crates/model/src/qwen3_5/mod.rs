@@ -112,9 +112,12 @@ pub struct StateCost {
 }
 
 impl StateCost {
-    /// Bytes of state for a sequence of `tokens` tokens.
-    pub fn bytes(&self, tokens: usize) -> usize {
-        self.bytes_per_row + tokens * self.bytes_per_token + tokens.min(self.window_positions) * self.window_bytes_per_token
+    /// Bytes of state for a sequence of `tokens` tokens; None past `usize::MAX`. (The per-token
+    /// and per-row costs themselves are products of shapes whose weights were loaded: they
+    /// cannot overflow, a token count from a request or a flag can.)
+    pub fn bytes(&self, tokens: usize) -> Option<usize> {
+        let window = tokens.min(self.window_positions).checked_mul(self.window_bytes_per_token)?;
+        tokens.checked_mul(self.bytes_per_token)?.checked_add(window)?.checked_add(self.bytes_per_row)
     }
 }
 
@@ -362,5 +365,20 @@ impl Qwen35 {
     fn embed_checked(&self, tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         Ok(self.embed.rows_at(&tokens.flatten_all()?, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StateCost;
+
+    #[test]
+    fn state_bytes_are_counted_without_wrapping() {
+        let cost = StateCost { bytes_per_token: 1 << 10, bytes_per_row: 100, window_bytes_per_token: 8, window_positions: 512 };
+        assert_eq!(cost.bytes(3), Some(3 * 1024 + 3 * 8 + 100));
+        assert_eq!(cost.bytes(1000), Some(1000 * 1024 + 512 * 8 + 100));
+        // 2^56 tokens of 2^10 bytes wrapped to a few KB.
+        assert_eq!(cost.bytes(1 << 56), None);
+        assert_eq!(cost.bytes(usize::MAX / 1024), None, "the window and row bytes on top overflow");
     }
 }
