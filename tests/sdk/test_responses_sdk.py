@@ -16,6 +16,15 @@ WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Get t
 GENERATION_PROMPT = "<|im_start|>assistant\n<think>\n\n</think>\n\n"
 
 
+@pytest.fixture(scope="module")
+def server():
+    """A server of these tests' own: they fill a prompt cache that other files' tests expect cold."""
+    proc, url = start()
+    yield url
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
 def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
 
