@@ -161,6 +161,7 @@ pub fn run(a: Args) -> Result<()> {
             reaped_tmp = r.reaped_tmp,
             removed_corrupt = r.removed_corrupt,
             skipped_foreign = r.skipped_foreign,
+            skipped_unsafe = r.skipped_unsafe,
             "SSD cache opened"
         );
     }

@@ -90,11 +90,20 @@ fn killed_server_restarts_and_serves_the_right_state() {
     let foreign = ssd.path().join("0000000000000000/0000000000000000/aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa.entry");
     std::fs::create_dir_all(foreign.parent().unwrap()).unwrap();
     std::fs::write(&foreign, b"another model's entry").unwrap();
+    // A FIFO named like an entry (opening it would block startup for ever), and a namespace
+    // folder that links outside the cache, to an entry and a `.tmp` file strata did not write.
+    assert!(Command::new("mkfifo").arg(namespace.join("x.entry")).status().unwrap().success());
+    let outside = tempfile::tempdir().unwrap();
+    let victims = [outside.path().join("victim.entry"), outside.path().join("victim.entry.tmp")];
+    victims.iter().for_each(|victim| std::fs::write(victim, b"not strata's").unwrap());
+    std::os::unix::fs::symlink(outside.path(), own.join("00000000000000aa")).unwrap();
 
     let server = Server::start(ssd.path());
     let recovered = &server.get("/stats")["prompt_cache"]["ssd"]["recovered"];
     assert!(recovered["reaped_tmp"].as_u64().unwrap() >= 1, "{recovered}");
     assert!(recovered["removed_corrupt"].as_u64().unwrap() >= 1, "{recovered}");
+    assert_eq!(recovered["skipped_unsafe"], 2, "{recovered}");
+    assert!(victims.iter().all(|victim| victim.exists()), "nothing outside the cache folder is deleted");
     let warm = server.post("/v1/completions", &completion(&prompt, 12));
     assert_eq!(warm["choices"][0]["text"], cold["choices"][0]["text"], "the restarted server serves the cold run's output");
     // Served from the SSD tier: the prompt entry (all but the last token) or, as this greedy

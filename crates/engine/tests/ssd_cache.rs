@@ -3,9 +3,12 @@
 //! serve, crash and corruption recovery, the byte cap, superseding, and the write-behind queue.
 
 use std::fs;
+use std::os::unix::fs::{symlink, FileTypeExt};
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::Arc;
+use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use candle_core::{DType, Device, Tensor};
@@ -379,7 +382,7 @@ fn a_failed_write_leaves_the_index_and_disk_clean() {
     let blocked = dir.path().join(identity("tiny-a").fingerprint()).join(format!("{:016x}", 5));
     fs::write(&blocked, b"not a folder").unwrap();
     let err = store.store(&snap(5, &tokens, run(&model, &tokens), None)).unwrap_err();
-    assert!(matches!(err, SsdError::Io { .. }) && err.to_string().contains(&*blocked.to_string_lossy()), "{err}");
+    assert!(matches!(err, SsdError::Unsafe { .. }) && err.to_string().contains(&*blocked.to_string_lossy()), "{err}");
     assert_eq!((store.entries(), store.bytes(), entry_files(dir.path())), before);
     assert!(no_tmp_left(dir.path()));
 
@@ -526,4 +529,123 @@ fn writer_drops_and_counts_what_a_full_queue_cannot_take() {
     assert_eq!(writer.shutdown(Duration::from_secs(60)), 0);
     assert_eq!(writer.store().entries(), accepted);
     assert_eq!(entry_files(dir.path()).len(), accepted);
+}
+
+/// Opens the store on another thread and gives up after a while: a startup that blocks (in
+/// `open` of a FIFO, say) fails the test instead of hanging it.
+fn open_within_seconds(dir: &Path, seconds: u64) -> Result<(SsdStore, Recovery), SsdError> {
+    let (done, result) = mpsc::channel();
+    let dir = dir.to_path_buf();
+    std::thread::spawn(move || {
+        let stats = Arc::new(CacheStats::default());
+        let _ = done.send(SsdStore::open(SsdOptions { dir, max_bytes: GIB, verify: false }, identity("tiny-a"), stats));
+    });
+    result.recv_timeout(Duration::from_secs(seconds)).expect("opening the SSD cache hung")
+}
+
+fn mkfifo(path: &Path) {
+    assert!(Command::new("mkfifo").arg(path).status().unwrap().success());
+}
+
+/// Nothing but regular files is opened or deleted: a FIFO, a socket and a folder named like
+/// entries and `.tmp` files are skipped (without blocking) and left where they are.
+#[test]
+fn entries_that_are_not_regular_files_are_skipped_without_blocking() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens: Vec<u32> = (1..=4).collect();
+    let ns = {
+        let (store, _, _) = open(dir.path(), GIB, false);
+        store_one(dir.path(), &store, &snap(1, &tokens, kv_state(4), None)).parent().unwrap().to_path_buf()
+    };
+    let (fifo, fifo_tmp) = (ns.join("x.entry"), ns.join("y.entry.tmp"));
+    mkfifo(&fifo);
+    mkfifo(&fifo_tmp);
+    let _socket = UnixListener::bind(ns.join("s.entry")).unwrap();
+    fs::create_dir(ns.join("d.entry")).unwrap();
+    fs::create_dir(ns.join("d.entry.tmp")).unwrap();
+
+    let (store, recovery) = open_within_seconds(dir.path(), 20).unwrap();
+    assert_eq!((recovery.entries, recovery.skipped_unsafe, recovery.removed_corrupt, recovery.reaped_tmp), (1, 5, 0, 0));
+    for name in ["x.entry", "y.entry.tmp", "s.entry", "d.entry", "d.entry.tmp"] {
+        assert!(fs::symlink_metadata(ns.join(name)).is_ok(), "{name} was deleted");
+    }
+    let hit = store.lookup(1, exact(&tokens)).unwrap();
+    store.load(&hit, &kv_template()).unwrap();
+    assert_eq!(store.clear().unwrap(), 1);
+    assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+
+    // An indexed entry replaced by a FIFO after startup is refused when read, not waited on.
+    let (store, _, stats) = open(dir.path(), GIB, false);
+    let entry = store_one(dir.path(), &store, &snap(1, &tokens, kv_state(4), None));
+    let hit = store.lookup(1, exact(&tokens)).unwrap();
+    fs::remove_file(&entry).unwrap();
+    mkfifo(&entry);
+    let err = store.load(&hit, &kv_template()).unwrap_err();
+    assert!(matches!(err, SsdError::Unsafe { .. }) && err.to_string().contains("FIFO"), "{err}");
+    assert_eq!((stats.ssd_restore_failures.load(Relaxed), store.entries()), (1, 0));
+    assert!(fs::symlink_metadata(&entry).unwrap().file_type().is_fifo(), "the FIFO is not ours to delete");
+}
+
+/// Snapshot of every file below `dir` with its bytes, links included as links.
+fn contents(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    files(dir).into_iter().map(|p| (p.clone(), fs::read(&p).unwrap())).collect()
+}
+
+/// A namespace folder (or the identity's folder) that links outside the cache is never followed:
+/// the entry and `.tmp` files out there survive startup, and nothing is written through it.
+#[test]
+fn a_symlinked_folder_is_never_followed_out_of_the_cache() {
+    let (dir, outside) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    fs::write(outside.path().join("victim.entry"), b"not an entry, and not ours").unwrap();
+    fs::write(outside.path().join("victim.entry.tmp"), b"not ours either").unwrap();
+    let before = contents(outside.path());
+
+    let root = dir.path().join(identity("tiny-a").fingerprint());
+    fs::create_dir_all(&root).unwrap();
+    symlink(outside.path(), root.join(format!("{:016x}", 1))).unwrap();
+    let (store, recovery) = open_within_seconds(dir.path(), 20).unwrap();
+    assert_eq!((recovery.entries, recovery.skipped_unsafe, recovery.removed_corrupt, recovery.reaped_tmp), (0, 1, 0, 0));
+    assert_eq!(contents(outside.path()), before);
+
+    let err = store.store(&snap(1, &[1, 2, 3], kv_state(3), None)).unwrap_err();
+    assert!(matches!(err, SsdError::Unsafe { .. }) && err.to_string().contains("symbolic link"), "{err}");
+    assert_eq!(contents(outside.path()), before);
+    assert_eq!(store.entries(), 0);
+    drop(store);
+
+    // The identity's own folder as a link: refused at startup, with a message naming it.
+    fs::remove_dir_all(&root).unwrap();
+    symlink(outside.path(), &root).unwrap();
+    let err = open_within_seconds(dir.path(), 20).err().expect("a linked identity folder is refused");
+    assert!(matches!(err, SsdError::Unsafe { .. }) && err.to_string().contains(&*root.to_string_lossy()), "{err}");
+    assert_eq!(contents(outside.path()), before);
+}
+
+/// Entry and `.tmp` files that are links are neither served nor deleted, even when they point
+/// at a valid entry of ours.
+#[test]
+fn a_symlinked_entry_file_is_neither_served_nor_deleted() {
+    let (dir, outside) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let tokens: Vec<u32> = (1..=4).collect();
+    let valid = {
+        let (store, _, _) = open(outside.path(), GIB, false);
+        store_one(outside.path(), &store, &snap(1, &tokens, kv_state(4), None))
+    };
+    let garbage = outside.path().join("garbage");
+    fs::write(&garbage, b"not an entry").unwrap();
+    let before = contents(outside.path());
+
+    let ns = dir.path().join(identity("tiny-a").fingerprint()).join(format!("{:016x}", 1));
+    fs::create_dir_all(&ns).unwrap();
+    let links = [(ns.join("valid.entry"), &valid), (ns.join("garbage.entry"), &garbage), (ns.join("g.entry.tmp"), &garbage)];
+    for (link, target) in &links {
+        symlink(target, link).unwrap();
+    }
+    let (store, recovery) = open_within_seconds(dir.path(), 20).unwrap();
+    assert_eq!((recovery.entries, recovery.skipped_unsafe, recovery.removed_corrupt, recovery.reaped_tmp), (0, 3, 0, 0));
+    assert!(store.lookup(1, |_, _| 1).is_none());
+    for (link, _) in &links {
+        assert!(fs::symlink_metadata(link).unwrap().file_type().is_symlink(), "{} was deleted", link.display());
+    }
+    assert_eq!(contents(outside.path()), before);
 }

@@ -91,6 +91,7 @@ fn cache_stats(state: &AppState) -> Value {
             "recovered": state.worker.recovery().map(|r| json!({
                 "entries": r.entries, "bytes": r.bytes, "reaped_tmp": r.reaped_tmp,
                 "removed_corrupt": r.removed_corrupt, "skipped_foreign": r.skipped_foreign,
+                "skipped_unsafe": r.skipped_unsafe,
             })),
         })),
         "misses": n(&s.misses),

@@ -5,12 +5,14 @@
 //! either a whole entry or an orphan `.tmp` that the next start reaps. The in-memory index is
 //! rebuilt from the files at start; the file mtime is the LRU clock, so eviction order survives
 //! restarts too. Only our own fingerprint folder is ever scanned or changed, and a file naming
-//! another identity is left alone: it may belong to another build sharing the folder.
+//! another identity is left alone: it may belong to another build sharing the folder. Below the
+//! cache folder no link is followed and only regular files are opened or deleted (`ssd/files.rs`).
 
+mod files;
 mod format;
 
 use std::collections::HashMap;
-use std::fs::{self, File};
+use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering::Relaxed;
@@ -69,6 +71,9 @@ pub struct Recovery {
     pub removed_corrupt: usize,
     /// Files naming another identity, left where they are.
     pub skipped_foreign: usize,
+    /// Links, FIFOs, sockets, devices or folders where a namespace folder, entry or `.tmp` file
+    /// should be: never followed, opened or deleted, each logged.
+    pub skipped_unsafe: usize,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +88,10 @@ pub enum SsdError {
     Mismatch { path: PathBuf, source: StateError },
     #[error("cannot store this state: {0}")]
     Unstorable(String),
+    /// A link, FIFO, device or the like where the tier keeps its folders and files: it follows
+    /// no link below its folder and opens or deletes nothing else.
+    #[error("{} is {found}, not {wanted}; the SSD cache leaves it alone", path.display())]
+    Unsafe { path: PathBuf, found: &'static str, wanted: &'static str },
 }
 
 impl SsdError {
@@ -94,6 +103,7 @@ impl SsdError {
             SsdError::Foreign { .. } => "foreign".into(),
             SsdError::Mismatch { .. } => "mismatch".into(),
             SsdError::Unstorable(_) => "unstorable".into(),
+            SsdError::Unsafe { .. } => "unsafe".into(),
         }
     }
 
@@ -169,10 +179,12 @@ pub struct SsdStore {
 impl SsdStore {
     /// Opens (creating if needed) this identity's folder and rebuilds the index from its files:
     /// orphan `.tmp` files are deleted, entries failing their checks deleted, other identities'
-    /// files kept. Errors only when the folder itself cannot be created or listed.
+    /// files kept. Errors only when the folder itself cannot be created or listed, or when this
+    /// identity's folder is a link or no folder at all.
     pub fn open(opts: SsdOptions, identity: Identity, stats: Arc<CacheStats>) -> Result<(SsdStore, Recovery), SsdError> {
         let root = opts.dir.join(identity.fingerprint());
-        fs::create_dir_all(&root).at(&root)?;
+        fs::create_dir_all(&opts.dir).at(&opts.dir)?;
+        files::ensure_dir(&root, &root)?;
         let index = Index { entries: HashMap::new(), bytes: 0, reserved: 0, last_stamp: SystemTime::UNIX_EPOCH };
         let store = SsdStore { root, identity, max_bytes: opts.max_bytes, stats, index: Mutex::new(index) };
         let recovery = store.recover(opts.verify)?;
@@ -182,35 +194,47 @@ impl SsdStore {
     fn recover(&self, verify: bool) -> Result<Recovery, SsdError> {
         let mut recovery = Recovery::default();
         let mut index = self.index();
+        let skip_unsafe = |recovery: &mut Recovery, e: &SsdError| {
+            tracing::warn!(error = %e, "skipping a file in the SSD cache folder that strata did not write");
+            recovery.skipped_unsafe += 1;
+        };
         for ns_dir in fs::read_dir(&self.root).at(&self.root)? {
             let ns_dir = ns_dir.at(&self.root)?.path();
             // Only namespace folders are ours to look into; anything else is left alone.
             let is_namespace = ns_dir.file_name().and_then(|n| n.to_str()).is_some_and(|n| u64::from_str_radix(n, 16).is_ok());
-            if !is_namespace || !ns_dir.is_dir() {
+            if !is_namespace {
                 continue;
             }
-            let files = match fs::read_dir(&ns_dir) {
-                Ok(files) => files,
+            if let Err(e) = files::is_real_dir(&self.root, &ns_dir) {
+                skip_unsafe(&mut recovery, &e);
+                continue;
+            }
+            let listing = match fs::read_dir(&ns_dir) {
+                Ok(listing) => listing,
                 Err(e) => {
                     tracing::warn!(folder = %ns_dir.display(), error = %e, "cannot list SSD cache folder; its entries are not served");
                     continue;
                 }
             };
-            for path in files.filter_map(|f| f.ok().map(|f| f.path())) {
+            for path in listing.filter_map(|f| f.ok().map(|f| f.path())) {
                 let name = path.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-                if name.ends_with(".tmp") {
-                    unlink(&path);
-                    recovery.reaped_tmp += 1;
+                if name.ends_with(".entry.tmp") {
+                    match files::remove(&self.root, &path) {
+                        Ok(()) => recovery.reaped_tmp += 1,
+                        Err(e @ SsdError::Unsafe { .. }) => skip_unsafe(&mut recovery, &e),
+                        Err(e) => tracing::warn!(error = %e, "cannot delete an interrupted SSD cache write"),
+                    }
                 } else if name.ends_with(".entry") {
                     match self.scan(&path, verify) {
                         Ok(entry) => index.insert(path, entry),
+                        Err(e @ SsdError::Unsafe { .. }) => skip_unsafe(&mut recovery, &e),
                         Err(e @ SsdError::Foreign { .. }) => {
                             tracing::debug!(error = %e, "skipping SSD cache entry of another identity");
                             recovery.skipped_foreign += 1;
                         }
                         Err(e) if e.condemns_file() => {
                             tracing::warn!(error = %e, "removing corrupt SSD cache entry");
-                            unlink(&path);
+                            self.unlink(&path);
                             recovery.removed_corrupt += 1;
                         }
                         Err(e) => tracing::warn!(error = %e, "cannot read SSD cache entry; leaving it unserved"),
@@ -226,7 +250,8 @@ impl SsdStore {
 
     /// Checks one entry file at startup and describes it for the index.
     fn scan(&self, path: &Path, verify: bool) -> Result<Entry, SsdError> {
-        let (header, meta) = format::inspect(path, &self.identity, verify)?;
+        let file = files::open_entry(&self.root, path)?;
+        let (header, meta) = format::inspect(&file, path, &self.identity, verify)?;
         Ok(Entry {
             ns: header.namespace,
             checkpoint: header.resume.is_some(),
@@ -258,15 +283,17 @@ impl SsdStore {
     pub fn load(&self, hit: &SsdHit, template: &BatchState) -> Result<Snapshot, SsdError> {
         let start = Instant::now();
         let path = &hit.id.0;
-        let snap = match format::read_entry(path, &self.identity, template) {
-            Ok(snap) => snap,
+        let read = files::open_entry(&self.root, path)
+            .and_then(|file| Ok((format::read_entry(&file, path, &self.identity, template)?, file)));
+        let (snap, file) = match read {
+            Ok(read) => read,
             Err(e) => {
                 let mut index = self.index();
                 index.remove(path);
                 self.publish(&index);
                 drop(index);
                 if e.condemns_file() {
-                    unlink(path);
+                    self.unlink(path);
                 }
                 self.stats.ssd_restore_failures.fetch_add(1, Relaxed);
                 return Err(e);
@@ -282,7 +309,7 @@ impl SsdStore {
         };
         // The mtime carries the LRU order across restarts; failing to set it only makes a later
         // eviction less exact.
-        if let Err(e) = File::open(path).and_then(|f| f.set_modified(now)) {
+        if let Err(e) = file.set_modified(now) {
             tracing::debug!(file = %path.display(), error = %e, "cannot bump SSD cache entry mtime");
         }
         self.stats.ssd_restores.fetch_add(1, Relaxed);
@@ -313,11 +340,11 @@ impl SsdStore {
             self.publish(&index);
             (evicted, index.stamp())
         };
-        evicted.iter().for_each(|p| unlink(p));
+        evicted.iter().for_each(|p| self.unlink(p));
         self.stats.ssd_evictions.fetch_add(evicted.len() as u64, Relaxed);
 
         let dir = self.root.join(format!("{:016x}", snap.namespace));
-        let written = format::write_entry(&dir, &mut plan, stamp);
+        let written = format::write_entry(&self.root, &dir, &mut plan, stamp);
         let mut index = self.index();
         index.reserved -= size;
         let path = written?;
@@ -341,7 +368,7 @@ impl SsdStore {
         }
         self.publish(&index);
         drop(index);
-        superseded.iter().for_each(|p| unlink(p));
+        superseded.iter().for_each(|p| self.unlink(p));
 
         self.stats.ssd_evictions.fetch_add(superseded.len() as u64, Relaxed);
         self.stats.ssd_writes.fetch_add(1, Relaxed);
@@ -362,10 +389,8 @@ impl SsdStore {
         };
         let mut first_error = None;
         for path in &paths {
-            if let Err(e) = fs::remove_file(path) {
-                if e.kind() != io::ErrorKind::NotFound {
-                    first_error.get_or_insert(SsdError::Io { path: path.clone(), source: e });
-                }
+            if let Err(e) = files::remove(&self.root, path) {
+                first_error.get_or_insert(e);
             }
         }
         first_error.map_or(Ok(paths.len()), Err)
@@ -389,14 +414,12 @@ impl SsdStore {
         self.stats.ssd_entries.store(index.entries.len(), Relaxed);
         self.stats.ssd_bytes.store(index.bytes, Relaxed);
     }
-}
 
-/// Deletes a file we own; one already gone is fine, and any other failure only leaves a file
-/// the next startup scan sees again.
-fn unlink(path: &Path) {
-    if let Err(e) = fs::remove_file(path) {
-        if e.kind() != io::ErrorKind::NotFound {
-            tracing::warn!(file = %path.display(), error = %e, "cannot delete SSD cache file");
+    /// Deletes an entry file of ours; one already gone is fine, and a failure only leaves a
+    /// file the next startup scan sees again.
+    fn unlink(&self, path: &Path) {
+        if let Err(e) = files::remove(&self.root, path) {
+            tracing::warn!(error = %e, "cannot delete SSD cache file");
         }
     }
 }

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::fs::{self, File, Metadata};
 use std::io::{self, Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
@@ -148,13 +149,15 @@ fn layout(header: &mut Header) -> Result<u64, SsdError> {
 
 /// Writes a planned entry as `<uuid>.entry.tmp`, fsyncs it, renames it to `<uuid>.entry` and
 /// fsyncs the folder so the rename itself survives a crash. On failure nothing is left behind.
-pub(super) fn write_entry(dir: &Path, plan: &mut Plan, mtime: SystemTime) -> Result<PathBuf, SsdError> {
-    fs::create_dir_all(dir).at(dir)?;
+/// `dir` is a real folder below `root` (created if missing; a link in its place is refused).
+pub(super) fn write_entry(root: &Path, dir: &Path, plan: &mut Plan, mtime: SystemTime) -> Result<PathBuf, SsdError> {
+    super::files::ensure_dir(root, dir)?;
     let name = format!("{:032x}", rand::random::<u128>());
     let tmp = dir.join(format!("{name}.entry.tmp"));
     let path = dir.join(format!("{name}.entry"));
     let result = (|| {
-        let mut file = File::create(&tmp).at(&tmp)?;
+        // A new file only: never one planted under this name, nor the target of a link.
+        let mut file = File::options().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).open(&tmp).at(&tmp)?;
         // Tensors first, one at a time, so only one is ever copied to the host at once; the
         // header, which needs their hashes, goes last into the space `layout` kept for it.
         for ((_, tensor), record) in plan.parts.iter().zip(&mut plan.header.tensors) {
@@ -205,7 +208,7 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, SsdError> {
 /// hash guards against damage, not against a header whose own numbers disagree: every tensor
 /// record's length must be what its dtype and shape take, and lie within the file, before
 /// anything is allocated for it.
-fn read_header(file: &mut File, path: &Path, identity: &Identity) -> Result<Header, SsdError> {
+fn read_header(mut file: &File, path: &Path, identity: &Identity) -> Result<Header, SsdError> {
     let mut preamble = [0u8; PREAMBLE as usize];
     file.read_exact(&mut preamble).at(path)?;
     if &preamble[..8] != MAGIC {
@@ -256,22 +259,21 @@ fn read_header(file: &mut File, path: &Path, identity: &Identity) -> Result<Head
     Ok(header)
 }
 
-/// Checks an entry file at startup: its header, that it is long enough for its tensor table,
-/// and with `verify` every tensor's hash.
-pub(super) fn inspect(path: &Path, identity: &Identity, verify: bool) -> Result<(Header, Metadata), SsdError> {
-    let mut file = File::open(path).at(path)?;
+/// Checks the entry file `file` (read from `path`) at startup: its header, that it is long
+/// enough for its tensor table, and with `verify` every tensor's hash.
+pub(super) fn inspect(file: &File, path: &Path, identity: &Identity, verify: bool) -> Result<(Header, Metadata), SsdError> {
     let meta = file.metadata().at(path)?;
-    let header = read_header(&mut file, path, identity)?;
+    let header = read_header(file, path, identity)?;
     if verify {
         for record in &header.tensors {
-            read_tensor(&mut file, record, path)?;
+            read_tensor(file, record, path)?;
         }
     }
     Ok((header, meta))
 }
 
 /// Reads one tensor's bytes into a buffer of its own and checks its hash.
-fn read_tensor(file: &mut File, record: &TensorRecord, path: &Path) -> Result<Vec<u8>, SsdError> {
+fn read_tensor(mut file: &File, record: &TensorRecord, path: &Path) -> Result<Vec<u8>, SsdError> {
     file.seek(SeekFrom::Start(record.offset)).at(path)?;
     let mut bytes = vec![0u8; record.len as usize];
     file.read_exact(&mut bytes).at(path)?;
@@ -281,11 +283,10 @@ fn read_tensor(file: &mut File, record: &TensorRecord, path: &Path) -> Result<Ve
     Ok(bytes)
 }
 
-/// Reads a whole entry back onto `template`'s device, every tensor hash-checked and every shape
-/// checked against `template` (a fresh state of the model).
-pub(super) fn read_entry(path: &Path, identity: &Identity, template: &BatchState) -> Result<Snapshot, SsdError> {
-    let mut file = File::open(path).at(path)?;
-    let header = read_header(&mut file, path, identity)?;
+/// Reads a whole entry from `file` (opened from `path`) back onto `template`'s device, every
+/// tensor hash-checked and every shape checked against `template` (a fresh state of the model).
+pub(super) fn read_entry(file: &File, path: &Path, identity: &Identity, template: &BatchState) -> Result<Snapshot, SsdError> {
+    let header = read_header(file, path, identity)?;
     let device = device_of(template);
     let records: HashMap<&str, &TensorRecord> = header.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
     // `from_parts` speaks `StateError`; the reading errors it cannot carry wait here.
@@ -294,7 +295,7 @@ pub(super) fn read_entry(path: &Path, identity: &Identity, template: &BatchState
     let state = BatchState::from_parts(template, header.position, |name| {
         let record = records.get(name).ok_or_else(|| StateError::BadPart(format!("the file has no tensor `{name}`")))?;
         used += 1;
-        let read = read_tensor(&mut file, record, path)
+        let read = read_tensor(file, record, path)
             .and_then(|bytes| Ok((bytes, record.dtype.parse::<DType>().map_err(|e| corrupt(path, e.to_string()))?)));
         match read {
             Ok((bytes, dtype)) => Ok(Tensor::from_raw_buffer(&bytes, dtype, &record.shape, &device)?),
