@@ -76,11 +76,15 @@ pub fn resolve_model(spec: Option<&str>) -> Result<PathBuf> {
     };
     let path = Path::new(spec);
     let is_gguf = path.extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf"));
-    if path.is_dir() || (path.is_file() && is_gguf) {
-        return Ok(path.to_path_buf());
-    }
-    if path.exists() {
-        bail!("--model {spec}: is a file but not a .gguf; expected a model folder, a .gguf file or a Hugging Face repo id (owner/name)");
+    match std::fs::metadata(path) {
+        Ok(meta) if meta.is_dir() || (meta.is_file() && is_gguf) => return Ok(path.to_path_buf()),
+        Ok(_) => bail!(
+            "--model {spec}: is a file but not a .gguf; expected a model folder, a .gguf file or a Hugging Face repo id (owner/name)"
+        ),
+        // Something is there but unusable (a symlink loop, no permission): say so rather than
+        // "no such folder".
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => bail!("--model {spec}: {e}"),
+        Err(_) => {}
     }
     if is_gguf {
         bail!("--model {spec}: no such file");

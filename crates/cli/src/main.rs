@@ -54,7 +54,24 @@ fn main() {
         Command::Perplexity(args) => perplexity::run(args),
     };
     if let Err(e) = result {
-        eprintln!("error: {e:#}");
+        eprintln!("error: {}", one_line(&e));
         std::process::exit(1);
     }
+}
+
+/// The error and its causes on one line, as anyhow's `{:#}` writes them, less any cause an outer
+/// message already shows: many errors include their source in their own text ("DIR: Permission
+/// denied (os error 13)") and also return it as their source, which `{:#}` would print again.
+fn one_line(e: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in e.chain().map(ToString::to_string) {
+        if line.contains(&cause) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&cause);
+    }
+    line
 }

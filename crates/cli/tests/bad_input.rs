@@ -214,3 +214,24 @@ fn contexts_past_the_model_or_past_counting() {
     assert!(err.contains("--max-context 4611686018427387904") && err.contains("more bytes than"), "{err}");
     check(with_positions("0"), &["config.json", "max_position_embeddings`", "at least 1"]);
 }
+
+#[test]
+fn model_path_in_a_symlink_loop() {
+    let dir = tempfile::tempdir().unwrap();
+    let looped = dir.path().join("loop");
+    std::os::unix::fs::symlink("loop", &looped).unwrap();
+    let err = serve_error(&looped, &[]);
+    assert!(err.contains(looped.to_str().unwrap()) && err.contains("Too many levels of symbolic links"), "{err}");
+    assert!(!err.contains("no such model folder"), "{err}");
+}
+
+#[test]
+fn ssd_cache_errors_give_the_os_reason_once() {
+    // A folder below a file cannot be created, even by root.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("file"), "").unwrap();
+    let cache = dir.path().join("file").join("cache");
+    let err = serve_error(&fixture(), &["--ssd-cache", cache.to_str().unwrap()]);
+    assert!(err.contains(cache.to_str().unwrap()), "{err}");
+    assert_eq!(err.matches("Not a directory").count(), 1, "{err}");
+}
