@@ -22,21 +22,29 @@ fn main() {
     // capability may carry a suffix (`90a`).
     let major_minor: u32 = cap.chars().take_while(char::is_ascii_digit).collect::<String>().parse().unwrap_or(0);
     println!("cargo::rustc-env=STRATA_KERNELS_AWAIT_PREVIOUS={}", major_minor >= 90);
-    for name in KERNELS {
-        let status = Command::new("nvcc")
-            .args([
-                "--fatbin",
-                "-O3",
-                "-lineinfo",
-                "-std=c++17",
-                "-gencode",
-                &format!("arch=compute_{cap},code=[sm_{cap},compute_{cap}]"),
-            ])
-            .arg("-o")
-            .arg(out.join(format!("{name}.fatbin")))
-            .arg(format!("cuda/{name}.cu"))
-            .status()
-            .unwrap_or_else(|e| panic!("cannot run nvcc ({e}): source scripts/cuda/env.sh or put the CUDA toolkit on PATH"));
+    // One nvcc per kernel file, all at once: each is single-threaded and they are independent.
+    let builds: Vec<_> = KERNELS
+        .iter()
+        .map(|name| {
+            let child = Command::new("nvcc")
+                .args([
+                    "--fatbin",
+                    "-O3",
+                    "-lineinfo",
+                    "-std=c++17",
+                    "-gencode",
+                    &format!("arch=compute_{cap},code=[sm_{cap},compute_{cap}]"),
+                ])
+                .arg("-o")
+                .arg(out.join(format!("{name}.fatbin")))
+                .arg(format!("cuda/{name}.cu"))
+                .spawn()
+                .unwrap_or_else(|e| panic!("cannot run nvcc ({e}): source scripts/cuda/env.sh or put the CUDA toolkit on PATH"));
+            (name, child)
+        })
+        .collect();
+    for (name, mut child) in builds {
+        let status = child.wait().expect("waiting for nvcc");
         assert!(status.success(), "nvcc failed on cuda/{name}.cu");
     }
 }

@@ -4,15 +4,31 @@
 # (crates/kernels/tests/gpu.rs) and captured decode steps against eager ones
 # (crates/model/tests/gpu_graph.rs) — whose paths it prints last; run them on the GPU machine
 # from their crate's folder.
+# With --check (CI), the same builds in the dev profile in the CPU build's target folder: they
+# compile and link everything the release build does and share the CPU build's optimised
+# dependencies, instead of building them all again; not for running on a GPU (slow).
 # Run scripts/cuda/setup.sh once first.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/cuda/env.sh
-cargo build --release -p strata-cli --features cuda
-if [ "${1:-}" = "--tests" ]; then
-    for crate_test in "strata-kernels gpu" "strata-model gpu_graph"; do
-        set -- $crate_test
-        cargo test --release -p "$1" --features cuda --test "$2" --no-run 2>&1 | tee /dev/stderr |
-            sed -n 's/.*Executable .*(\(.*\))$/\1/p'
-    done
+profile=(--release)
+target_dir="$STRATA_ROOT/target/cuda"
+tests=false
+for arg in "$@"; do
+    case "$arg" in
+        --tests) tests=true ;;
+        --check) profile=(); target_dir="$STRATA_ROOT/target" ;;
+        *) echo "usage: scripts/cuda/build.sh [--tests] [--check]" >&2; exit 2 ;;
+    esac
+done
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$target_dir}"
+if $tests; then
+    # The binary and the GPU tests in one command: one feature resolution (with the tests'
+    # dev-dependencies, as the CPU test build has), where two commands would compile shared
+    # dependencies twice with different features. Then their paths (nothing left to build).
+    cargo build "${profile[@]}" --workspace --features strata-cli/cuda --bins --test gpu --test gpu_graph
+    cargo test "${profile[@]}" --workspace --features strata-cli/cuda --test gpu --test gpu_graph --no-run 2>&1 |
+        sed -n 's/.*Executable .*(\(.*\))$/\1/p'
+else
+    cargo build "${profile[@]}" -p strata-cli --features cuda
 fi

@@ -8,6 +8,7 @@ if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then
 fi
 export CUDA_ROOT CUDA_PATH="$CUDA_ROOT" PATH="$CUDA_ROOT/bin:$PATH"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
-# Its own target folder: the CUDA build's flags never invalidate the CPU build's cache.
-export CARGO_TARGET_DIR="$STRATA_ROOT/target/cuda"
-export RUSTFLAGS="-L native=$STRATA_ROOT/.cuda/stubs -L native=$CUDA_ROOT/lib"
+# The link stubs reach the linker through LIBRARY_PATH, not RUSTFLAGS: changed RUSTFLAGS would
+# rebuild every crate, while this way the CUDA build reuses every dependency the CPU build made
+# that CUDA does not change.
+export LIBRARY_PATH="$STRATA_ROOT/.cuda/stubs:$CUDA_ROOT/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
