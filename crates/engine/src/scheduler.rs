@@ -7,12 +7,12 @@
 //! the running streams up for at most one chunk per step. A finished row (end token, length, or
 //! a requester that went away) leaves the batch without disturbing the others.
 //!
-//! The cache: a joiner starts from the longest usable stored prefix (RAM, or SSD read ahead by
-//! the prefetch thread). Prefill chunks end at every `stride` tokens and one token before the
-//! prompt's end, where snapshots are taken — recurrent state exists only where it was computed,
-//! so these are the positions later prompts can resume from. A finished row publishes its
-//! state. Snapshots are copies; the SSD gets them through the write-behind queue, so this
-//! thread never touches the disk.
+//! The cache: a joiner starts from the longest usable stored prefix (RAM, or SSD read by the
+//! prefetch thread for the job admitted next, once it fits the budget). Prefill chunks end at
+//! every `stride` tokens and one token before the prompt's end, where snapshots are taken —
+//! recurrent state exists only where it was computed, so these are the positions later prompts
+//! can resume from. A finished row publishes its state. Snapshots are copies; the SSD gets them
+//! through the write-behind queue, so this thread never touches the disk.
 
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
@@ -27,7 +27,7 @@ use crate::cache::{usable_prefix, Resume, Snapshot, PROMPT_NAMESPACE};
 use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
 use crate::sampler::Sampler;
 use crate::speculative::{Drafter, JoinerDraft};
-use crate::worker::{EngineConfig, Event, Job, Queued, SharedCache, WorkerStats};
+use crate::worker::{release_waiting, EngineConfig, Event, Fetch, Job, Prefetcher, Queued, SharedCache, WorkerStats};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
 use strata_kernels::sampling::argmax_rows;
 
@@ -106,6 +106,8 @@ pub(crate) struct Engine<'a> {
     batch: Option<BatchState>,
     rows: Vec<Row>,
     drafter: Option<Drafter>,
+    /// Reads SSD state for the job at the front of `waiting` (with an SSD tier).
+    prefetch: Option<Prefetcher>,
 }
 
 /// How a row's step ended.
@@ -122,18 +124,23 @@ impl<'a> Engine<'a> {
         stats: &'a WorkerStats,
         cache: &'a SharedCache,
         drafter: Option<Drafter>,
+        prefetch: Option<Prefetcher>,
     ) -> Self {
-        Self { model, config, cost, stats, cache, waiting: VecDeque::new(), joiner: None, batch: None, rows: Vec::new(), drafter }
+        let (waiting, joiner, batch, rows) = (VecDeque::new(), None, None, Vec::new());
+        Self { model, config, cost, stats, cache, waiting, joiner, batch, rows, drafter, prefetch }
     }
 
     pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
         loop {
-            let idle = self.rows.is_empty() && self.joiner.is_none() && self.waiting.is_empty();
-            if idle {
+            let idle = self.rows.is_empty() && self.joiner.is_none();
+            if idle && self.waiting.is_empty() {
                 match queue.recv() {
                     Ok(job) => self.waiting.push_back(job),
                     Err(_) => return,
                 }
+            } else if idle {
+                // Nothing runs: the only thing to do may be waiting for the next job's SSD read.
+                self.poll_fetch(true);
             }
             while let Ok(job) = queue.try_recv() {
                 self.waiting.push_back(job);
@@ -158,14 +165,19 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    /// Starts the oldest waiting job when the batch has room and the budget covers it. Strictly
-    /// in arrival order: a job never overtakes an older one, so none starves.
+    /// Starts the oldest waiting job when the batch has room, the budget covers it and its SSD
+    /// read is done. Strictly in arrival order: a job never overtakes an older one, so none
+    /// starves. The read is asked for once the job fits the budget, even while the batch is
+    /// full or another job prefills, so that it overlaps their work; the restored state then
+    /// waits within the budget, and no other job's does.
     fn admit(&mut self) -> strata_model::Result<()> {
-        while self.joiner.is_none() && self.rows.len() < self.config.max_batch {
+        loop {
             let Some(queued) = self.waiting.front() else { return Ok(()) };
             let job = &queued.job;
             if job.sink.is_closed() {
-                self.waiting.pop_front();
+                if let Some(Queued { fetch: Fetch::Ready(snap), .. }) = self.waiting.pop_front() {
+                    release_waiting(&self.cache.stats, snap.as_ref());
+                }
                 self.stats.queued.fetch_sub(1, Ordering::Relaxed);
                 self.stats.requests.fetch_add(1, Ordering::Relaxed);
                 self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -175,7 +187,13 @@ impl<'a> Engine<'a> {
             if self.reserved().checked_add(need).is_none_or(|total| total > self.config.state_budget_bytes) {
                 return Ok(());
             }
-            let Queued { job, restored } = self.waiting.pop_front().expect("front exists");
+            if !self.poll_fetch(false) || self.joiner.is_some() || self.rows.len() >= self.config.max_batch {
+                return Ok(());
+            }
+            let Some(Queued { job, fetch: Fetch::Ready(restored) }) = self.waiting.pop_front() else {
+                unreachable!("poll_fetch said the front job's read is done")
+            };
+            release_waiting(&self.cache.stats, restored.as_ref());
             self.stats.queued.fetch_sub(1, Ordering::Relaxed);
             self.stats.requests.fetch_add(1, Ordering::Relaxed);
             self.stats.prompt_tokens.fetch_add(job.prompt.len() as u64, Ordering::Relaxed);
@@ -196,12 +214,34 @@ impl<'a> Engine<'a> {
                 }
             }
         }
-        Ok(())
+    }
+
+    /// Moves the front job's SSD read along: asks for it, or takes its answer (waiting for it
+    /// with `block`). Says whether the read is done. Without an SSD tier there is nothing to read.
+    fn poll_fetch(&mut self, block: bool) -> bool {
+        let Some(queued) = self.waiting.front_mut() else { return false };
+        let Some(prefetch) = &mut self.prefetch else {
+            queued.fetch = Fetch::Ready(None);
+            return true;
+        };
+        match queued.fetch {
+            Fetch::Ready(_) => return true,
+            Fetch::Unasked => {
+                queued.fetch = prefetch.ask(&queued.job, self.cache.checkpoint_namespace(&queued.job.prompt, &queued.job.opts))
+            }
+            Fetch::Pending(id) => {
+                if let Some(snap) = prefetch.take(id, block, &self.cache.stats) {
+                    queued.fetch = Fetch::Ready(snap);
+                }
+            }
+        }
+        matches!(queued.fetch, Fetch::Ready(_))
     }
 
     /// The state to prefill `prompt` from: a copy of the longest usable cached prefix (the SSD
     /// entry read ahead, or the RAM tier's best), else a fresh state. At least the last prompt
-    /// token is always computed, since its logits choose the first output token.
+    /// token is always computed, since its logits choose the first output token. A copy that
+    /// fails is a miss.
     fn restore_prompt(&self, prompt: &[u32], from_ssd: Option<Snapshot>) -> strata_model::Result<(BatchState, usize)> {
         let limit = prompt.len().saturating_sub(1);
         let score = |tokens: &[u32], trim: bool| usable_prefix(tokens, trim, prompt, limit);
@@ -210,15 +250,20 @@ impl<'a> Engine<'a> {
         let ssd = from_ssd.map(|snap| (score(&snap.tokens, snap.can_trim()), snap)).filter(|(usable, _)| *usable > 0);
         let restored = match ssd {
             Some((usable, snap)) if usable > ram.best(PROMPT_NAMESPACE, score) => {
-                stats.ssd_hits.fetch_add(1, Ordering::Relaxed);
-                let mut state = snap.state.extract(0)?;
-                if usable < snap.tokens.len() {
-                    state.trim(0, usable)?;
+                let copy = snap.state.extract(0).and_then(|mut state| {
+                    if usable < snap.tokens.len() {
+                        state.trim(0, usable)?;
+                    }
+                    Ok(state)
+                });
+                let state = self.cache.copied("an SSD entry", copy);
+                if state.is_some() {
+                    stats.ssd_hits.fetch_add(1, Ordering::Relaxed);
                 }
                 ram.insert(snap);
-                Some((state, usable))
+                state.map(|state| (state, usable))
             }
-            _ => ram.restore(PROMPT_NAMESPACE, score)?.map(|r| {
+            _ => self.cache.copied("a RAM entry", ram.restore(PROMPT_NAMESPACE, score)).flatten().map(|r| {
                 stats.ram_hits.fetch_add(1, Ordering::Relaxed);
                 (r.state, r.tokens)
             }),
@@ -303,7 +348,7 @@ impl<'a> Engine<'a> {
     /// Feeds the joiner one chunk; when its prompt is done, samples its first token and moves
     /// its state into the batch.
     fn prefill_chunk(&mut self) -> strata_model::Result<()> {
-        let caching = self.caching();
+        let (caching, cache) = (self.caching(), self.cache);
         let Some(joiner) = self.joiner.as_mut() else { return Ok(()) };
         if joiner.job.sink.is_closed() {
             self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
@@ -338,13 +383,9 @@ impl<'a> Engine<'a> {
         self.stats.prefill_chunks.fetch_add(1, Ordering::Relaxed);
         if end < len {
             let point = end + 1 == len || (stride > 0 && end % stride == 0) || next_point == Some(end);
-            if caching && point {
-                let snap = Snapshot {
-                    namespace: PROMPT_NAMESPACE,
-                    tokens: prompt[..end].to_vec(),
-                    state: joiner.state.extract(0)?,
-                    resume: None,
-                };
+            let copy = (caching && point).then(|| cache.copied("a prefill snapshot", joiner.state.extract(0))).flatten();
+            if let Some(state) = copy {
+                let snap = Snapshot { namespace: PROMPT_NAMESPACE, tokens: prompt[..end].to_vec(), state, resume: None };
                 self.publish(snap);
             }
             return Ok(());
@@ -368,13 +409,10 @@ impl<'a> Engine<'a> {
         let logits = Scores::Logits(logits.squeeze(0)?.to_vec1::<f32>()?);
         match Self::sample_and_send(self.stats, &mut row, &logits) {
             Step::Done(reason) => {
-                if caching {
-                    self.publish(Snapshot {
-                        namespace: PROMPT_NAMESPACE,
-                        tokens: row.job.prompt.clone(),
-                        state: j.state,
-                        resume: None,
-                    });
+                // A compact copy: the joiner's buffers grew by doubling, and may be views of
+                // the last chunk's tensors.
+                if let Some(state) = caching.then(|| cache.copied("a prompt snapshot", j.state.extract(0))).flatten() {
+                    self.publish(Snapshot { namespace: PROMPT_NAMESPACE, tokens: row.job.prompt.clone(), state, resume: None });
                 }
                 self.finish(row, reason)
             }
@@ -442,7 +480,7 @@ impl<'a> Engine<'a> {
         if let Some(drafter) = &mut self.drafter {
             drafter.settle(&kept, hidden.as_ref())?;
         }
-        self.checkpoint(&keep)?;
+        self.checkpoint(&keep);
         if done.is_empty() {
             return Ok(());
         }
@@ -452,7 +490,9 @@ impl<'a> Engine<'a> {
             for &(i, _) in &done {
                 let covered = batch.positions[i];
                 let tokens = self.rows[i].context[..covered].to_vec();
-                published.push(Snapshot { namespace: PROMPT_NAMESPACE, tokens, state: batch.extract(i)?, resume: None });
+                if let Some(state) = self.cache.copied("a finished row's state", batch.extract(i)) {
+                    published.push(Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
+                }
             }
         }
         published.into_iter().for_each(|snap| self.publish(snap));
@@ -506,21 +546,19 @@ impl<'a> Engine<'a> {
 
     /// Persists a checkpoint of every running row whose output grew `checkpoint_every` tokens
     /// since its last one.
-    fn checkpoint(&mut self, running: &[usize]) -> strata_model::Result<()> {
-        let (Some(writer), Some(batch)) = (&self.cache.writer, &self.batch) else { return Ok(()) };
+    fn checkpoint(&mut self, running: &[usize]) {
+        let (Some(writer), Some(batch)) = (&self.cache.writer, &self.batch) else { return };
         let every = self.cache.config.checkpoint_every;
         for &i in running {
             let row = &mut self.rows[i];
             let Some(namespace) = row.checkpoints.filter(|_| row.generated.len() >= row.checkpointed + every) else { continue };
             row.checkpointed = row.generated.len();
+            let Some(state) = self.cache.copied("a generation checkpoint", batch.extract(i)) else { continue };
             let covered = row.context.len() - 1;
             let resume =
                 Resume { prompt_len: row.job.prompt.len(), next_token: row.context[covered], sampler_draws: row.sampler.draws() };
-            let snap =
-                Snapshot { namespace, tokens: row.context[..covered].to_vec(), state: batch.extract(i)?, resume: Some(resume) };
-            writer.enqueue(snap);
+            writer.enqueue(Snapshot { namespace, tokens: row.context[..covered].to_vec(), state, resume: Some(resume) });
         }
-        Ok(())
     }
 
     /// Samples the row's next token from `logits` and streams it; says whether the row goes on.

@@ -1,8 +1,10 @@
 //! The handle requesters hold: submit jobs, read counters, flush the cache, shut down.
 //!
 //! A job goes in, events come out; requesters never touch model state. With an SSD tier, a
-//! job first passes a prefetch thread that reads any stored state it can use from disk, so the
-//! engine thread (the token loop) never waits on a disk read.
+//! prefetch thread reads any stored state a job can use from disk, so the engine thread (the
+//! token loop) never waits on a disk read. The engine asks for it only for the job it admits
+//! next, once that job fits the state budget: restored state never piles up on the device
+//! ahead of admission, however many jobs a burst queues.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -54,11 +56,73 @@ impl Job {
     }
 }
 
-/// A job on its way to the engine thread, with any stored state found for it.
+/// A job waiting for the engine thread, with the SSD read done for it.
 pub(crate) struct Queued {
     pub job: Job,
-    /// A prompt-cache entry read from SSD, or a generation checkpoint to resume from.
-    pub restored: Option<Snapshot>,
+    pub fetch: Fetch,
+}
+
+/// Where the SSD read for a waiting job stands.
+pub(crate) enum Fetch {
+    /// Not asked for yet (the job is not next, or does not fit the budget yet).
+    Unasked,
+    /// Asked for under this request id.
+    Pending(u64),
+    /// Done: a prompt-cache entry read from SSD, a generation checkpoint to resume from, or
+    /// nothing usable.
+    Ready(Option<Snapshot>),
+}
+
+struct FetchRequest {
+    id: u64,
+    prompt: Vec<u32>,
+    /// The job's generation-checkpoint namespace, when it has one.
+    checkpoints: Option<u64>,
+}
+
+/// The engine thread's end of the prefetch thread: one request in flight at a time.
+pub(crate) struct Prefetcher {
+    requests: mpsc::Sender<FetchRequest>,
+    results: mpsc::Receiver<(u64, Option<Snapshot>)>,
+    next_id: u64,
+}
+
+impl Prefetcher {
+    /// Asks for the stored state `job` can use; the answer comes to [`Prefetcher::take`].
+    pub fn ask(&mut self, job: &Job, checkpoints: Option<u64>) -> Fetch {
+        self.next_id += 1;
+        let request = FetchRequest { id: self.next_id, prompt: job.prompt.clone(), checkpoints };
+        match self.requests.send(request) {
+            Ok(()) => Fetch::Pending(self.next_id),
+            // Without its thread there is no SSD tier to read: a miss.
+            Err(_) => Fetch::Ready(None),
+        }
+    }
+
+    /// The answer to request `id` once it is in (waiting for it with `block`); answers to
+    /// earlier requests, whose jobs went away meanwhile, are dropped.
+    pub fn take(&self, id: u64, block: bool, stats: &CacheStats) -> Option<Option<Snapshot>> {
+        loop {
+            let answer = match block {
+                true => self.results.recv().map_err(|_| mpsc::TryRecvError::Disconnected),
+                false => self.results.try_recv(),
+            };
+            match answer {
+                Ok((answered, snap)) if answered == id => return Some(snap),
+                Ok((_, stale)) => release_waiting(stats, stale.as_ref()),
+                Err(mpsc::TryRecvError::Empty) => return None,
+                // The thread is gone and will never answer: a miss.
+                Err(mpsc::TryRecvError::Disconnected) => return Some(None),
+            }
+        }
+    }
+}
+
+/// A restored snapshot stops waiting for admission: taken by its job, or dropped.
+pub(crate) fn release_waiting(stats: &CacheStats, snap: Option<&Snapshot>) {
+    if let Some(snap) = snap {
+        stats.ssd_restored_waiting_bytes.fetch_sub(snap.bytes(), Ordering::Relaxed);
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -164,6 +228,17 @@ impl SharedCache {
     pub fn ram(&self) -> std::sync::MutexGuard<'_, RamCache> {
         self.ram.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
+
+    /// The result of copying state into or out of the cache, or `None` (counted and logged)
+    /// when the copy failed, e.g. the device was out of memory: the cache is then a miss, or
+    /// keeps nothing, and the batch carries on.
+    pub fn copied<T>(&self, what: &str, copy: strata_state::Result<T>) -> Option<T> {
+        copy.inspect_err(|e| {
+            self.stats.copy_failures.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, "prompt cache: could not copy {what}; going on without it");
+        })
+        .ok()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -212,13 +287,10 @@ impl Worker {
             writer,
             device: model.device().clone(),
         });
-        let (to_engine, queue) = mpsc::channel::<Queued>();
-        let jobs = match &shared.writer {
-            Some(_) => {
-                let template = model.new_state(1)?;
-                spawn_prefetch(shared.clone(), template, to_engine)
-            }
-            None => to_engine,
+        let (jobs, queue) = mpsc::channel::<Queued>();
+        let prefetch = match &shared.writer {
+            Some(_) => Some(spawn_prefetch(shared.clone(), model.new_state(1)?)),
+            None => None,
         };
         let (thread_stats, thread_cache) = (stats.clone(), shared.clone());
         std::thread::Builder::new()
@@ -236,7 +308,8 @@ impl Worker {
                 if let Err(e) = &pool {
                     tracing::warn!(error = %e, "could not make the engine thread a compute thread");
                 }
-                Engine::new(model, config, cost, &thread_stats, &thread_cache, speculation.map(Drafter::new)).run(queue)
+                let drafter = speculation.map(Drafter::new);
+                Engine::new(model, config, cost, &thread_stats, &thread_cache, drafter, prefetch).run(queue)
             })
             .expect("the OS can start a thread");
         Ok(Self { jobs, stats, cache: shared, recovery, cost, config, max_positions })
@@ -260,7 +333,7 @@ impl Worker {
     pub fn submit(&self, job: Job) -> Result<(), String> {
         self.admissible(job.prompt.len() + job.opts.max_tokens)?;
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
-        self.jobs.send(Queued { job, restored: None }).map_err(|_| {
+        self.jobs.send(Queued { job, fetch: Fetch::Unasked }).map_err(|_| {
             self.stats.queued.fetch_sub(1, Ordering::Relaxed);
             "the engine thread has stopped".to_string()
         })
@@ -317,18 +390,20 @@ impl Worker {
     }
 }
 
-/// Starts the thread that reads usable SSD state for each job before passing it on. It reads
+/// Starts the thread that reads usable SSD state for the jobs the engine asks about. It reads
 /// only when the SSD holds more of the prompt than the RAM tier does.
-fn spawn_prefetch(cache: Arc<SharedCache>, template: BatchState, engine: mpsc::Sender<Queued>) -> mpsc::Sender<Queued> {
-    let (jobs, incoming) = mpsc::channel::<Queued>();
+fn spawn_prefetch(cache: Arc<SharedCache>, template: BatchState) -> Prefetcher {
+    let (requests, incoming) = mpsc::channel::<FetchRequest>();
+    let (answers, results) = mpsc::channel();
     std::thread::Builder::new()
         .name("strata-prefetch".into())
         .spawn(move || {
-            for mut queued in incoming {
-                if !queued.job.sink.is_closed() {
-                    queued.restored = prefetch(&cache, &template, &queued.job);
+            for request in incoming {
+                let snap = prefetch(&cache, &template, &request);
+                if let Some(snap) = &snap {
+                    cache.stats.ssd_restored_waiting_bytes.fetch_add(snap.bytes(), Ordering::Relaxed);
                 }
-                if let Err(unsent) = engine.send(queued) {
+                if let Err(unsent) = answers.send((request.id, snap)) {
                     let _device = strata_kernels::device_use(&cache.device);
                     drop(unsent);
                     break;
@@ -340,13 +415,13 @@ fn spawn_prefetch(cache: Arc<SharedCache>, template: BatchState, engine: mpsc::S
             drop(template);
         })
         .expect("the OS can start a thread");
-    jobs
+    Prefetcher { requests, results, next_id: 0 }
 }
 
-fn prefetch(cache: &SharedCache, template: &BatchState, job: &Job) -> Option<Snapshot> {
+fn prefetch(cache: &SharedCache, template: &BatchState, request: &FetchRequest) -> Option<Snapshot> {
     let store = cache.writer.as_ref()?.store();
-    let prompt = &job.prompt;
-    let hit = match cache.checkpoint_namespace(prompt, &job.opts).and_then(|ns| {
+    let prompt = &request.prompt;
+    let hit = match request.checkpoints.and_then(|ns| {
         store.lookup(ns, |tokens, _| if tokens.len() >= prompt.len() && tokens.starts_with(prompt) { tokens.len() } else { 0 })
     }) {
         Some(checkpoint) => checkpoint,
@@ -372,5 +447,68 @@ fn prefetch(cache: &SharedCache, template: &BatchState, job: &Job) -> Option<Sna
             tracing::warn!(error = %e, "dropped an unreadable SSD cache entry; the prompt is prefilled instead");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+
+    use candle_core::{DType, Device};
+    use strata_model::ModelFolder;
+
+    use super::*;
+    use crate::SamplingParams;
+
+    struct Events(mpsc::Sender<Event>);
+
+    impl EventSink for Events {
+        fn send(&mut self, event: Event) -> bool {
+            self.0.send(event).is_ok()
+        }
+        fn is_closed(&self) -> bool {
+            false
+        }
+    }
+
+    /// A cached entry that cannot be copied out (as when the device has no memory left for the
+    /// copy; here a state with no rows, so its copy fails on every device) is a miss: the job
+    /// is prefilled from scratch and the batch carries on.
+    #[test]
+    fn a_failed_cache_copy_is_a_miss() {
+        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a");
+        let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+        let rowless = BatchState { layers: model.new_state(0).unwrap().layers, positions: vec![5] };
+        let config = EngineConfig { max_batch: 4, prefill_chunk: 8, state_budget_bytes: 1 << 30 };
+        let cache = CacheConfig { ram_bytes: 1 << 30, stride: 0, ssd: None, checkpoint_every: 0 };
+        let worker = Worker::spawn(model, config, cache, None).unwrap();
+        let tokens: Vec<u32> = (1..=5).collect();
+        worker.cache.ram().insert(Snapshot { namespace: PROMPT_NAMESPACE, tokens: tokens.clone(), state: rowless, resume: None });
+
+        let opts = GenerationOptions {
+            max_tokens: 3,
+            sampling: SamplingParams::greedy(),
+            stop_tokens: vec![],
+            prefill_chunk: 8,
+            logprobs: None,
+        };
+        let (events, answer) = mpsc::channel();
+        worker.submit(Job::new((1..=9).collect(), opts, Box::new(Events(events)))).unwrap();
+        let mut cached = None;
+        loop {
+            match answer.recv_timeout(Duration::from_secs(120)).expect("the engine answers") {
+                Event::Started { cached_tokens } => cached = Some(cached_tokens),
+                Event::Token(_) => {}
+                Event::Finished(generation) => {
+                    assert_eq!(generation.tokens.len(), 3);
+                    break;
+                }
+                Event::Failed(e) => panic!("the job failed: {e}"),
+            }
+        }
+        let stats = worker.cache_stats();
+        assert_eq!(cached, Some(0));
+        assert_eq!((stats.copy_failures.load(Ordering::Relaxed), stats.misses.load(Ordering::Relaxed)), (1, 1));
+        assert_eq!(stats.ram_hits.load(Ordering::Relaxed), 0);
     }
 }

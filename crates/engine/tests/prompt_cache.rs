@@ -7,7 +7,7 @@
 use std::path::Path;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use candle_core::{DType, Device};
 use strata_engine::cache::{Identity, SsdOptions};
@@ -192,4 +192,100 @@ fn interrupted_generation_resumes_from_its_checkpoint() {
     let resumed = run_with(&restarted, &prompt, opts, None);
     assert_eq!(restarted.cache_stats().checkpoint_resumes.load(Ordering::Relaxed), 1, "resumed, not started over");
     assert_eq!(resumed.tokens, whole, "the resumed output equals an uninterrupted run");
+}
+
+/// A requester that holds the engine thread (it calls `send`): at `Started` and again at its
+/// third token, each time until the test gives way on `gate`.
+struct Gate {
+    events: mpsc::Sender<Event>,
+    gate: mpsc::Receiver<()>,
+    tokens: usize,
+}
+
+impl EventSink for Gate {
+    fn send(&mut self, event: Event) -> bool {
+        self.tokens += matches!(event, Event::Token(_)) as usize;
+        if matches!(event, Event::Started { .. }) || self.tokens == 3 && matches!(event, Event::Token(_)) {
+            self.gate.recv().unwrap();
+        }
+        self.events.send(event).is_ok()
+    }
+    fn is_closed(&self) -> bool {
+        false
+    }
+}
+
+/// Waits until `done` holds (failing after 30 s).
+fn wait_for(what: &str, done: impl Fn() -> bool) {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(30), "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// After a restart, a burst of requests that all hit the SSD tier: while the first one runs,
+/// only what the state budget and the batch can take next is restored onto the device — the
+/// job admitted next, once it fits — never the whole queue.
+#[test]
+fn a_burst_after_restart_restores_only_what_admission_can_take() {
+    let dir = &fixtures()[0];
+    let base = prompt_tokens(dir);
+    // Six prompts sharing no prefix, so each is served by its own SSD entry.
+    let prompts: Vec<Vec<u32>> = (1..=6).map(|first| [&[first][..], &base[..15]].concat()).collect();
+    let opts = GenerationOptions { logprobs: None, ..greedy(6, vec![]) };
+    let ssd = tempfile::tempdir().unwrap();
+    let first = engine(dir, cache(Some(ssd.path()), 0));
+    for prompt in &prompts {
+        run_with(&first, prompt, opts.clone(), None);
+    }
+    assert_eq!(first.shutdown(Duration::from_secs(60)), 0);
+    drop(first);
+
+    // The budget fits one job and a half: the next is not read while the first runs. With two
+    // and a half and a batch of one, the next is read, and waits within the budget.
+    for (max_batch, halves, restored_ahead) in [(4, 3, 0), (1, 5, 1)] {
+        let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+        let need = model.state_cost().bytes(16 + opts.max_tokens).unwrap();
+        let config = EngineConfig { max_batch, prefill_chunk: 8, state_budget_bytes: need * halves / 2 };
+        let worker = Worker::spawn(model, config, cache(Some(ssd.path()), 0), None).unwrap();
+        let stats = worker.cache_stats();
+        let (open, gate) = mpsc::channel();
+        let mut gate = Some(gate);
+        let answers: Vec<mpsc::Receiver<Event>> = prompts
+            .iter()
+            .map(|prompt| {
+                let (events, answer) = mpsc::channel();
+                let sink: Box<dyn EventSink> = match gate.take() {
+                    Some(gate) => Box::new(Gate { events, gate, tokens: 0 }),
+                    None => Box::new(Channel(events, None)),
+                };
+                worker.submit(Job::new(prompt.clone(), opts.clone(), sink)).unwrap();
+                answer
+            })
+            .collect();
+        // Every job is queued; the first starts and holds the engine at its third token.
+        open.send(()).unwrap();
+        let restores = || stats.ssd_restores.load(Ordering::Relaxed);
+        let waiting = || stats.ssd_restored_waiting_bytes.load(Ordering::Relaxed);
+        wait_for("the restores", || restores() == 1 + restored_ahead && (waiting() > 0) == (restored_ahead > 0));
+        std::thread::sleep(Duration::from_secs(1));
+        assert_eq!(restores(), 1 + restored_ahead, "restored ahead of admission (batch {max_batch}, budget {halves}/2 jobs)");
+        assert_eq!(waiting() > 0, restored_ahead > 0);
+
+        open.send(()).unwrap();
+        for (prompt, answer) in prompts.iter().zip(answers) {
+            let mut cached = None;
+            loop {
+                match answer.recv_timeout(Duration::from_secs(120)).expect("the engine answers") {
+                    Event::Started { cached_tokens } => cached = Some(cached_tokens),
+                    Event::Token(_) => {}
+                    Event::Finished(_) => break,
+                    Event::Failed(e) => panic!("generation failed: {e}"),
+                }
+            }
+            assert_eq!(cached, Some(prompt.len() - 1), "each job is served from its SSD entry");
+        }
+        assert_eq!((restores(), waiting()), (6, 0));
+    }
 }

@@ -82,6 +82,7 @@ fn cache_stats(state: &AppState) -> Value {
             "restores": n(&s.ssd_restores),
             "restore_seconds": n(&s.ssd_restore_micros) as f64 / 1e6,
             "restore_failures": n(&s.ssd_restore_failures),
+            "restored_waiting_bytes": s.ssd_restored_waiting_bytes.load(Ordering::Relaxed),
             "writes": n(&s.ssd_writes),
             "write_failures": n(&s.ssd_write_failures),
             "writes_dropped": n(&s.ssd_writes_dropped),
@@ -96,6 +97,7 @@ fn cache_stats(state: &AppState) -> Value {
         })),
         "misses": n(&s.misses),
         "hit_tokens": n(&s.hit_tokens),
+        "copy_failures": n(&s.copy_failures),
         "stride": config.stride,
     })
 }
@@ -127,7 +129,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let w = state.worker.stats();
     let s = state.worker.cache_stats();
     let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
-    let rows: [(&str, &str, &str, f64); 28] = [
+    let rows: [(&str, &str, &str, f64); 30] = [
         ("strata_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
         ("strata_http_requests_total", "counter", "HTTP requests received.", state.http_requests.load(Ordering::Relaxed) as f64),
         (
@@ -159,6 +161,13 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         ("strata_cache_ssd_restores_total", "counter", "SSD entries read back.", n(&s.ssd_restores)),
         ("strata_cache_ssd_restore_seconds_total", "counter", "Time spent reading SSD entries.", n(&s.ssd_restore_micros) / 1e6),
         ("strata_cache_ssd_restore_failures_total", "counter", "SSD entries dropped as unreadable.", n(&s.ssd_restore_failures)),
+        (
+            "strata_cache_ssd_restored_waiting_bytes",
+            "gauge",
+            "Bytes read back from SSD for the next job, not yet admitted.",
+            s.ssd_restored_waiting_bytes.load(Ordering::Relaxed) as f64,
+        ),
+        ("strata_cache_copy_failures_total", "counter", "Cache copies that failed (served as misses).", n(&s.copy_failures)),
         ("strata_cache_ssd_writes_total", "counter", "Entries written (spilled) to SSD.", n(&s.ssd_writes)),
         ("strata_cache_ssd_write_failures_total", "counter", "SSD writes that failed.", n(&s.ssd_write_failures)),
         ("strata_cache_ssd_writes_dropped_total", "counter", "SSD writes dropped on a full queue.", n(&s.ssd_writes_dropped)),

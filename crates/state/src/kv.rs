@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention;
 
-use crate::{Result, StateError};
+use crate::{buffer_bytes, Result, StateError};
 
 #[derive(Clone, Debug)]
 struct KvRow {
@@ -68,6 +68,11 @@ impl KvStore {
     /// Bytes of stored positions (not of spare capacity).
     pub fn bytes(&self) -> usize {
         self.rows.iter().map(|r| r.len).sum::<usize>() * Self::bytes_per_token(self.kv_heads, self.head_dim, self.dtype)
+    }
+
+    /// Bytes of the buffers held, spare capacity of grown rows included.
+    pub fn allocated_bytes(&self) -> usize {
+        self.rows.iter().map(|r| buffer_bytes(&r.k) + buffer_bytes(&r.v)).sum()
     }
 
     /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns views of its whole history.

@@ -81,6 +81,17 @@ impl LayerState {
         }
     }
 
+    /// Bytes of the buffers this layer holds: [`LayerState::bytes`] plus the spare room of
+    /// KV buffers grown by doubling and the free slots of sliding-window buffers. (A recurrent
+    /// state is all in use.)
+    pub fn allocated_bytes(&self) -> usize {
+        match self {
+            LayerState::Attention(s) => s.allocated_bytes(),
+            LayerState::Recurrent(s) => s.bytes(),
+            LayerState::Window(s) => s.allocated_bytes(),
+        }
+    }
+
     /// Whether every row can be cut back to any earlier position. KV can; a recurrent state
     /// only exists at the position it was computed for; a sliding window only until it wraps.
     pub fn can_trim(&self) -> bool {
@@ -175,6 +186,11 @@ impl LayerState {
     }
 }
 
+/// Bytes of a buffer the stores allocated whole (their buffers are never views).
+fn buffer_bytes(t: &Tensor) -> usize {
+    t.elem_count() * t.dtype().size_in_bytes()
+}
+
 /// Gathers `rows` of a batch-major tensor as a fresh contiguous tensor.
 fn select_rows(t: &Tensor, rows: &[usize]) -> Result<Tensor> {
     let n = t.dim(0)?;
@@ -199,6 +215,11 @@ impl BatchState {
 
     pub fn bytes(&self) -> usize {
         self.layers.iter().map(LayerState::bytes).sum()
+    }
+
+    /// Bytes of the buffers held, spare capacity included (see [`LayerState::allocated_bytes`]).
+    pub fn allocated_bytes(&self) -> usize {
+        self.layers.iter().map(LayerState::allocated_bytes).sum()
     }
 
     /// Appends `other`'s rows after this batch's rows.

@@ -15,7 +15,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::{Result, StateError};
+use crate::{buffer_bytes, Result, StateError};
 
 /// Positions kept beyond the window, so that this many fed positions can be rolled back after
 /// older ones were dropped (a verify forward feeds at most 64).
@@ -100,6 +100,11 @@ impl WindowKvStore {
     pub fn bytes(&self) -> usize {
         let held: usize = self.rows.iter().map(|r| r.len - r.oldest).sum();
         held * crate::KvStore::bytes_per_token(self.kv_heads, self.head_dim, self.dtype)
+    }
+
+    /// Bytes of the buffers held, free slots included.
+    pub fn allocated_bytes(&self) -> usize {
+        self.rows.iter().map(|r| buffer_bytes(&r.k) + buffer_bytes(&r.v)).sum()
     }
 
     /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns the keys and values the `T` new
@@ -211,12 +216,13 @@ impl WindowKvStore {
         Ok(())
     }
 
-    /// An owned single-row copy of `row`.
+    /// An owned single-row copy of `row`, in a buffer sized for its held positions (not the
+    /// batch row's whole buffer).
     pub fn extract(&self, row: usize) -> Result<WindowKvStore> {
         let n = self.rows.len();
         let src = self.rows.get(row).ok_or(StateError::RowOutOfRange { row, rows: n })?;
-        let copy = WindowRow { k: src.k.copy()?, v: src.v.copy()?, ..src.clone() };
-        Ok(WindowKvStore { rows: vec![copy], ..self.clone_empty() })
+        let (k, v) = self.held(row)?;
+        self.single_row(k, v, src.len)
     }
 
     /// The held positions of `row` in order (`[Hkv, n, D]` each): what persistence stores.
@@ -345,6 +351,19 @@ mod tests {
         kv.trim(0, before + 1).unwrap();
         let (k, _) = kv.append(0, &positions(before + 1, 1), &positions(before + 1, 1)).unwrap();
         assert_eq!(values(&k), (before + 2 - window..before + 2).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn extract_copies_only_the_held_positions() {
+        let mut kv = WindowKvStore::new(1, 4, 1, 1, DType::F32, &Device::Cpu).unwrap();
+        // A chunk past the capacity: the row's buffer is full-size, and holds the last 67.
+        kv.append(0, &positions(0, 300), &positions(0, 300)).unwrap();
+        let per_slot = 2 * 4;
+        assert_eq!(kv.allocated_bytes(), kv.capacity() * per_slot);
+        let one = kv.extract(0).unwrap();
+        assert_eq!((one.allocated_bytes(), one.bytes()), (67 * per_slot, 67 * per_slot));
+        assert_eq!(values(&one.held(0).unwrap().0), values(&kv.held(0).unwrap().0));
+        assert_eq!((one.len(0), one.can_trim()), (300, false));
     }
 
     #[test]

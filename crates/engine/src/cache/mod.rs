@@ -46,8 +46,9 @@ impl Snapshot {
         self.state.can_trim()
     }
 
+    /// Bytes this snapshot holds: its state's buffers, spare room included, and its tokens.
     pub fn bytes(&self) -> usize {
-        self.state.bytes() + self.tokens.len() * 4
+        self.state.allocated_bytes() + self.tokens.len() * 4
     }
 }
 
@@ -94,6 +95,12 @@ pub struct CacheStats {
     pub ssd_restore_micros: AtomicU64,
     /// SSD entries that failed to read back (corrupt, vanished): dropped, the prompt re-prefilled.
     pub ssd_restore_failures: AtomicU64,
+    /// Bytes of SSD state read back for the job admitted next and not yet taken by it (at most
+    /// one job's: reads wait until that job fits the state budget).
+    pub ssd_restored_waiting_bytes: AtomicUsize,
+    /// Copies of state into or out of the cache that failed (e.g. out of device memory): a
+    /// restore that fails is a miss, a snapshot that fails is not kept; the batch goes on.
+    pub copy_failures: AtomicU64,
     /// Entries written to SSD, writes that failed, and writes dropped because the queue was full.
     pub ssd_writes: AtomicU64,
     pub ssd_write_failures: AtomicU64,

@@ -102,3 +102,54 @@ impl RamCache {
         self.stats.ram_bytes.store(self.bytes, Ordering::Relaxed);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+    use strata_state::{KvStore, LayerState, WindowKvStore};
+
+    use super::*;
+
+    const HEADS: usize = 2;
+    const HEAD_DIM: usize = 8;
+    /// Keys and values of one position, f32.
+    const PER_SLOT: usize = 2 * HEADS * HEAD_DIM * 4;
+
+    /// A one-layer snapshot after `tokens` positions appended one at a time, as decoding does:
+    /// the layer's buffers grow by doubling on the way.
+    fn grown(mut layer: LayerState, tokens: usize) -> Snapshot {
+        for p in 0..tokens {
+            let k = Tensor::full(p as f32, (HEADS, 1, HEAD_DIM), &Device::Cpu).unwrap();
+            match &mut layer {
+                LayerState::Attention(kv) => kv.append(0, &k, &k),
+                LayerState::Window(kv) => kv.append(0, &k, &k),
+                LayerState::Recurrent(_) => unreachable!(),
+            }
+            .unwrap();
+        }
+        let state = BatchState { layers: vec![layer], positions: vec![tokens] };
+        Snapshot { namespace: 0, tokens: (0..tokens as u32).collect(), state, resume: None }
+    }
+
+    #[test]
+    fn counts_the_bytes_grown_buffers_hold() {
+        let kv = LayerState::Attention(KvStore::new(1, HEADS, HEAD_DIM, DType::F32, &Device::Cpu).unwrap());
+        let window = LayerState::Window(WindowKvStore::new(1, 4, HEADS, HEAD_DIM, DType::F32, &Device::Cpu).unwrap());
+        // 17 positions: the KV buffer doubled from 16 to 32 slots; the window's buffer too
+        // (it holds all 17, under its 131-slot capacity).
+        for layer in [kv, window] {
+            let snap = grown(layer, 17);
+            let held = 32 * PER_SLOT + 17 * 4;
+            let stats = Arc::new(CacheStats::default());
+            let mut ram = RamCache::new(1 << 20, stats.clone());
+            ram.insert(snap.clone());
+            assert_eq!(stats.ram_bytes.load(Ordering::Relaxed), held, "{}", snap.state.layers[0].kind());
+
+            // A cap that covers the positions but not the buffers keeps nothing.
+            let stats = Arc::new(CacheStats::default());
+            let mut ram = RamCache::new(held - 1, stats.clone());
+            ram.insert(snap);
+            assert_eq!(stats.ram_entries.load(Ordering::Relaxed), 0);
+        }
+    }
+}
