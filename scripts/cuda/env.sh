@@ -8,6 +8,9 @@ if [ ! -x "$CUDA_ROOT/bin/nvcc" ]; then
 fi
 export CUDA_ROOT CUDA_PATH="$CUDA_ROOT" PATH="$CUDA_ROOT/bin:$PATH"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-90}"
+# candle-kernels' build runs its nvcc jobs on half the cores unless told otherwise; it is the
+# longest step of the build and nothing else waits to run beside it.
+export CUDAFORGE_THREADS="${CUDAFORGE_THREADS:-$(nproc)}"
 # The link stubs reach the linker through LIBRARY_PATH, not RUSTFLAGS: changed RUSTFLAGS would
 # rebuild every crate, while this way the CUDA build reuses every dependency the CPU build made
 # that CUDA does not change.
