@@ -24,11 +24,12 @@ done
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$target_dir}"
 if $tests; then
     # The binary and the GPU tests in one command: one feature resolution (with the tests'
-    # dev-dependencies, as the CPU test build has), where two commands would compile shared
-    # dependencies twice with different features. Then their paths (nothing left to build).
-    cargo build "${profile[@]}" --workspace --features strata-cli/cuda --bins --test gpu --test gpu_graph
-    cargo test "${profile[@]}" --workspace --features strata-cli/cuda --test gpu --test gpu_graph --no-run 2>&1 |
-        sed -n 's/.*Executable .*(\(.*\))$/\1/p'
+    # dev-dependencies, as the CPU test build has) and one profile, where a second command
+    # (-p strata-kernels, or `cargo test` after `cargo build`) compiled shared dependencies
+    # again. The test binaries' paths come from cargo's JSON messages.
+    cargo build "${profile[@]}" --workspace --features strata-cli/cuda --bins --test gpu --test gpu_graph \
+        --message-format=json-render-diagnostics |
+        grep '"kind":\["test"\]' | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p'
 else
     cargo build "${profile[@]}" -p strata-cli --features cuda
 fi
