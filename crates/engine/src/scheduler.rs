@@ -20,8 +20,8 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use strata_model::{Logits, Model, StateCost};
-use strata_state::BatchState;
+use strata_model::{Logits, Model};
+use strata_state::{BatchState, StateCost};
 
 use crate::cache::{usable_prefix, Resume, Snapshot, PROMPT_NAMESPACE};
 use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};

@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use strata_model::{Model, StateCost};
-use strata_state::BatchState;
+use strata_model::Model;
+use strata_state::{BatchState, StateCost};
 
 use crate::cache::ssd::SsdError;
 use crate::cache::{

@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor};
 use strata_engine::cache::ssd::SsdError;
 use strata_engine::cache::{usable_prefix, CacheStats, Identity, Recovery, Resume, Snapshot, SsdOptions, SsdStore, SsdWriter};
 use strata_model::{Logits, Model, ModelFolder};
-use strata_state::{BatchState, KvStore, LayerState};
+use strata_state::{BatchState, KvShape, LayerSpec, LayerState, StateSpec};
 
 const GIB: u64 = 1 << 30;
 
@@ -34,8 +34,8 @@ fn run(model: &Model, tokens: &[u32]) -> BatchState {
 
 /// A fresh attention-only state: trimmable, unlike the fixture's.
 fn kv_template() -> BatchState {
-    let kv = KvStore::new(1, 2, 8, DType::F32, &Device::Cpu).unwrap();
-    BatchState { layers: vec![LayerState::Attention(kv)], positions: vec![0] }
+    let kv = KvShape { kv_heads: 2, head_dim: 8 };
+    StateSpec { layers: vec![LayerSpec::Attention(kv)], dtype: DType::F32 }.new_state(1, &Device::Cpu).unwrap()
 }
 
 fn kv_state(len: usize) -> BatchState {

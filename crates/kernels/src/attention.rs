@@ -666,7 +666,7 @@ mod tests {
         let dev = Device::Cpu;
         let (b, h, t, d) = (2, 3, 2, 64);
         let n = b * h * t * d;
-        let ramp = |n: usize, s: f32, f: f32| (0..n).map(|i| ((i as f32 * f + s).sin() * 6.0)).collect::<Vec<_>>();
+        let ramp = |n: usize, s: f32, f: f32| (0..n).map(|i| (i as f32 * f + s).sin() * 6.0).collect::<Vec<_>>();
         let round = |x: f32| half::bf16::from_f32(x).to_f32();
         let attended = Tensor::from_vec(ramp(n, 0.3, 0.71), (b, h, t, d), &dev).unwrap().to_dtype(DType::BF16).unwrap();
         // The gate cut from a wider per-head [q | gate] tensor, as the model cuts it.

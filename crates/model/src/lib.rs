@@ -27,5 +27,5 @@ pub use folder::ModelFolder;
 pub use gemma3::{Gemma3, Gemma3Config};
 pub use generation_config::GenerationConfig;
 pub use model::{ArchConfig, Model, ModelConfig};
-pub use qwen3_5::{Logits, MtpHead, Qwen35, Round, StateCost};
+pub use qwen3_5::{Logits, MtpHead, Qwen35, Round};
 pub use tokenizer::Tokenizer;

@@ -5,13 +5,13 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
-use strata_state::BatchState;
+use strata_state::{BatchState, StateCost, StateSpec};
 
 use crate::config::Qwen35Config;
 use crate::dense::{Dense, DenseConfig};
 use crate::error::{ModelError, Result};
 use crate::gemma3::{Gemma3, Gemma3Config};
-use crate::qwen3_5::{Logits, MtpHead, Qwen35, Round, StateCost};
+use crate::qwen3_5::{Logits, MtpHead, Qwen35, Round};
 use crate::source::WeightSource;
 
 /// A parsed `config.json`, by family.
@@ -112,20 +112,23 @@ impl Model {
         }
     }
 
-    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
+    /// What each layer's state is, as the family declares it.
+    pub fn state_spec(&self) -> StateSpec {
         match self {
-            Model::Qwen35(m) => m.new_state(rows),
-            Model::Dense(m) => m.new_state(rows),
-            Model::Gemma3(m) => m.new_state(rows),
+            Model::Qwen35(m) => m.state_spec(),
+            Model::Dense(m) => m.state_spec(),
+            Model::Gemma3(m) => m.state_spec(),
         }
     }
 
+    /// Fresh state for `rows` empty sequences.
+    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
+        Ok(self.state_spec().new_state(rows, self.device())?)
+    }
+
+    /// What a sequence's state costs in memory, from the declared spec.
     pub fn state_cost(&self) -> StateCost {
-        match self {
-            Model::Qwen35(m) => m.state_cost(),
-            Model::Dense(m) => m.state_cost(),
-            Model::Gemma3(m) => m.state_cost(),
-        }
+        self.state_spec().cost()
     }
 
     /// Whether CUDA decode steps replay a captured graph (on by default; Qwen3.5 models).

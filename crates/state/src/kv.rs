@@ -7,6 +7,7 @@
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention;
 
+use crate::spec::{KvShape, StateCost, Storage, Trim};
 use crate::{buffer_bytes, Result, StateError};
 
 #[derive(Clone, Debug)]
@@ -19,15 +20,19 @@ struct KvRow {
 #[derive(Clone, Debug)]
 pub struct KvStore {
     rows: Vec<KvRow>,
-    kv_heads: usize,
-    head_dim: usize,
+    shape: KvShape,
     dtype: DType,
     device: Device,
 }
 
-impl KvStore {
-    pub fn new(rows: usize, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let mut store = Self { rows: Vec::new(), kv_heads, head_dim, dtype, device: device.clone() };
+impl Storage for KvStore {
+    type Shape = KvShape;
+    const NAME: &'static str = "attention KV";
+    const PARTS: &'static [&'static str] = &["k", "v"];
+    const TRIM: Trim = Trim::Any;
+
+    fn empty(shape: &KvShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let mut store = Self { rows: Vec::new(), shape: *shape, dtype, device: device.clone() };
         for _ in 0..rows {
             let row = store.empty_row(0)?;
             store.rows.push(row);
@@ -35,18 +40,26 @@ impl KvStore {
         Ok(store)
     }
 
+    fn cost(shape: &KvShape, dtype: DType) -> StateCost {
+        StateCost { bytes_per_token: shape.bytes_per_token(dtype), ..StateCost::default() }
+    }
+}
+
+impl KvShape {
+    /// Bytes per stored position (keys + values).
+    pub(crate) fn bytes_per_token(&self, dtype: DType) -> usize {
+        2 * self.kv_heads * self.head_dim * dtype.size_in_bytes()
+    }
+}
+
+impl KvStore {
     fn empty_row(&self, capacity: usize) -> Result<KvRow> {
-        let shape = (self.kv_heads, capacity, self.head_dim);
+        let shape = (self.shape.kv_heads, capacity, self.shape.head_dim);
         Ok(KvRow {
             k: Tensor::zeros(shape, self.dtype, &self.device)?,
             v: Tensor::zeros(shape, self.dtype, &self.device)?,
             len: 0,
         })
-    }
-
-    /// Bytes per stored token (keys + values).
-    pub fn bytes_per_token(kv_heads: usize, head_dim: usize, dtype: DType) -> usize {
-        2 * kv_heads * head_dim * dtype.size_in_bytes()
     }
 
     pub fn rows(&self) -> usize {
@@ -67,7 +80,7 @@ impl KvStore {
 
     /// Bytes of stored positions (not of spare capacity).
     pub fn bytes(&self) -> usize {
-        self.rows.iter().map(|r| r.len).sum::<usize>() * Self::bytes_per_token(self.kv_heads, self.head_dim, self.dtype)
+        self.rows.iter().map(|r| r.len).sum::<usize>() * self.shape.bytes_per_token(self.dtype)
     }
 
     /// Bytes of the buffers held, spare capacity of grown rows included.
@@ -191,13 +204,13 @@ impl KvStore {
     pub fn single_row(&self, k: Tensor, v: Tensor) -> Result<KvStore> {
         for (name, t) in [("k", &k), ("v", &v)] {
             let (h, _, d) = t.dims3()?;
-            if (h, d) != (self.kv_heads, self.head_dim) || t.dtype() != self.dtype {
+            if (h, d) != (self.shape.kv_heads, self.shape.head_dim) || t.dtype() != self.dtype {
                 return Err(StateError::BadPart(format!(
                     "attention {name} is {:?} {:?}, expected [{}, len, {}] {:?}",
                     t.dtype(),
                     t.dims(),
-                    self.kv_heads,
-                    self.head_dim,
+                    self.shape.kv_heads,
+                    self.shape.head_dim,
                     self.dtype
                 )));
             }
@@ -211,13 +224,7 @@ impl KvStore {
     }
 
     fn clone_empty(&self) -> KvStore {
-        KvStore {
-            rows: Vec::new(),
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            dtype: self.dtype,
-            device: self.device.clone(),
-        }
+        KvStore { rows: Vec::new(), shape: self.shape, dtype: self.dtype, device: self.device.clone() }
     }
 }
 
@@ -232,7 +239,7 @@ mod tests {
 
     #[test]
     fn append_grow_trim_extract() {
-        let mut kv = KvStore::new(2, 2, 3, DType::F32, &Device::Cpu).unwrap();
+        let mut kv = KvStore::empty(&KvShape { kv_heads: 2, head_dim: 3 }, 2, DType::F32, &Device::Cpu).unwrap();
         let mut all = Vec::new();
         for step in 0..40 {
             let k = seq(2, 1, 3, step as f32 * 100.0);

@@ -1,16 +1,19 @@
 //! Per-layer inference state, with a batch of rows each at its own position.
 //!
-//! Layer state is a closed set ([`LayerState`]): every kind answers the same questions (bytes
-//! held, whether it can be trimmed back, how rows merge, filter and extract), and a kind the code
-//! does not handle is a compile error. This crate knows tensors, never models.
+//! Models declare what their state is ([`StateSpec`]); this crate builds it and counts its cost
+//! from a table of storage kinds ([`Storage`]). Layer state is a closed set ([`LayerState`]):
+//! every kind answers the same questions (bytes held, how far it can be trimmed back, how rows
+//! merge, filter and extract, what it persists), and a kind the code does not handle is a
+//! compile error. This crate knows tensors, never models.
 
 mod kv;
 mod recurrent;
+mod spec;
 mod window;
-pub use recurrent::RecurrentShape;
 
 pub use kv::KvStore;
-pub use recurrent::{RecurrentRound, RecurrentState};
+pub use recurrent::{RecurrentRound, RecurrentShape, RecurrentState};
+pub use spec::{KvShape, LayerSpec, StateCost, StateSpec, Storage, Trim, WindowShape};
 pub use window::{WindowKvStore, ROUND_SLACK};
 
 use candle_core::Tensor;
@@ -49,9 +52,27 @@ pub enum LayerState {
 impl LayerState {
     pub fn kind(&self) -> &'static str {
         match self {
-            LayerState::Attention(_) => "attention KV",
-            LayerState::Recurrent(_) => "recurrent",
-            LayerState::Window(_) => "sliding-window KV",
+            LayerState::Attention(_) => KvStore::NAME,
+            LayerState::Recurrent(_) => RecurrentState::NAME,
+            LayerState::Window(_) => WindowKvStore::NAME,
+        }
+    }
+
+    /// How far back this layer's kind can cut a row.
+    fn trim_kind(&self) -> Trim {
+        match self {
+            LayerState::Attention(_) => KvStore::TRIM,
+            LayerState::Recurrent(_) => RecurrentState::TRIM,
+            LayerState::Window(_) => WindowKvStore::TRIM,
+        }
+    }
+
+    /// The names this layer's kind persists a row's tensors under, in order.
+    fn part_names(&self) -> &'static [&'static str] {
+        match self {
+            LayerState::Attention(_) => KvStore::PARTS,
+            LayerState::Recurrent(_) => RecurrentState::PARTS,
+            LayerState::Window(_) => WindowKvStore::PARTS,
         }
     }
 
@@ -92,12 +113,12 @@ impl LayerState {
         }
     }
 
-    /// Whether every row can be cut back to any earlier position. KV can; a recurrent state
-    /// only exists at the position it was computed for; a sliding window only until it wraps.
+    /// Whether every row can be cut back to any earlier position: always for a kind that trims
+    /// to [`Trim::Any`], never for [`Trim::Never`], and for a sliding window until it drops a
+    /// position.
     pub fn can_trim(&self) -> bool {
         match self {
-            LayerState::Attention(_) => true,
-            LayerState::Recurrent(_) => false,
+            LayerState::Attention(_) | LayerState::Recurrent(_) => self.trim_kind() == Trim::Any,
             LayerState::Window(s) => s.can_trim(),
         }
     }
@@ -153,26 +174,29 @@ impl LayerState {
         if self.rows() != 1 {
             return Err(StateError::BadPart(format!("only single-row state is stored, this has {} rows", self.rows())));
         }
-        Ok(match self {
+        let tensors = match self {
             LayerState::Attention(s) => {
                 let (k, v) = s.history(0)?;
-                vec![("k", k.force_contiguous()?), ("v", v.force_contiguous()?)]
+                vec![k.force_contiguous()?, v.force_contiguous()?]
             }
-            LayerState::Recurrent(s) => vec![("conv", s.conv.clone()), ("ssm", s.ssm.clone())],
+            LayerState::Recurrent(s) => vec![s.conv.clone(), s.ssm.clone()],
             LayerState::Window(s) => {
                 let (k, v) = s.held(0)?;
-                vec![("k", k), ("v", v)]
+                vec![k, v]
             }
-        })
+        };
+        Ok(self.part_names().iter().copied().zip(tensors).collect())
     }
 
     /// Rebuilds a single-row layer at `position` of this layer's kind and shape from its parts;
     /// `part` hands out each named tensor (and may read it from disk on demand).
     pub fn from_parts(&self, position: usize, mut part: impl FnMut(&str) -> Result<Tensor>) -> Result<LayerState> {
+        let names = self.part_names();
+        let mut read = |i: usize| part(names[i]);
         Ok(match self {
-            LayerState::Attention(s) => LayerState::Attention(s.single_row(part("k")?, part("v")?)?),
-            LayerState::Recurrent(s) => LayerState::Recurrent(s.single_row(part("conv")?, part("ssm")?)?),
-            LayerState::Window(s) => LayerState::Window(s.single_row(part("k")?, part("v")?, position)?),
+            LayerState::Attention(s) => LayerState::Attention(s.single_row(read(0)?, read(1)?)?),
+            LayerState::Recurrent(s) => LayerState::Recurrent(s.single_row(read(0)?, read(1)?)?),
+            LayerState::Window(s) => LayerState::Window(s.single_row(read(0)?, read(1)?, position)?),
         })
     }
 

@@ -2,6 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::spec::{StateCost, Storage, Trim};
 use crate::{select_rows, Result, StateError};
 
 /// `conv`: `[B, K-1, conv_dim]`, the last `K - 1` conv inputs (compute dtype).
@@ -37,16 +38,14 @@ pub struct RecurrentShape {
     pub key_dim: usize,
 }
 
-impl RecurrentShape {
-    /// Bytes per row for a given conv dtype (the matrix is f32).
-    pub fn bytes_per_row(&self, conv_dtype: DType) -> usize {
-        (self.conv_kernel - 1) * self.conv_dim * conv_dtype.size_in_bytes() + self.value_heads * self.value_dim * self.key_dim * 4
-    }
-}
+impl Storage for RecurrentState {
+    type Shape = RecurrentShape;
+    const NAME: &'static str = "recurrent";
+    const PARTS: &'static [&'static str] = &["conv", "ssm"];
+    const TRIM: Trim = Trim::Never;
 
-impl RecurrentState {
-    /// Zero state for `rows` fresh sequences.
-    pub fn zeros(shape: RecurrentShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
+    /// Zero state: the conv window in `dtype`, the matrix in f32.
+    fn empty(shape: &RecurrentShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
         Ok(Self {
             conv: Tensor::zeros((rows, shape.conv_kernel - 1, shape.conv_dim), dtype, device)?,
             ssm: Tensor::zeros((rows, shape.value_heads, shape.value_dim, shape.key_dim), DType::F32, device)?,
@@ -54,6 +53,13 @@ impl RecurrentState {
         })
     }
 
+    fn cost(shape: &RecurrentShape, dtype: DType) -> StateCost {
+        let conv = (shape.conv_kernel - 1) * shape.conv_dim * dtype.size_in_bytes();
+        StateCost { bytes_per_row: conv + shape.value_heads * shape.value_dim * shape.key_dim * 4, ..StateCost::default() }
+    }
+}
+
+impl RecurrentState {
     pub fn rows(&self) -> usize {
         self.conv.dims()[0]
     }

@@ -15,6 +15,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::spec::{StateCost, Storage, Trim, WindowShape};
 use crate::{buffer_bytes, Result, StateError};
 
 /// Positions kept beyond the window, so that this many fed positions can be rolled back after
@@ -38,19 +39,22 @@ struct WindowRow {
 #[derive(Clone, Debug)]
 pub struct WindowKvStore {
     rows: Vec<WindowRow>,
-    window: usize,
-    kv_heads: usize,
-    head_dim: usize,
+    shape: WindowShape,
     dtype: DType,
     device: Device,
 }
 
-impl WindowKvStore {
-    pub fn new(rows: usize, window: usize, kv_heads: usize, head_dim: usize, dtype: DType, device: &Device) -> Result<Self> {
-        if window == 0 {
+impl Storage for WindowKvStore {
+    type Shape = WindowShape;
+    const NAME: &'static str = "sliding-window KV";
+    const PARTS: &'static [&'static str] = &["k", "v"];
+    const TRIM: Trim = Trim::WhileHeld;
+
+    fn empty(shape: &WindowShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
+        if shape.window == 0 {
             return Err(StateError::BadPart("a sliding window of 0 positions".into()));
         }
-        let mut store = Self { rows: Vec::new(), window, kv_heads, head_dim, dtype, device: device.clone() };
+        let mut store = Self { rows: Vec::new(), shape: *shape, dtype, device: device.clone() };
         for _ in 0..rows {
             let row = store.empty_row(0, 0)?;
             store.rows.push(row);
@@ -58,23 +62,34 @@ impl WindowKvStore {
         Ok(store)
     }
 
+    /// A full buffer's positions at the per-token cost: what a row holds at most.
+    fn cost(shape: &WindowShape, dtype: DType) -> StateCost {
+        StateCost {
+            window_bytes_per_token: shape.kv.bytes_per_token(dtype),
+            window_positions: Self::capacity_for(shape.window),
+            ..StateCost::default()
+        }
+    }
+}
+
+impl WindowKvStore {
     /// Slots of a full buffer.
     pub fn capacity(&self) -> usize {
-        Self::capacity_for(self.window)
+        Self::capacity_for(self.shape.window)
     }
 
     /// Slots of a full buffer for a window of `window` positions.
-    pub fn capacity_for(window: usize) -> usize {
+    fn capacity_for(window: usize) -> usize {
         window - 1 + 2 * ROUND_SLACK
     }
 
     /// Positions always held (when consumed): the window and the rollback slack.
     fn kept(&self) -> usize {
-        self.window - 1 + ROUND_SLACK
+        self.shape.window - 1 + ROUND_SLACK
     }
 
     fn empty_row(&self, slots: usize, start: usize) -> Result<WindowRow> {
-        let shape = (self.kv_heads, slots, self.head_dim);
+        let shape = (self.shape.kv.kv_heads, slots, self.shape.kv.head_dim);
         Ok(WindowRow {
             k: Tensor::zeros(shape, self.dtype, &self.device)?,
             v: Tensor::zeros(shape, self.dtype, &self.device)?,
@@ -99,7 +114,7 @@ impl WindowKvStore {
     /// Bytes of held positions.
     pub fn bytes(&self) -> usize {
         let held: usize = self.rows.iter().map(|r| r.len - r.oldest).sum();
-        held * crate::KvStore::bytes_per_token(self.kv_heads, self.head_dim, self.dtype)
+        held * self.shape.kv.bytes_per_token(self.dtype)
     }
 
     /// Bytes of the buffers held, free slots included.
@@ -115,7 +130,7 @@ impl WindowKvStore {
         let t = k.dim(1)?;
         let (len, oldest) = (self.rows[row].len, self.rows[row].oldest);
         let end = len + t;
-        let from = len.saturating_sub(self.window - 1).max(oldest);
+        let from = len.saturating_sub(self.shape.window - 1).max(oldest);
         // Keep the slack before the new window too, unless the new positions alone fill it.
         let keep = from.min(end.saturating_sub(self.kept()).max(oldest));
         if end - keep > self.capacity() {
@@ -183,7 +198,7 @@ impl WindowKvStore {
     /// Whether `row` can be cut back to `len`: its window there must still be held.
     pub fn can_trim_to(&self, row: usize, len: usize) -> bool {
         let r = &self.rows[row];
-        len <= r.len && len.saturating_sub(self.window - 1) >= r.oldest
+        len <= r.len && len.saturating_sub(self.shape.window - 1) >= r.oldest
     }
 
     /// Whether every row can be cut back to any earlier position (none has dropped any).
@@ -200,7 +215,7 @@ impl WindowKvStore {
     }
 
     pub fn merge(&mut self, other: &WindowKvStore) -> Result<()> {
-        if other.window != self.window {
+        if other.shape.window != self.shape.window {
             return Err(StateError::KindMismatch("sliding-window KV", "sliding-window KV of another window"));
         }
         self.rows.extend(other.rows.iter().cloned());
@@ -236,13 +251,13 @@ impl WindowKvStore {
     pub fn single_row(&self, k: Tensor, v: Tensor, position: usize) -> Result<WindowKvStore> {
         for (name, t) in [("k", &k), ("v", &v)] {
             let (h, _, d) = t.dims3()?;
-            if (h, d) != (self.kv_heads, self.head_dim) || t.dtype() != self.dtype {
+            if (h, d) != (self.shape.kv.kv_heads, self.shape.kv.head_dim) || t.dtype() != self.dtype {
                 return Err(StateError::BadPart(format!(
                     "sliding-window {name} is {:?} {:?}, expected [{}, n, {}] {:?}",
                     t.dtype(),
                     t.dims(),
-                    self.kv_heads,
-                    self.head_dim,
+                    self.shape.kv.kv_heads,
+                    self.shape.kv.head_dim,
                     self.dtype
                 )));
             }
@@ -251,7 +266,7 @@ impl WindowKvStore {
         if k.dims() != v.dims() {
             return Err(StateError::BadPart(format!("sliding-window k {:?} and v {:?} differ", k.dims(), v.dims())));
         }
-        let needed = position.min(self.window - 1);
+        let needed = position.min(self.shape.window - 1);
         if held > position || held > self.capacity() || held < needed {
             return Err(StateError::BadPart(format!(
                 "sliding-window state holds {held} positions at position {position}; expected {needed}..={}",
@@ -267,14 +282,7 @@ impl WindowKvStore {
     }
 
     fn clone_empty(&self) -> WindowKvStore {
-        WindowKvStore {
-            rows: Vec::new(),
-            window: self.window,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-            dtype: self.dtype,
-            device: self.device.clone(),
-        }
+        WindowKvStore { rows: Vec::new(), shape: self.shape, dtype: self.dtype, device: self.device.clone() }
     }
 }
 
@@ -288,6 +296,10 @@ mod tests {
         Tensor::from_vec(data, (1, t, 1), &Device::Cpu).unwrap()
     }
 
+    fn shape(window: usize) -> WindowShape {
+        WindowShape { kv: crate::KvShape { kv_heads: 1, head_dim: 1 }, window }
+    }
+
     fn values(t: &Tensor) -> Vec<usize> {
         t.flatten_all().unwrap().to_vec1::<f32>().unwrap().into_iter().map(|x| x as usize).collect()
     }
@@ -299,7 +311,7 @@ mod tests {
     #[test]
     fn appends_hand_out_each_window_in_order() {
         let window = 5;
-        let mut kv = WindowKvStore::new(2, window, 1, 1, DType::F32, &Device::Cpu).unwrap();
+        let mut kv = WindowKvStore::empty(&shape(window), 2, DType::F32, &Device::Cpu).unwrap();
         let (capacity, kept) = (kv.capacity(), window - 1 + ROUND_SLACK);
         let mut chunks = vec![1, 3, 2, 7, 1, 1, 40, 1, 70, 2, 1, 130, 1];
         chunks.extend([1; 300]);
@@ -322,7 +334,7 @@ mod tests {
     #[test]
     fn trims_only_while_the_window_is_held() {
         let window = 4;
-        let mut kv = WindowKvStore::new(1, window, 1, 1, DType::F32, &Device::Cpu).unwrap();
+        let mut kv = WindowKvStore::empty(&shape(window), 1, DType::F32, &Device::Cpu).unwrap();
         let capacity = kv.capacity();
         kv.append(0, &positions(0, 10), &positions(0, 10)).unwrap();
         assert!(kv.can_trim());
@@ -355,7 +367,7 @@ mod tests {
 
     #[test]
     fn extract_copies_only_the_held_positions() {
-        let mut kv = WindowKvStore::new(1, 4, 1, 1, DType::F32, &Device::Cpu).unwrap();
+        let mut kv = WindowKvStore::empty(&shape(4), 1, DType::F32, &Device::Cpu).unwrap();
         // A chunk past the capacity: the row's buffer is full-size, and holds the last 67.
         kv.append(0, &positions(0, 300), &positions(0, 300)).unwrap();
         let per_slot = 2 * 4;
@@ -369,7 +381,7 @@ mod tests {
     #[test]
     fn held_positions_round_trip_through_single_row() {
         let window = 6;
-        let kv0 = WindowKvStore::new(1, window, 1, 1, DType::F32, &Device::Cpu).unwrap();
+        let kv0 = WindowKvStore::empty(&shape(window), 1, DType::F32, &Device::Cpu).unwrap();
         for total in [0, 3, 5, 50, 69, 70, 71, 200] {
             let mut kv = kv0.clone();
             kv.append(0, &positions(0, total), &positions(0, total)).unwrap();

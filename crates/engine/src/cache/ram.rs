@@ -106,7 +106,7 @@ impl RamCache {
 #[cfg(test)]
 mod tests {
     use candle_core::{DType, Device, Tensor};
-    use strata_state::{KvStore, LayerState, WindowKvStore};
+    use strata_state::{KvShape, LayerSpec, LayerState, StateSpec, WindowShape};
 
     use super::*;
 
@@ -133,8 +133,12 @@ mod tests {
 
     #[test]
     fn counts_the_bytes_grown_buffers_hold() {
-        let kv = LayerState::Attention(KvStore::new(1, HEADS, HEAD_DIM, DType::F32, &Device::Cpu).unwrap());
-        let window = LayerState::Window(WindowKvStore::new(1, 4, HEADS, HEAD_DIM, DType::F32, &Device::Cpu).unwrap());
+        let kv = KvShape { kv_heads: HEADS, head_dim: HEAD_DIM };
+        let spec = StateSpec {
+            layers: vec![LayerSpec::Attention(kv), LayerSpec::Window(WindowShape { kv, window: 4 })],
+            dtype: DType::F32,
+        };
+        let [kv, window] = spec.new_state(1, &Device::Cpu).unwrap().layers.try_into().unwrap();
         // 17 positions: the KV buffer doubled from 16 to 32 slots; the window's buffer too
         // (it holds all 17, under its 131-slot capacity).
         for layer in [kv, window] {

@@ -7,13 +7,13 @@ pub mod config;
 mod norm;
 
 use candle_core::{DType, Device, Tensor};
-use strata_state::{BatchState, KvStore, LayerState};
+use strata_state::{BatchState, KvShape, LayerSpec, LayerState, StateSpec};
 
 use self::attention::Attention;
 use self::norm::RmsNorm;
 use crate::error::{ModelError, Result};
 use crate::qwen3_5::layers::{Linear, Matrix, Mlp, Rotary};
-use crate::qwen3_5::{Logits, StateCost};
+use crate::qwen3_5::Logits;
 use crate::source::WeightSource;
 
 pub use self::config::{DenseConfig, DenseFamily, Llama3Scaling};
@@ -86,19 +86,10 @@ impl Dense {
         &self.device
     }
 
-    /// What a sequence's state costs: the KV of every layer per token, nothing fixed per row.
-    pub fn state_cost(&self) -> StateCost {
-        let per_layer = KvStore::bytes_per_token(self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype);
-        StateCost { bytes_per_token: self.layers.len() * per_layer, ..StateCost::default() }
-    }
-
-    /// Fresh state for `rows` empty sequences.
-    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
-        let (kv, d) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
-        let layers = (0..self.layers.len())
-            .map(|_| Ok(LayerState::Attention(KvStore::new(rows, kv, d, self.dtype, &self.device)?)))
-            .collect::<Result<Vec<_>>>()?;
-        Ok(BatchState { layers, positions: vec![0; rows] })
+    /// Every layer holds full-attention KV.
+    pub fn state_spec(&self) -> StateSpec {
+        let kv = KvShape { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim };
+        StateSpec { layers: vec![LayerSpec::Attention(kv); self.layers.len()], dtype: self.dtype }
     }
 
     /// Runs `tokens` (`[B, T]`, u32) through the model, each row continuing from its own

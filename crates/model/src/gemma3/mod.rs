@@ -8,11 +8,11 @@ pub mod config;
 
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention::{causal_attention, Scoring};
-use strata_state::{BatchState, KvStore, LayerState, WindowKvStore};
+use strata_state::{BatchState, KvShape, LayerSpec, LayerState, StateSpec, WindowShape};
 
 use crate::error::{ModelError, Result};
 use crate::qwen3_5::layers::{Linear, Matrix, RmsNorm, Rotary};
-use crate::qwen3_5::{Logits, StateCost};
+use crate::qwen3_5::Logits;
 use crate::source::WeightSource;
 
 pub use self::config::{Gemma3Config, RopeSettings};
@@ -130,34 +130,13 @@ impl Gemma3 {
         &self.device
     }
 
-    /// What a sequence's state costs: global layers hold every position, local layers at most
-    /// their ring's.
-    pub fn state_cost(&self) -> StateCost {
-        let per_layer = KvStore::bytes_per_token(self.cfg.num_key_value_heads, self.cfg.head_dim, self.dtype);
-        let global = self.layers.iter().filter(|l| !l.sliding).count();
-        StateCost {
-            bytes_per_token: global * per_layer,
-            bytes_per_row: 0,
-            window_bytes_per_token: (self.layers.len() - global) * per_layer,
-            window_positions: WindowKvStore::capacity_for(self.cfg.sliding_window),
-        }
-    }
-
-    /// Fresh state for `rows` empty sequences.
-    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
-        let (kv, d) = (self.cfg.num_key_value_heads, self.cfg.head_dim);
-        let layers = self
-            .layers
-            .iter()
-            .map(|l| {
-                Ok(if l.sliding {
-                    LayerState::Window(WindowKvStore::new(rows, self.cfg.sliding_window, kv, d, self.dtype, &self.device)?)
-                } else {
-                    LayerState::Attention(KvStore::new(rows, kv, d, self.dtype, &self.device)?)
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(BatchState { layers, positions: vec![0; rows] })
+    /// Global layers hold every position's KV, local ones a sliding window's.
+    pub fn state_spec(&self) -> StateSpec {
+        let kv = KvShape { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim };
+        let window = WindowShape { kv, window: self.cfg.sliding_window };
+        let layers =
+            self.layers.iter().map(|l| if l.sliding { LayerSpec::Window(window) } else { LayerSpec::Attention(kv) }).collect();
+        StateSpec { layers, dtype: self.dtype }
     }
 
     /// Runs `tokens` (`[B, T]`, u32), each row continuing from its own position in `state`, and

@@ -9,7 +9,7 @@ pub mod layers;
 mod mtp;
 
 use candle_core::{DType, Device, Tensor};
-use strata_state::{BatchState, KvStore, LayerState, RecurrentState};
+use strata_state::{BatchState, KvShape, LayerSpec, LayerState, StateSpec};
 
 use self::attention::Attention;
 use self::deltanet::GatedDeltaNet;
@@ -97,28 +97,6 @@ impl WeightSource for PlainWatch<'_> {
 #[derive(Debug)]
 pub struct Round {
     pub(crate) start: Vec<usize>,
-}
-
-/// Memory cost of one sequence's state; see [`Qwen35::state_cost`].
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct StateCost {
-    /// What every position costs (full attention KV).
-    pub bytes_per_token: usize,
-    /// Fixed per sequence (recurrent state).
-    pub bytes_per_row: usize,
-    /// What a position costs while it is among the last `window_positions` (sliding-window KV).
-    pub window_bytes_per_token: usize,
-    pub window_positions: usize,
-}
-
-impl StateCost {
-    /// Bytes of state for a sequence of `tokens` tokens; None past `usize::MAX`. (The per-token
-    /// and per-row costs themselves are products of shapes whose weights were loaded: they
-    /// cannot overflow, a token count from a request or a flag can.)
-    pub fn bytes(&self, tokens: usize) -> Option<usize> {
-        let window = tokens.min(self.window_positions).checked_mul(self.window_bytes_per_token)?;
-        tokens.checked_mul(self.bytes_per_token)?.checked_add(window)?.checked_add(self.bytes_per_row)
-    }
 }
 
 /// Which positions' logits a forward returns.
@@ -214,47 +192,20 @@ impl Qwen35 {
         &self.device
     }
 
-    /// What a sequence's state costs in memory: bytes per token held (KV of every attention
-    /// layer) and fixed bytes per row (conv window and recurrent matrix of every DeltaNet layer).
-    pub fn state_cost(&self) -> StateCost {
+    /// What each layer's state is: KV for full attention, a conv window and recurrent matrix
+    /// for Gated DeltaNet.
+    pub fn state_spec(&self) -> StateSpec {
         let cfg = &self.cfg;
-        let mut cost = StateCost::default();
-        for kind in &cfg.layer_types {
-            match kind {
-                LayerKind::Full => {
-                    cost.bytes_per_token += KvStore::bytes_per_token(cfg.num_key_value_heads, cfg.head_dim, self.dtype)
-                }
-                LayerKind::Linear => cost.bytes_per_row += GatedDeltaNet::state_shape(cfg).bytes_per_row(self.dtype),
-            }
-        }
-        cost
-    }
-
-    /// Fresh state for `rows` empty sequences.
-    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
-        let cfg = &self.cfg;
+        let kv = KvShape { kv_heads: cfg.num_key_value_heads, head_dim: cfg.head_dim };
         let layers = cfg
             .layer_types
             .iter()
-            .map(|kind| {
-                Ok(match kind {
-                    LayerKind::Linear => LayerState::Recurrent(RecurrentState::zeros(
-                        GatedDeltaNet::state_shape(cfg),
-                        rows,
-                        self.dtype,
-                        &self.device,
-                    )?),
-                    LayerKind::Full => LayerState::Attention(KvStore::new(
-                        rows,
-                        cfg.num_key_value_heads,
-                        cfg.head_dim,
-                        self.dtype,
-                        &self.device,
-                    )?),
-                })
+            .map(|kind| match kind {
+                LayerKind::Linear => LayerSpec::Recurrent(GatedDeltaNet::state_shape(cfg)),
+                LayerKind::Full => LayerSpec::Attention(kv),
             })
-            .collect::<Result<Vec<_>>>()?;
-        Ok(BatchState { layers, positions: vec![0; rows] })
+            .collect();
+        StateSpec { layers, dtype: self.dtype }
     }
 
     /// Opens a speculative round on `state`: forwards until [`Qwen35::close_round`] can be
@@ -365,20 +316,5 @@ impl Qwen35 {
     fn embed_checked(&self, tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
         Ok(self.embed.rows_at(&tokens.flatten_all()?, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::StateCost;
-
-    #[test]
-    fn state_bytes_are_counted_without_wrapping() {
-        let cost = StateCost { bytes_per_token: 1 << 10, bytes_per_row: 100, window_bytes_per_token: 8, window_positions: 512 };
-        assert_eq!(cost.bytes(3), Some(3 * 1024 + 3 * 8 + 100));
-        assert_eq!(cost.bytes(1000), Some(1000 * 1024 + 512 * 8 + 100));
-        // 2^56 tokens of 2^10 bytes wrapped to a few KB.
-        assert_eq!(cost.bytes(1 << 56), None);
-        assert_eq!(cost.bytes(usize::MAX / 1024), None, "the window and row bytes on top overflow");
     }
 }
