@@ -7,7 +7,7 @@
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention;
 
-use crate::spec::{KvShape, StateCost, Storage, Trim};
+use crate::spec::{KvShape, StateCost, Storage};
 use crate::{buffer_bytes, Result, StateError};
 
 #[derive(Clone, Debug)]
@@ -29,14 +29,10 @@ impl Storage for KvStore {
     type Shape = KvShape;
     const NAME: &'static str = "attention KV";
     const PARTS: &'static [&'static str] = &["k", "v"];
-    const TRIM: Trim = Trim::Any;
 
     fn empty(shape: &KvShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
         let mut store = Self { rows: Vec::new(), shape: *shape, dtype, device: device.clone() };
-        for _ in 0..rows {
-            let row = store.empty_row(0)?;
-            store.rows.push(row);
-        }
+        store.rows = (0..rows).map(|_| store.empty_row(0)).collect::<Result<_>>()?;
         Ok(store)
     }
 

@@ -13,7 +13,7 @@ mod window;
 
 pub use kv::KvStore;
 pub use recurrent::{RecurrentRound, RecurrentShape, RecurrentState};
-pub use spec::{KvShape, LayerSpec, StateCost, StateSpec, Storage, Trim, WindowShape};
+pub use spec::{KvShape, LayerSpec, StateCost, StateSpec, Storage, WindowShape};
 pub use window::{WindowKvStore, ROUND_SLACK};
 
 use candle_core::Tensor;
@@ -55,15 +55,6 @@ impl LayerState {
             LayerState::Attention(_) => KvStore::NAME,
             LayerState::Recurrent(_) => RecurrentState::NAME,
             LayerState::Window(_) => WindowKvStore::NAME,
-        }
-    }
-
-    /// How far back this layer's kind can cut a row.
-    fn trim_kind(&self) -> Trim {
-        match self {
-            LayerState::Attention(_) => KvStore::TRIM,
-            LayerState::Recurrent(_) => RecurrentState::TRIM,
-            LayerState::Window(_) => WindowKvStore::TRIM,
         }
     }
 
@@ -113,12 +104,12 @@ impl LayerState {
         }
     }
 
-    /// Whether every row can be cut back to any earlier position: always for a kind that trims
-    /// to [`Trim::Any`], never for [`Trim::Never`], and for a sliding window until it drops a
-    /// position.
+    /// Whether every row can be cut back to any earlier position. KV can; a recurrent state
+    /// only exists at the position it was computed for; a sliding window only until it wraps.
     pub fn can_trim(&self) -> bool {
         match self {
-            LayerState::Attention(_) | LayerState::Recurrent(_) => self.trim_kind() == Trim::Any,
+            LayerState::Attention(_) => true,
+            LayerState::Recurrent(_) => false,
             LayerState::Window(s) => s.can_trim(),
         }
     }

@@ -2,7 +2,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::spec::{StateCost, Storage, Trim};
+use crate::spec::{StateCost, Storage};
 use crate::{select_rows, Result, StateError};
 
 /// `conv`: `[B, K-1, conv_dim]`, the last `K - 1` conv inputs (compute dtype).
@@ -42,7 +42,6 @@ impl Storage for RecurrentState {
     type Shape = RecurrentShape;
     const NAME: &'static str = "recurrent";
     const PARTS: &'static [&'static str] = &["conv", "ssm"];
-    const TRIM: Trim = Trim::Never;
 
     /// Zero state: the conv window in `dtype`, the matrix in f32.
     fn empty(shape: &RecurrentShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {

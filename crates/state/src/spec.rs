@@ -1,5 +1,6 @@
 //! What a model declares about its state, and the table of storage kinds that turns a
-//! declaration into buffers, byte costs, persisted parts and capabilities.
+//! declaration into buffers, byte costs and persisted parts. (How far a row can be trimmed is
+//! answered per row at run time, by [`LayerState::can_trim_to`].)
 //!
 //! A model says what each layer's state *is* ([`LayerSpec`]); it never builds stores or counts
 //! bytes itself. Each storage kind answers the same questions through [`Storage`], so adding a
@@ -43,18 +44,6 @@ pub struct StateSpec {
     pub dtype: DType,
 }
 
-/// How far back a storage kind can cut a row.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Trim {
-    /// To any earlier position.
-    Any,
-    /// To any earlier position whose window is still held.
-    WhileHeld,
-    /// Never: the state exists only at the position it was computed for (a speculative round
-    /// is taken back by re-folding, see [`crate::RecurrentRound`]).
-    Never,
-}
-
 /// One storage kind: how a layer's state is held, and what it can do.
 pub trait Storage: Sized {
     /// The declared shape this kind stores.
@@ -63,8 +52,6 @@ pub trait Storage: Sized {
     const NAME: &'static str;
     /// The tensors a single row persists as, by part name, in the order they are stored.
     const PARTS: &'static [&'static str];
-    /// How far back a row can be cut.
-    const TRIM: Trim;
 
     /// Empty state for `rows` fresh sequences.
     fn empty(shape: &Self::Shape, rows: usize, dtype: DType, device: &Device) -> Result<Self>;

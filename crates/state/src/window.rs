@@ -15,7 +15,7 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::spec::{StateCost, Storage, Trim, WindowShape};
+use crate::spec::{StateCost, Storage, WindowShape};
 use crate::{buffer_bytes, Result, StateError};
 
 /// Positions kept beyond the window, so that this many fed positions can be rolled back after
@@ -48,17 +48,13 @@ impl Storage for WindowKvStore {
     type Shape = WindowShape;
     const NAME: &'static str = "sliding-window KV";
     const PARTS: &'static [&'static str] = &["k", "v"];
-    const TRIM: Trim = Trim::WhileHeld;
 
     fn empty(shape: &WindowShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
         if shape.window == 0 {
             return Err(StateError::BadPart("a sliding window of 0 positions".into()));
         }
         let mut store = Self { rows: Vec::new(), shape: *shape, dtype, device: device.clone() };
-        for _ in 0..rows {
-            let row = store.empty_row(0, 0)?;
-            store.rows.push(row);
-        }
+        store.rows = (0..rows).map(|_| store.empty_row(0, 0)).collect::<Result<_>>()?;
         Ok(store)
     }
 
