@@ -1,12 +1,16 @@
 //! Attention KV store: per row, keys and values of every past position.
 //!
-//! Rows have their own lengths, so each row owns its buffers: `[Hkv, capacity, D]`, written in
-//! place and grown by doubling, so appending a token costs O(1) amortised instead of a copy of
-//! the whole history.
+//! Rows have their own lengths. They live either in a pool of fixed-size blocks shared by the
+//! batch's rows ([`crate::KvPool`], see `paged.rs`), or each in its own buffers `[Hkv,
+//! capacity, D]`, written in place and grown by doubling, so appending a token costs O(1)
+//! amortised instead of a copy of the whole history. Stores built from a [`crate::StateSpec`]
+//! alone (one-off runs, snapshots, restored entries) own their buffers; a served batch is
+//! paged. The two answer the same questions with the same bits.
 
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention;
 
+use crate::paged::PagedRows;
 use crate::spec::{KvShape, StateCost, Storage};
 use crate::{buffer_bytes, Result, StateError};
 
@@ -18,8 +22,14 @@ struct KvRow {
 }
 
 #[derive(Clone, Debug)]
+enum Rows {
+    Owned(Vec<KvRow>),
+    Paged(PagedRows),
+}
+
+#[derive(Clone, Debug)]
 pub struct KvStore {
-    rows: Vec<KvRow>,
+    rows: Rows,
     shape: KvShape,
     dtype: DType,
     device: Device,
@@ -31,8 +41,8 @@ impl Storage for KvStore {
     const PARTS: &'static [&'static str] = &["k", "v"];
 
     fn empty(shape: &KvShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let mut store = Self { rows: Vec::new(), shape: *shape, dtype, device: device.clone() };
-        store.rows = (0..rows).map(|_| store.empty_row(0)).collect::<Result<_>>()?;
+        let mut store = Self { rows: Rows::Owned(Vec::new()), shape: *shape, dtype, device: device.clone() };
+        store.rows = Rows::Owned((0..rows).map(|_| store.empty_row(0)).collect::<Result<_>>()?);
         Ok(store)
     }
 
@@ -49,6 +59,12 @@ impl KvShape {
 }
 
 impl KvStore {
+    /// This store's shape with `rows` empty rows in `paged`'s pool instead.
+    pub(crate) fn into_paged(self, mut paged: PagedRows, rows: usize) -> KvStore {
+        (0..rows).for_each(|_| paged.push_empty());
+        KvStore { rows: Rows::Paged(paged), ..self }
+    }
+
     fn empty_row(&self, capacity: usize) -> Result<KvRow> {
         let shape = (self.shape.kv_heads, capacity, self.shape.head_dim);
         Ok(KvRow {
@@ -58,8 +74,16 @@ impl KvStore {
         })
     }
 
+    /// Whether the rows live in a block pool (see [`crate::KvPool`]).
+    pub fn is_paged(&self) -> bool {
+        matches!(self.rows, Rows::Paged(_))
+    }
+
     pub fn rows(&self) -> usize {
-        self.rows.len()
+        match &self.rows {
+            Rows::Owned(rows) => rows.len(),
+            Rows::Paged(paged) => paged.rows(),
+        }
     }
 
     pub fn device(&self) -> &Device {
@@ -67,136 +91,213 @@ impl KvStore {
     }
 
     pub fn len(&self, row: usize) -> usize {
-        self.rows[row].len
+        match &self.rows {
+            Rows::Owned(rows) => rows[row].len,
+            Rows::Paged(paged) => paged.len(row),
+        }
+    }
+
+    fn lens(&self) -> Vec<usize> {
+        match &self.rows {
+            Rows::Owned(rows) => rows.iter().map(|r| r.len).collect(),
+            Rows::Paged(paged) => paged.lens().collect(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
-        self.rows.iter().all(|r| r.len == 0)
+        self.lens().iter().all(|&len| len == 0)
     }
 
     /// Bytes of stored positions (not of spare capacity).
     pub fn bytes(&self) -> usize {
-        self.rows.iter().map(|r| r.len).sum::<usize>() * self.shape.bytes_per_token(self.dtype)
+        self.lens().iter().sum::<usize>() * self.shape.bytes_per_token(self.dtype)
     }
 
-    /// Bytes of the buffers held, spare capacity of grown rows included.
+    /// Bytes of the buffers held: spare capacity of grown rows included, or the whole blocks
+    /// a paged row holds (a block shared by rows counts for each).
     pub fn allocated_bytes(&self) -> usize {
-        self.rows.iter().map(|r| buffer_bytes(&r.k) + buffer_bytes(&r.v)).sum()
+        match &self.rows {
+            Rows::Owned(rows) => rows.iter().map(|r| buffer_bytes(&r.k) + buffer_bytes(&r.v)).sum(),
+            Rows::Paged(paged) => paged.held_positions() * self.shape.bytes_per_token(self.dtype),
+        }
     }
 
-    /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns views of its whole history.
+    /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns its whole history.
     pub fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let t = k.dim(1)?;
-        self.reserve(row, t)?;
-        let r = &mut self.rows[row];
-        r.k.slice_set(&k.to_dtype(self.dtype)?.contiguous()?, 1, r.len)?;
-        r.v.slice_set(&v.to_dtype(self.dtype)?.contiguous()?, 1, r.len)?;
-        r.len += t;
+        match &mut self.rows {
+            Rows::Owned(_) => {
+                let t = k.dim(1)?;
+                self.reserve(row, t)?;
+                let dtype = self.dtype;
+                let r = &mut self.owned_mut()[row];
+                r.k.slice_set(&k.to_dtype(dtype)?.contiguous()?, 1, r.len)?;
+                r.v.slice_set(&v.to_dtype(dtype)?.contiguous()?, 1, r.len)?;
+                r.len += t;
+            }
+            Rows::Paged(paged) => paged.append(row, k, v)?,
+        }
         self.history(row)
     }
 
-    /// Appends `k[r]`, `v[r]` (`k`, `v` `[rows, Hkv, T, D]`) to every row `r` and returns views
-    /// of each row's whole history; one write for all rows where the device allows.
+    /// Appends `k[r]`, `v[r]` (`k`, `v` `[rows, Hkv, T, D]`) to every row `r` and returns each
+    /// row's whole history; one write for all rows where the device allows.
     pub fn append_rows(&mut self, k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        if let Rows::Paged(paged) = &mut self.rows {
+            for row in 0..paged.rows() {
+                paged.append(row, &k.get(row)?, &v.get(row)?)?;
+            }
+            return (0..self.rows()).map(|row| self.history(row)).collect();
+        }
         let t = k.dim(2)?;
-        for row in 0..self.rows.len() {
-            self.reserve(row, t)?;
-        }
+        self.reserve_rows(t)?;
         let (k, v) = (k.to_dtype(self.dtype)?, v.to_dtype(self.dtype)?);
-        attention::write_rows(&k, &self.rows.iter().map(|r| (&r.k, r.len)).collect::<Vec<_>>())?;
-        attention::write_rows(&v, &self.rows.iter().map(|r| (&r.v, r.len)).collect::<Vec<_>>())?;
-        for r in &mut self.rows {
-            r.len += t;
+        let rows = self.owned_mut();
+        attention::write_rows(&k, &rows.iter().map(|r| (&r.k, r.len)).collect::<Vec<_>>())?;
+        attention::write_rows(&v, &rows.iter().map(|r| (&r.v, r.len)).collect::<Vec<_>>())?;
+        rows.iter_mut().for_each(|r| r.len += t);
+        (0..self.rows()).map(|row| self.history(row)).collect()
+    }
+
+    /// The rows of an owned store. Only called where `self.rows` was matched as owned.
+    fn owned_mut(&mut self) -> &mut Vec<KvRow> {
+        match &mut self.rows {
+            Rows::Owned(rows) => rows,
+            Rows::Paged(_) => unreachable!("owned_mut on a paged store"),
         }
-        (0..self.rows.len()).map(|row| self.history(row)).collect()
+    }
+
+    fn not_paged(&self, what: &str) -> Result<&Vec<KvRow>> {
+        match &self.rows {
+            Rows::Owned(rows) => Ok(rows),
+            Rows::Paged(_) => Err(StateError::BadPart(format!("{what} needs a store that owns its buffers, not a paged one"))),
+        }
     }
 
     /// Room for `t` more positions in every row (see [`KvStore::buffers`]).
     pub fn reserve_rows(&mut self, t: usize) -> Result<()> {
-        (0..self.rows.len()).try_for_each(|row| self.reserve(row, t))
+        self.not_paged("reserving buffer room")?;
+        (0..self.rows()).try_for_each(|row| self.reserve(row, t))
     }
 
     /// Each row's whole key and value buffers `[Hkv, capacity, D]`, for kernels that write a
     /// step's positions in place themselves (a captured decode step); they stay these buffers
     /// while appends fit the capacity. [`KvStore::commit_written`] then counts what was written.
-    pub fn buffers(&self) -> Vec<(Tensor, Tensor)> {
-        self.rows.iter().map(|r| (r.k.clone(), r.v.clone())).collect()
+    pub fn buffers(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        Ok(self.not_paged("row buffers")?.iter().map(|r| (r.k.clone(), r.v.clone())).collect())
     }
 
     /// Counts `t` more positions in every row, written into [`KvStore::buffers`] by a device
     /// kernel rather than through [`KvStore::append_rows`].
     pub fn commit_written(&mut self, t: usize) -> Result<()> {
-        for r in &mut self.rows {
+        for r in self.not_paged("counting written positions")? {
             let capacity = r.k.dim(1)?;
             if r.len + t > capacity {
                 return Err(StateError::PastCapacity { len: r.len, written: t, capacity });
             }
         }
-        self.rows.iter_mut().for_each(|r| r.len += t);
+        self.owned_mut().iter_mut().for_each(|r| r.len += t);
         Ok(())
     }
 
-    /// Room for `t` more positions in `row`, doubling its buffers when full.
+    /// Room for `t` more positions in owned `row`, doubling its buffers when full.
     fn reserve(&mut self, row: usize, t: usize) -> Result<()> {
-        let needed = self.rows[row].len + t;
-        if needed > self.rows[row].k.dim(1)? {
-            let capacity = needed.max(2 * self.rows[row].k.dim(1)?).max(16);
-            let mut grown = self.empty_row(capacity)?;
-            let old = &self.rows[row];
-            if old.len > 0 {
-                grown.k.slice_set(&old.k.narrow(1, 0, old.len)?.contiguous()?, 1, 0)?;
-                grown.v.slice_set(&old.v.narrow(1, 0, old.len)?.contiguous()?, 1, 0)?;
+        let (len, capacity) = {
+            let r = &self.not_paged("reserving buffer room")?[row];
+            (r.len, r.k.dim(1)?)
+        };
+        if len + t > capacity {
+            let mut grown = self.empty_row((len + t).max(2 * capacity).max(16))?;
+            let old = &mut self.owned_mut()[row];
+            if len > 0 {
+                grown.k.slice_set(&old.k.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+                grown.v.slice_set(&old.v.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
             }
-            grown.len = old.len;
-            self.rows[row] = grown;
+            grown.len = len;
+            *old = grown;
         }
         Ok(())
     }
 
-    /// Views of `row`'s stored keys and values, `[Hkv, len, D]`.
+    /// `row`'s stored keys and values, `[Hkv, len, D]`: views of an owned row's buffers, or
+    /// copies gathered from a paged row's blocks.
     pub fn history(&self, row: usize) -> Result<(Tensor, Tensor)> {
-        let r = &self.rows[row];
-        Ok((r.k.narrow(1, 0, r.len)?, r.v.narrow(1, 0, r.len)?))
+        match &self.rows {
+            Rows::Owned(rows) => {
+                let r = &rows[row];
+                Ok((r.k.narrow(1, 0, r.len)?, r.v.narrow(1, 0, r.len)?))
+            }
+            Rows::Paged(paged) => paged.history(row),
+        }
     }
 
     /// Cuts `row` back to its first `len` positions.
     pub fn trim(&mut self, row: usize, len: usize) -> Result<()> {
-        let r = &mut self.rows[row];
-        if len > r.len {
-            return Err(StateError::Untrimmable { kind: "attention KV", from: r.len, to: len });
+        match &mut self.rows {
+            Rows::Owned(rows) => {
+                let r = &mut rows[row];
+                if len > r.len {
+                    return Err(StateError::Untrimmable { kind: "attention KV", from: r.len, to: len });
+                }
+                r.len = len;
+                Ok(())
+            }
+            Rows::Paged(paged) => paged.trim(row, len),
         }
-        r.len = len;
-        Ok(())
     }
 
+    /// Appends `other`'s rows after this store's: a paged row of the same pool joins by its
+    /// block table (no copy); any other row is copied in.
     pub fn merge(&mut self, other: &KvStore) -> Result<()> {
-        self.rows.extend(other.rows.iter().cloned());
+        match (&mut self.rows, &other.rows) {
+            (Rows::Owned(a), Rows::Owned(b)) => a.extend(b.iter().cloned()),
+            (Rows::Paged(a), Rows::Paged(b)) if a.same_pool(b) => a.merge(b),
+            _ => {
+                for row in 0..other.rows() {
+                    let (k, v) = other.history(row)?;
+                    let at = self.rows();
+                    match &mut self.rows {
+                        Rows::Owned(rows) => {
+                            rows.push(KvRow { k: k.force_contiguous()?, v: v.force_contiguous()?, len: k.dim(1)? })
+                        }
+                        Rows::Paged(paged) => {
+                            paged.push_empty();
+                            paged.append(at, &k, &v)?;
+                        }
+                    }
+                }
+            }
+        }
         Ok(())
     }
 
     pub fn filter(&mut self, keep: &[usize]) -> Result<()> {
-        let n = self.rows.len();
+        let n = self.rows();
         if let Some(&bad) = keep.iter().find(|&&r| r >= n) {
             return Err(StateError::RowOutOfRange { row: bad, rows: n });
         }
-        self.rows = keep.iter().map(|&r| self.rows[r].clone()).collect();
+        match &mut self.rows {
+            Rows::Owned(rows) => *rows = keep.iter().map(|&r| rows[r].clone()).collect(),
+            Rows::Paged(paged) => paged.filter(keep),
+        }
         Ok(())
     }
 
+    /// An owned single-row copy of `row`, in buffers of its own (a paged row's blocks are
+    /// copied out: snapshots and cache entries never hold pool blocks).
     pub fn extract(&self, row: usize) -> Result<KvStore> {
-        let n = self.rows.len();
-        let src = self.rows.get(row).ok_or(StateError::RowOutOfRange { row, rows: n })?;
-        let mut copy = self.empty_row(src.len)?;
-        if src.len > 0 {
-            copy.k = src.k.narrow(1, 0, src.len)?.force_contiguous()?;
-            copy.v = src.v.narrow(1, 0, src.len)?.force_contiguous()?;
+        let n = self.rows();
+        if row >= n {
+            return Err(StateError::RowOutOfRange { row, rows: n });
         }
-        copy.len = src.len;
-        Ok(KvStore { rows: vec![copy], ..self.clone_empty() })
+        let (k, v) = self.history(row)?;
+        Ok(KvStore {
+            rows: Rows::Owned(vec![KvRow { k: k.force_contiguous()?, v: v.force_contiguous()?, len: k.dim(1)? }]),
+            ..self.clone_empty()
+        })
     }
 
-    /// A single-row store holding `k`, `v` (`[Hkv, len, D]`), shaped like this store's rows;
-    /// the error names what does not match.
+    /// A single-row store holding `k`, `v` (`[Hkv, len, D]`) in its own buffers, shaped like
+    /// this store's rows; the error names what does not match.
     pub fn single_row(&self, k: Tensor, v: Tensor) -> Result<KvStore> {
         for (name, t) in [("k", &k), ("v", &v)] {
             let (h, _, d) = t.dims3()?;
@@ -216,11 +317,11 @@ impl KvStore {
         }
         let len = k.dim(1)?;
         let row = KvRow { k: k.to_device(&self.device)?, v: v.to_device(&self.device)?, len };
-        Ok(KvStore { rows: vec![row], ..self.clone_empty() })
+        Ok(KvStore { rows: Rows::Owned(vec![row]), ..self.clone_empty() })
     }
 
     fn clone_empty(&self) -> KvStore {
-        KvStore { rows: Vec::new(), shape: self.shape, dtype: self.dtype, device: self.device.clone() }
+        KvStore { rows: Rows::Owned(Vec::new()), shape: self.shape, dtype: self.dtype, device: self.device.clone() }
     }
 }
 

@@ -7,11 +7,13 @@
 //! compile error. This crate knows tensors, never models.
 
 mod kv;
+mod paged;
 mod recurrent;
 mod spec;
 mod window;
 
 pub use kv::KvStore;
+pub use paged::{KvPool, PoolSize, PoolStats};
 pub use recurrent::{RecurrentRound, RecurrentShape, RecurrentState};
 pub use spec::{KvShape, LayerSpec, StateCost, StateSpec, Storage, WindowShape};
 pub use window::{WindowKvStore, ROUND_SLACK};
@@ -32,6 +34,8 @@ pub enum StateError {
     Untrimmable { kind: &'static str, from: usize, to: usize },
     #[error("{written} positions written after {len} past a KV capacity of {capacity}")]
     PastCapacity { len: usize, written: usize, capacity: usize },
+    #[error("the KV pool's {blocks} blocks (attention layer {layer}) are all in use")]
+    PoolExhausted { layer: usize, blocks: usize },
     #[error("rows cannot join or leave a batch while a speculative round is open")]
     RoundOpen,
     #[error("stored state does not fit this model: {0}")]

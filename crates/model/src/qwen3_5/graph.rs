@@ -64,7 +64,7 @@ impl BatchLayout {
         for layer in &state.layers {
             if let LayerState::Attention(store) = layer {
                 let rows: candle_core::Result<_> =
-                    store.buffers().iter().map(|(k, v)| Ok((device_address(k)?, device_address(v)?, k.dim(1)?))).collect();
+                    store.buffers()?.iter().map(|(k, v)| Ok((device_address(k)?, device_address(v)?, k.dim(1)?))).collect();
                 kv.push(rows?);
             }
         }
@@ -223,7 +223,9 @@ impl DecodeGraph {
             .layers
             .iter()
             .filter_map(|layer| match layer {
-                LayerState::Attention(store) => Some(DecodeRows::new(&store.buffers()).map_err(Into::into)),
+                LayerState::Attention(store) => {
+                    Some(store.buffers().map_err(Into::into).and_then(|b| DecodeRows::new(&b).map_err(Into::into)))
+                }
                 _ => None,
             })
             .collect::<Result<Vec<_>>>()?;
