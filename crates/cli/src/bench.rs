@@ -238,7 +238,12 @@ pub fn run(mut a: Args) -> Result<()> {
         let speculation = a.draft.speculation(vocab as usize, || load(*dtype), load_draft, load_mtp)?;
         let worker = Worker::spawn(
             model,
-            EngineConfig { max_batch: max_concurrency, prefill_chunk: a.prefill_chunk(), state_budget_bytes: usize::MAX },
+            EngineConfig {
+                max_batch: max_concurrency,
+                prefill_chunk: a.prefill_chunk(),
+                state_budget_bytes: usize::MAX,
+                kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+            },
             CacheConfig::off(),
             speculation,
         )?;
@@ -347,7 +352,12 @@ fn cache_ttft(
                 checkpoint_every: 0,
             })
         };
-        let engine = EngineConfig { max_batch: 1, prefill_chunk: a.prefill_chunk(), state_budget_bytes: usize::MAX };
+        let engine = EngineConfig {
+            max_batch: 1,
+            prefill_chunk: a.prefill_chunk(),
+            state_budget_bytes: usize::MAX,
+            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+        };
         let model = load(dtype)?;
         let vocab = model.vocab_size() as u64;
         let prompt: Vec<u32> = (0..a.prompt_len as u64).map(|t| ((t * 2_654_435_761 + 12_345) % vocab) as u32).collect();

@@ -124,7 +124,12 @@ pub fn run(a: Args) -> Result<()> {
     )?;
     // The same engine that serves requests, for one request.
     let prefill_chunk = a.prefill_chunk.unwrap_or(EngineConfig::for_device(&device).prefill_chunk).max(1);
-    let engine = EngineConfig { max_batch: 1, prefill_chunk, state_budget_bytes: usize::MAX };
+    let engine = EngineConfig {
+        max_batch: 1,
+        prefill_chunk,
+        state_budget_bytes: usize::MAX,
+        kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+    };
     let worker = Worker::spawn(model, engine, CacheConfig::off(), speculation)?;
     let opts = GenerationOptions {
         max_tokens: a.max_tokens,

@@ -49,13 +49,17 @@ pub struct Args {
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
     #[arg(long)]
     no_cuda_graphs: bool,
-    /// Most requests decoded together (default: 16 on CPU, 64 on GPU).
-    #[arg(long)]
-    max_batch: Option<usize>,
+    /// Most requests decoded together (vLLM's name; default: 16 on CPU, 64 on GPU).
+    #[arg(long, visible_alias = "max-batch")]
+    max_num_seqs: Option<usize>,
     /// Bytes of KV + recurrent state the running requests may hold (default: 8 GiB on CPU,
-    /// 32 GiB on GPU). A request is admitted only when its whole prompt + max_tokens fits.
-    #[arg(long)]
-    state_budget_bytes: Option<usize>,
+    /// 32 GiB on GPU). A request is admitted only when its whole prompt + max_tokens fits. On
+    /// CPU the attention KV pool is allocated at start to hold this much.
+    #[arg(long, visible_alias = "state-budget-bytes")]
+    kv_cache_memory: Option<usize>,
+    /// Positions per block of the attention KV pool.
+    #[arg(long, default_value_t = strata_engine::DEFAULT_KV_BLOCK_SIZE as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    kv_block_size: u16,
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
     /// After Ctrl-C / SIGTERM, seconds the requests still running (streams included) may take
@@ -135,9 +139,10 @@ pub fn run(a: Args) -> Result<()> {
     }
     let defaults = EngineConfig::for_device(&device);
     let engine = EngineConfig {
-        max_batch: a.max_batch.unwrap_or(defaults.max_batch).max(1),
+        max_batch: a.max_num_seqs.unwrap_or(defaults.max_batch).max(1),
         prefill_chunk: a.prefill_chunk.unwrap_or(defaults.prefill_chunk).max(1),
-        state_budget_bytes: a.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
+        state_budget_bytes: a.kv_cache_memory.unwrap_or(defaults.state_budget_bytes),
+        kv_block_size: a.kv_block_size.into(),
     };
     let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, dtype.name()))?;
     let model = folder.load(dtype.dtype(), &device)?;
@@ -155,6 +160,21 @@ pub fn run(a: Args) -> Result<()> {
         || Ok(folder.load_mtp(&model)?),
     )?;
     let worker = Worker::spawn(model, engine, cache, speculation).context("cannot start the engine")?;
+    match worker.kv_pool_stats() {
+        Some(pool) => tracing::info!(
+            block_size = pool.block_size,
+            blocks = pool.blocks_total,
+            tokens = pool.blocks_total * pool.block_size,
+            max_num_seqs = engine.max_batch,
+            state_budget_bytes = engine.state_budget_bytes,
+            "attention KV pool allocated"
+        ),
+        None => tracing::info!(
+            max_num_seqs = engine.max_batch,
+            state_budget_bytes = engine.state_budget_bytes,
+            "attention KV in per-request buffers (the paged pool is CPU-only so far)"
+        ),
+    }
     if let Some(r) = worker.recovery() {
         tracing::info!(
             entries = r.entries,

@@ -12,4 +12,6 @@ pub mod worker;
 pub use generate::{generate, FinishReason, Generation, GenerationOptions, Sampled};
 pub use sampler::{Sampler, SamplingChoice, SamplingParams};
 pub use speculative::{DraftSource, Speculation};
-pub use worker::{CacheConfig, EngineConfig, Event, EventSink, Job, SpawnError, SsdConfig, Worker, WorkerStats};
+pub use worker::{
+    CacheConfig, EngineConfig, Event, EventSink, Job, SpawnError, SsdConfig, Worker, WorkerStats, DEFAULT_KV_BLOCK_SIZE,
+};

@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use strata_model::{Logits, Model};
-use strata_state::{BatchState, StateCost};
+use strata_state::{BatchState, KvPool, StateCost};
 
 use crate::cache::{usable_prefix, Resume, Snapshot, PROMPT_NAMESPACE};
 use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
@@ -108,6 +108,8 @@ pub(crate) struct Engine<'a> {
     drafter: Option<Drafter>,
     /// Reads SSD state for the job at the front of `waiting` (with an SSD tier).
     prefetch: Option<Prefetcher>,
+    /// Where the rows' attention KV lives (see [`EngineConfig`]); `None`: in per-row buffers.
+    pool: Option<KvPool>,
 }
 
 /// How a row's step ended.
@@ -125,9 +127,18 @@ impl<'a> Engine<'a> {
         cache: &'a SharedCache,
         drafter: Option<Drafter>,
         prefetch: Option<Prefetcher>,
+        pool: Option<KvPool>,
     ) -> Self {
         let (waiting, joiner, batch, rows) = (VecDeque::new(), None, None, Vec::new());
-        Self { model, config, cost, stats, cache, waiting, joiner, batch, rows, drafter, prefetch }
+        Self { model, config, cost, stats, cache, waiting, joiner, batch, rows, drafter, prefetch, pool }
+    }
+
+    /// Fresh state for `rows` sequences, in the pool where there is one.
+    fn new_state(&self, rows: usize) -> strata_model::Result<BatchState> {
+        match &self.pool {
+            Some(pool) => Ok(pool.new_state(rows)?),
+            None => self.model.new_state(rows),
+        }
     }
 
     pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
@@ -275,7 +286,7 @@ impl<'a> Engine<'a> {
             }
             None => {
                 stats.misses.fetch_add(1, Ordering::Relaxed);
-                (self.model.new_state(1)?, 0)
+                (self.new_state(1)?, 0)
             }
         })
     }
@@ -325,6 +336,12 @@ impl<'a> Engine<'a> {
         }
         match &mut self.batch {
             Some(batch) => batch.merge(&state)?,
+            // A restored state owns its KV: the batch starts in the pool and copies it in.
+            None if self.pool.is_some() && !state.is_paged() => {
+                let mut batch = self.new_state(0)?;
+                batch.merge(&state)?;
+                self.batch = Some(batch);
+            }
             None => self.batch = Some(state),
         }
         self.rows.push(row);

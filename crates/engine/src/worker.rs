@@ -11,7 +11,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use strata_model::Model;
-use strata_state::{BatchState, StateCost};
+use strata_state::{BatchState, KvPool, PoolSize, PoolStats, StateCost};
 
 use crate::cache::ssd::SsdError;
 use crate::cache::{
@@ -131,8 +131,12 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Prompt tokens per prefill forward.
     pub prefill_chunk: usize,
-    /// Bytes of sequence state (KV + recurrent) the running batch may hold.
+    /// Bytes of sequence state (KV + recurrent) the running batch may hold
+    /// (`--kv-cache-memory`, alias `--state-budget-bytes`). On CPU the attention KV pool is
+    /// preallocated to hold this budget's worth, so an admitted request never runs out of blocks.
     pub state_budget_bytes: usize,
+    /// Positions per KV block of the pool (`--kv-block-size`).
+    pub kv_block_size: usize,
 }
 
 impl EngineConfig {
@@ -142,9 +146,28 @@ impl EngineConfig {
     /// on an H200, for a longer pause of running streams while a prompt joins).
     pub fn for_device(device: &candle_core::Device) -> Self {
         let (max_batch, gib, prefill_chunk) = if device.is_cpu() { (16, 8, 512) } else { (64, 32, 2048) };
-        Self { max_batch, prefill_chunk, state_budget_bytes: gib << 30 }
+        Self { max_batch, prefill_chunk, state_budget_bytes: gib << 30, kv_block_size: DEFAULT_KV_BLOCK_SIZE }
+    }
+
+    /// The attention KV pool the running batch keeps its rows in, sized so that the rows this
+    /// config admits always fit. Only on CPU so far: the CUDA decode graphs read KV from
+    /// per-row buffers until their paged kernels are in (`None` there).
+    fn kv_pool(&self, model: &Model) -> strata_state::Result<Option<KvPool>> {
+        if !model.device().is_cpu() {
+            return Ok(None);
+        }
+        let spec = model.state_spec();
+        // No budget (a one-off run): the pool grows with the rows instead.
+        let size = match self.state_budget_bytes {
+            usize::MAX => PoolSize::Growing,
+            budget => PoolSize::Fixed(KvPool::blocks_for_budget(&spec, self.kv_block_size, budget, self.max_batch + 1)),
+        };
+        KvPool::new(&spec, self.kv_block_size, size, model.device()).map(Some)
     }
 }
+
+/// vLLM's default block size.
+pub const DEFAULT_KV_BLOCK_SIZE: usize = 16;
 
 /// The prompt cache's settings.
 #[derive(Clone, Debug)]
@@ -258,6 +281,7 @@ pub struct Worker {
     cost: StateCost,
     config: EngineConfig,
     max_positions: usize,
+    kv_pool: Option<KvPool>,
 }
 
 impl Worker {
@@ -272,6 +296,7 @@ impl Worker {
         let stats = Arc::new(WorkerStats::default());
         let cache_stats = Arc::new(CacheStats::default());
         let cost = model.state_cost();
+        let kv_pool = config.kv_pool(&model).map_err(strata_model::ModelError::from)?;
         let max_positions = model.max_position_embeddings();
         let (writer, recovery) = match &cache.ssd {
             Some(ssd) => {
@@ -292,7 +317,7 @@ impl Worker {
             Some(_) => Some(spawn_prefetch(shared.clone(), model.new_state(1)?)),
             None => None,
         };
-        let (thread_stats, thread_cache) = (stats.clone(), shared.clone());
+        let (thread_stats, thread_cache, kv) = (stats.clone(), shared.clone(), kv_pool.clone());
         std::thread::Builder::new()
             .name("strata-engine".into())
             .spawn(move || {
@@ -309,10 +334,10 @@ impl Worker {
                     tracing::warn!(error = %e, "could not make the engine thread a compute thread");
                 }
                 let drafter = speculation.map(Drafter::new);
-                Engine::new(model, config, cost, &thread_stats, &thread_cache, drafter, prefetch).run(queue)
+                Engine::new(model, config, cost, &thread_stats, &thread_cache, drafter, prefetch, kv).run(queue)
             })
             .expect("the OS can start a thread");
-        Ok(Self { jobs, stats, cache: shared, recovery, cost, config, max_positions })
+        Ok(Self { jobs, stats, cache: shared, recovery, cost, config, max_positions, kv_pool })
     }
 
     /// Whether a job of `tokens` total tokens (prompt + output budget) can ever be admitted;
@@ -351,6 +376,11 @@ impl Worker {
 
     pub fn cache_stats(&self) -> &CacheStats {
         &self.cache.stats
+    }
+
+    /// The attention KV pool's counts, where the engine keeps its rows in one.
+    pub fn kv_pool_stats(&self) -> Option<PoolStats> {
+        self.kv_pool.as_ref().map(KvPool::stats)
     }
 
     pub fn cache_config(&self) -> &CacheConfig {
@@ -479,7 +509,7 @@ mod tests {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a");
         let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
         let rowless = BatchState { layers: model.new_state(0).unwrap().layers, positions: vec![5] };
-        let config = EngineConfig { max_batch: 4, prefill_chunk: 8, state_budget_bytes: 1 << 30 };
+        let config = EngineConfig { max_batch: 4, prefill_chunk: 8, state_budget_bytes: 1 << 30, kv_block_size: 16 };
         let cache = CacheConfig { ram_bytes: 1 << 30, stride: 0, ssd: None, checkpoint_every: 0 };
         let worker = Worker::spawn(model, config, cache, None).unwrap();
         let tokens: Vec<u32> = (1..=5).collect();

@@ -74,7 +74,12 @@ fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {
             .collect();
         let worker = Worker::spawn(
             model,
-            EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 },
+            EngineConfig {
+                max_batch: 8,
+                prefill_chunk: chunk,
+                state_budget_bytes: 1 << 30,
+                kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+            },
             CacheConfig::off(),
             None,
         )
@@ -134,7 +139,12 @@ fn a_long_prompt_joins_one_chunk_per_step() {
 
     let worker = Worker::spawn(
         model,
-        EngineConfig { max_batch: 8, prefill_chunk: chunk, state_budget_bytes: 1 << 30 },
+        EngineConfig {
+            max_batch: 8,
+            prefill_chunk: chunk,
+            state_budget_bytes: 1 << 30,
+            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+        },
         CacheConfig::off(),
         None,
     )
@@ -164,7 +174,12 @@ fn admission_respects_the_state_budget_and_arrival_order() {
     let budget = cost.bytes(30).unwrap() + cost.bytes(30).unwrap() / 2;
     let worker = Worker::spawn(
         model,
-        EngineConfig { max_batch: 8, prefill_chunk: 8, state_budget_bytes: budget },
+        EngineConfig {
+            max_batch: 8,
+            prefill_chunk: 8,
+            state_budget_bytes: budget,
+            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+        },
         CacheConfig::off(),
         None,
     )

@@ -29,7 +29,18 @@ fn cache(ssd: Option<&Path>, checkpoint_every: usize) -> CacheConfig {
 /// A fresh engine on the fixture in `dir` (each worker owns its model).
 fn engine(dir: &Path, cache: CacheConfig) -> Worker {
     let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
-    Worker::spawn(model, EngineConfig { max_batch: 4, prefill_chunk: 8, state_budget_bytes: 1 << 30 }, cache, None).unwrap()
+    Worker::spawn(
+        model,
+        EngineConfig {
+            max_batch: 4,
+            prefill_chunk: 8,
+            state_budget_bytes: 1 << 30,
+            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+        },
+        cache,
+        None,
+    )
+    .unwrap()
 }
 
 struct Run {
@@ -247,7 +258,12 @@ fn a_burst_after_restart_restores_only_what_admission_can_take() {
     for (max_batch, halves, restored_ahead) in [(4, 3, 0), (1, 5, 1)] {
         let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
         let need = model.state_cost().bytes(16 + opts.max_tokens).unwrap();
-        let config = EngineConfig { max_batch, prefill_chunk: 8, state_budget_bytes: need * halves / 2 };
+        let config = EngineConfig {
+            max_batch,
+            prefill_chunk: 8,
+            state_budget_bytes: need * halves / 2,
+            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+        };
         let worker = Worker::spawn(model, config, cache(Some(ssd.path()), 0), None).unwrap();
         let stats = worker.cache_stats();
         let (open, gate) = mpsc::channel();

@@ -23,8 +23,18 @@ fn load(dir: &Path) -> Model {
 }
 
 fn engine(dir: &Path, cache: CacheConfig, speculation: Option<Speculation>) -> Worker {
-    Worker::spawn(load(dir), EngineConfig { max_batch: 8, prefill_chunk: 16, state_budget_bytes: 1 << 30 }, cache, speculation)
-        .unwrap()
+    Worker::spawn(
+        load(dir),
+        EngineConfig {
+            max_batch: 8,
+            prefill_chunk: 16,
+            state_budget_bytes: 1 << 30,
+            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+        },
+        cache,
+        speculation,
+    )
+    .unwrap()
 }
 
 /// The draft sources under test for a target fixture: prompt lookup, the target itself,

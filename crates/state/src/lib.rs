@@ -259,6 +259,11 @@ impl BatchState {
         Ok(())
     }
 
+    /// Whether the attention layers keep their rows in a [`KvPool`].
+    pub fn is_paged(&self) -> bool {
+        self.layers.iter().any(|l| matches!(l, LayerState::Attention(kv) if kv.is_paged()))
+    }
+
     /// Whether every layer can be cut back to an earlier position.
     pub fn can_trim(&self) -> bool {
         self.layers.iter().all(LayerState::can_trim)

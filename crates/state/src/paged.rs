@@ -93,17 +93,21 @@ impl KvPool {
         Ok(Self { pool: Arc::new(Pool { spec: spec.clone(), device: device.clone(), block_size, size, layers }) })
     }
 
-    /// Blocks a pool of `bytes` holds for `spec` (every attention layer gets as many), at least 1.
-    pub fn blocks_for_bytes(spec: &StateSpec, block_size: usize, bytes: usize) -> usize {
-        let per_block: usize = spec
+    /// Blocks that hold every row a state budget of `budget` bytes admits, for at most `rows`
+    /// rows at once: the positions the budget pays for (at its attention layers' cost per
+    /// position, a bound whatever else the rows hold), plus per row one partly filled block and
+    /// room for a speculative round's positions past its length ([`crate::ROUND_SLACK`]).
+    pub fn blocks_for_budget(spec: &StateSpec, block_size: usize, budget: usize, rows: usize) -> usize {
+        let per_token: usize = spec
             .layers
             .iter()
             .filter_map(|layer| match layer {
-                LayerSpec::Attention(shape) => Some(shape.bytes_per_token(spec.dtype) * block_size),
+                LayerSpec::Attention(shape) => Some(shape.bytes_per_token(spec.dtype)),
                 _ => None,
             })
             .sum();
-        (bytes / per_block.max(1)).max(1)
+        let paid = (budget / per_token.max(1)).div_ceil(block_size);
+        paid + rows * (1 + crate::ROUND_SLACK.div_ceil(block_size))
     }
 
     pub fn block_size(&self) -> usize {
