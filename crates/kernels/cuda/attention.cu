@@ -1,5 +1,6 @@
 // Attention for a few queries per row over each row's KV history (decode steps, speculative
-// verify blocks) as flash-decoding, the batched KV append, and the per-head RMSNorm + partial rotary embedding applied to q and k before it.
+// verify blocks; the history in the row's own buffers or in a paged pool) as flash-decoding, the
+// batched KV append, and the per-head RMSNorm + partial rotary embedding applied to q and k before it.
 #include "common.cuh"
 
 // Warps per attention block. A decode step at batch 1 has one block per query head and split
@@ -23,27 +24,87 @@ struct KvRow {
     long long k, v, k_head_stride, v_head_stride, len;
 };
 
+// Where attention_split finds a row's keys and values: the row's length, each KV head's first key
+// and value, and `at(j)`, position j's offset from those in elements (the same for keys and
+// values). The split kernel is generic over it so that contiguous rows and a paged pool run the
+// same arithmetic in the same order: their results are the same bits.
+template <typename T>
+struct ContiguousRow {
+    KvRow r;
+    const int* lens;
+    unsigned b;
+    int D;
+    __device__ __forceinline__ int len() const { return lens ? lens[b] : (int)r.len; }
+    __device__ __forceinline__ const T* keys(int kvh) const {
+        return reinterpret_cast<const T*>(r.k) + kvh * r.k_head_stride;
+    }
+    __device__ __forceinline__ const T* values(int kvh) const {
+        return reinterpret_cast<const T*>(r.v) + kvh * r.v_head_stride;
+    }
+    __device__ __forceinline__ long long at(int j) const { return (long long)j * D; }
+};
+
+// Rows in their own buffers [Hkv, capacity, D], through a KvRow table.
+template <typename T>
+struct ContiguousKv {
+    const KvRow* rows;
+    const int* lens;
+    __device__ __forceinline__ ContiguousRow<T> row(unsigned b, int D) const { return {rows[b], lens, b, D}; }
+};
+
+// Paged KV: every row's positions in blocks of 2^shift pool rows of one pool [rows, Hkv, D]
+// (token-major), position p at pool row table[p >> shift] * 2^shift + p % 2^shift. A power of
+// two so that finding a key's block is a shift, not a division, in the keys' inner loop.
+template <typename T>
+struct PagedRow {
+    const T* k;
+    const T* v;
+    const int* table;
+    int length, shift, D;
+    long long row_stride;
+    __device__ __forceinline__ int len() const { return length; }
+    __device__ __forceinline__ const T* keys(int kvh) const { return k + (long long)kvh * D; }
+    __device__ __forceinline__ const T* values(int kvh) const { return v + (long long)kvh * D; }
+    __device__ __forceinline__ long long at(int j) const {
+        const long long row = ((long long)table[j >> shift] << shift) | (j & ((1 << shift) - 1));
+        return row * row_stride;
+    }
+};
+
+// The pools and each row's block table (`tables` [B, max_blocks]) and length (`lens` [B]).
+template <typename T>
+struct PagedKv {
+    const T* k;
+    const T* v;
+    const int* tables;
+    const int* lens;
+    int max_blocks, shift, Hkv;
+    __device__ __forceinline__ PagedRow<T> row(unsigned b, int D) const {
+        return {k, v, tables + (long long)b * max_blocks, lens[b], shift, D, (long long)Hkv * D};
+    }
+};
+
 // Flash-decoding, first half: one block per (query head and query, row, split of SPLIT_KEYS
 // keys). q [B, Hq, T, D]; query i of a row sits at position L - T + i and sees keys
 // first..=pos (first = 0, or the window's start). The block's warps each walk every
 // ATTN_WARPS-th group of KEY_GROUP keys of the split with an online softmax in f32, then merge; the block writes
 // its partial (max, sum of exponentials, weighted sum of values [D]) to `partial`
 // [B, Hq, T, splits, D + 2] — an empty one (max -inf) when it sees no key.
-template <typename T>
-__device__ void attention_split(const T* q, const KvRow* rows, const int* lens, float* partial, int Hq, int Hkv,
-                                int Tq, int D, int splits, float scale, int window) {
+template <typename T, typename Kv>
+__device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq, int Hkv, int Tq, int D, int splits,
+                                float scale, int window) {
     __shared__ float warp_max[ATTN_WARPS], warp_sum_exp[ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][MAX_HEAD_DIM];
-    const KvRow r = rows[blockIdx.y];
+    const auto r = kv.row(blockIdx.y, D);
     const int h = blockIdx.x / Tq, i = blockIdx.x % Tq, kvh = h / (Hq / Hkv), split = blockIdx.z;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int len = lens ? lens[blockIdx.y] : (int)r.len;
+    const int len = r.len();
     const int pos = len - Tq + i, first = window > 0 ? max(0, pos + 1 - window) : 0;
     const int from = max(first, split * SPLIT_KEYS), to = min(pos, (split + 1) * SPLIT_KEYS - 1);
     const long long query = ((long long)blockIdx.y * Hq + h) * Tq + i;
     const T* qr = q + query * D;
-    const T* kh = reinterpret_cast<const T*>(r.k) + kvh * r.k_head_stride;
-    const T* vh = reinterpret_cast<const T*>(r.v) + kvh * r.v_head_stride;
+    const T* kh = r.keys(kvh);
+    const T* vh = r.values(kvh);
     float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
 #pragma unroll
     for (int e = 0; e < MAX_PER_LANE; ++e) {
@@ -59,7 +120,7 @@ __device__ void attention_split(const T* q, const KvRow* rows, const int* lens, 
         float s[KEY_GROUP];
 #pragma unroll
         for (int g = 0; g < KEY_GROUP; ++g) {
-            const T* kj = kh + (long long)min(j0 + g, to) * D;
+            const T* kj = kh + r.at(min(j0 + g, to));
             s[g] = 0.0f;
 #pragma unroll
             for (int e = 0; e < MAX_PER_LANE; ++e) {
@@ -88,7 +149,7 @@ __device__ void attention_split(const T* q, const KvRow* rows, const int* lens, 
             float x = acc[e] * correction;
 #pragma unroll
             for (int g = 0; g < KEY_GROUP; ++g) {
-                if (j0 + g <= to) x += p[g] * to_f32(vh[(long long)(j0 + g) * D + d]);
+                if (j0 + g <= to) x += p[g] * to_f32(vh[r.at(j0 + g) + d]);
             }
             acc[e] = x;
         }
@@ -254,12 +315,34 @@ __device__ void write_rows(const T* src, const KvDestination* rows, const int* l
     dst[h * r.head_stride + (position + t) * D + d] = src[b * sb + h * sh + t * st + d];
 }
 
+// write_rows into a paged pool [rows, Hkv, D] (PagedKv's layout): position p of row b at pool row
+// tables[b][p >> shift] * 2^shift + p % 2^shift, the positions lens[b] - T .. lens[b] - 1.
+template <typename T>
+__device__ void write_paged(const T* src, T* pool, const int* tables, const int* lens, int max_blocks, int shift, int B,
+                            int H, int Tn, int D, long long sb, long long sh, long long st) {
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)B * H * Tn * D) return;
+    const int d = idx % D, t = (idx / D) % Tn, h = (idx / ((long long)D * Tn)) % H, b = idx / ((long long)D * Tn * H);
+    const int p = lens[b] - Tn + t;
+    const long long block = tables[(long long)b * max_blocks + (p >> shift)];
+    const long long row = (block << shift) | (p & ((1 << shift) - 1));
+    pool[(row * H + h) * D + d] = src[b * sb + h * sh + t * st + d];
+}
+
 #define INSTANTIATE(T, NAME)                                                                                   \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
         attention_split_##NAME(const T* q, const KvRow* rows, const int* lens, float* partial, int Hq, int Hkv, \
                                int Tq, int D, int splits, float scale, int window) {                           \
         await_previous_kernel();                                                                               \
-        attention_split<T>(q, rows, lens, partial, Hq, Hkv, Tq, D, splits, scale, window);                     \
+        attention_split<T>(q, ContiguousKv<T>{rows, lens}, partial, Hq, Hkv, Tq, D, splits, scale, window);    \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
+        attention_split_paged_##NAME(const T* q, const T* k, const T* v, const int* tables, const int* lens,   \
+                                     int max_blocks, int shift, float* partial, int Hq, int Hkv, int Tq, int D, \
+                                     int splits, float scale, int window) {                                    \
+        await_previous_kernel();                                                                               \
+        attention_split<T>(q, PagedKv<T>{k, v, tables, lens, max_blocks, shift, Hkv}, partial, Hq, Hkv, Tq, D, \
+                           splits, scale, window);                                                             \
     }                                                                                                          \
     extern "C" __global__ void attention_combine_##NAME(const float* partial, T* out, int queries, int splits,  \
                                                         int D, const T* gate, long long gate_token_stride,     \
@@ -277,6 +360,12 @@ __device__ void write_rows(const T* src, const KvDestination* rows, const int* l
                                                  long long st) {                                               \
         await_previous_kernel();                                                                               \
         write_rows<T>(src, rows, lens, B, H, Tn, D, sb, sh, st);                                               \
+    }                                                                                                          \
+    extern "C" __global__ void write_paged_##NAME(const T* src, T* pool, const int* tables, const int* lens,    \
+                                                  int max_blocks, int shift, int B, int H, int Tn, int D,      \
+                                                  long long sb, long long sh, long long st) {                  \
+        await_previous_kernel();                                                                               \
+        write_paged<T>(src, pool, tables, lens, max_blocks, shift, B, H, Tn, D, sb, sh, st);                   \
     }                                                                                                          \
     extern "C" __global__ void norm_rope_##NAME(const T* x, const float* scale, const float* cos,             \
                                                 const float* sin, T* out, int B, int Tn, int H, int D,         \

@@ -260,7 +260,7 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 }
 
 #[cfg(feature = "cuda")]
-pub use gpu::DecodeRows;
+pub use gpu::{DecodeRows, PagedDecodeRows};
 
 /// Per-head RMSNorm (`scale` f32 `[D]`, result rounded to `x`'s dtype) then [`rope`]: `x`
 /// `[B, T, H, D]` in, `[B, H, T, D]` out (the layout attention reads). One kernel on CUDA.
@@ -368,7 +368,8 @@ mod gpu {
     pub(super) fn attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
         let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
         let (table, _held) = kv_table(kv, q.device())?;
-        attend_table(q, &table, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), None, scoring, gate)
+        let kv_source = KvSource::Rows { table: &table, lens: None };
+        attend_table(q, kv_source, kv[0].0.dim(0)?, longest.div_ceil(SPLIT_KEYS).max(1), scoring, gate)
     }
 
     /// The output gate `[B, T, Hq, D]` for queries `q` `[B, Hq, T, D]` as the combining kernel
@@ -391,14 +392,21 @@ mod gpu {
         Ok((gate.contiguous()?, hq * d, d))
     }
 
-    /// [`attention_rows`] over the rows of a `KvRow` table, each row's length from `lens` where
-    /// given; `splits` must cover the longest row.
+    /// Where the split kernel reads a batch's keys and values.
+    enum KvSource<'a> {
+        /// A `KvRow` table, each row's length from `lens` where given (`attention_split`).
+        Rows { table: &'a Tensor, lens: Option<&'a Tensor> },
+        /// A paged pool through its rows' block tables, their lengths from `lens`
+        /// (`attention_split_paged`).
+        Paged { pool: &'a PagedDecodeRows, lens: &'a Tensor },
+    }
+
+    /// [`attention_rows`] over the rows of `kv`; `splits` must cover the longest row.
     fn attend_table(
         q: &Tensor,
-        table: &Tensor,
+        kv: KvSource,
         hkv: usize,
         splits: usize,
-        lens: Option<&Tensor>,
         scoring: Scoring,
         gate: Option<&Tensor>,
     ) -> Result<Tensor> {
@@ -410,10 +418,14 @@ mod gpu {
         let block = (32 * WARPS, 1, 1);
         let cfg =
             LaunchConfig { grid_dim: ((hq * t_len) as u32, b as u32, splits as u32), block_dim: block, shared_mem_bytes: 0 };
-        let args = [
-            Arg::at(&q)?,
-            Arg::at(table)?,
-            Arg::at_or_null(lens)?,
+        // The two kernels differ only in the KV arguments after q.
+        let (kernel, kv_args) = match kv {
+            KvSource::Rows { table, lens } => ("attention_split", vec![Arg::at(table)?, Arg::at_or_null(lens)?]),
+            KvSource::Paged { pool, lens } => ("attention_split_paged", pool.kernel_args(lens)?),
+        };
+        let mut args = vec![Arg::at(&q)?];
+        args.extend(kv_args);
+        args.extend([
             Arg::at(&partial)?,
             Arg::dim(hq)?,
             Arg::dim(hkv)?,
@@ -422,8 +434,8 @@ mod gpu {
             Arg::dim(splits)?,
             Arg::F32(scoring.scale as f32),
             Arg::dim(scoring.window.unwrap_or(0))?,
-        ];
-        cuda::launch(q.device(), &cuda::ATTENTION, "attention_split", q.dtype(), cfg, &args)?;
+        ]);
+        cuda::launch(q.device(), &cuda::ATTENTION, kernel, q.dtype(), cfg, &args)?;
         let out = match gate {
             Some(_) => cuda::output((b, t_len, hq * d), q.dtype(), q.device())?,
             None => cuda::output((b, hq, t_len, d), q.dtype(), q.device())?,
@@ -469,13 +481,18 @@ mod gpu {
     /// Writes `src` `[B, H, T, D]` through a `KvDestination` table, each row from `lens - T`
     /// where `lens` is given.
     fn write_table(src: &Tensor, table: &Tensor, lens: Option<&Tensor>) -> Result<()> {
+        write_kv(src, "write_rows", vec![Arg::at(table)?, Arg::at_or_null(lens)?])
+    }
+
+    /// Writes `src` `[B, H, T, D]` with kernel `name` (`write_rows` or `write_paged`), whose
+    /// destination arguments `dst` sit between the source and its shape.
+    fn write_kv(src: &Tensor, name: &'static str, dst: Vec<Arg>) -> Result<()> {
         let (b, h, t, d) = src.dims4()?;
         let src = if src.stride()[3] == 1 { src.clone() } else { src.contiguous()? };
         let s = src.stride();
-        let args = [
-            Arg::at(&src)?,
-            Arg::at(table)?,
-            Arg::at_or_null(lens)?,
+        let mut args = vec![Arg::at(&src)?];
+        args.extend(dst);
+        args.extend([
             Arg::dim(b)?,
             Arg::dim(h)?,
             Arg::dim(t)?,
@@ -483,8 +500,8 @@ mod gpu {
             Arg::I64(s[0] as i64),
             Arg::I64(s[1] as i64),
             Arg::I64(s[2] as i64),
-        ];
-        cuda::launch(src.device(), &cuda::ATTENTION, "write_rows", src.dtype(), cuda::grid_for(b * h * t * d, 256)?, &args)
+        ]);
+        cuda::launch(src.device(), &cuda::ATTENTION, name, src.dtype(), cuda::grid_for(b * h * t * d, 256)?, &args)
     }
 
     /// A KV store's row buffers (`[Hkv, capacity, D]` each) as the decode kernels read them,
@@ -559,7 +576,161 @@ mod gpu {
             }
             write_table(&k.to_dtype(self.dtype)?, &self.keys, Some(lens))?;
             write_table(&v.to_dtype(self.dtype)?, &self.values, Some(lens))?;
-            attend_table(q, &self.rows, self.kv_heads, self.splits, Some(lens), scoring, Some(gate))
+            let kv = KvSource::Rows { table: &self.rows, lens: Some(lens) };
+            attend_table(q, kv, self.kv_heads, self.splits, scoring, Some(gate))
+        }
+    }
+
+    /// A layer's paged KV as the decode kernels read it, made once for a captured decode step
+    /// (as [`DecodeRows`] is for rows in their own buffers): one key and one value pool
+    /// `[blocks · block_size, Hkv, D]` shared by every row, token-major, row `b`'s position `p`
+    /// at pool row `tables[b][p / block_size] · block_size + p % block_size`; `tables`
+    /// (`[B, max_blocks]` i32, device) holds each row's blocks in order (entries past a row's
+    /// length are not read). A recording holds the tensors' addresses, not their contents: the
+    /// caller rewrites the tables in place between replays, as it uploads `lens`. The attention
+    /// splits cover `max_blocks · block_size` keys, so a recording serves any lengths up to that,
+    /// and the kernels do what [`DecodeRows`]' do in the same order: the same bits over the same
+    /// histories.
+    pub struct PagedDecodeRows {
+        keys: Tensor,
+        values: Tensor,
+        tables: Tensor,
+        max_blocks: usize,
+        /// log2 of the block size: the kernels find a position's block with a shift.
+        block_shift: u32,
+        kv_heads: usize,
+        head_dim: usize,
+        splits: usize,
+    }
+
+    impl PagedDecodeRows {
+        /// The layer's pools `keys`, `values` in blocks of `block_size` rows (a power of two) and
+        /// the batch's block tables `tables`; its rows are the batch.
+        pub fn new(keys: &Tensor, values: &Tensor, block_size: usize, tables: &Tensor) -> Result<Self> {
+            let (rows, kv_heads, head_dim) = keys.dims3()?;
+            if values.dims() != keys.dims()
+                || values.dtype() != keys.dtype()
+                || !cuda::supports(keys.dtype())
+                || !keys.is_contiguous()
+                || !values.is_contiguous()
+                || !keys.device().is_cuda()
+                || !values.device().same_device(keys.device())
+                || kv_heads == 0
+                || head_dim > MAX_HEAD_DIM
+            {
+                candle_core::bail!(
+                    "PagedDecodeRows: pools {:?} ({:?}) / {:?} ({:?}) are not one CUDA KV pool",
+                    keys.shape(),
+                    keys.dtype(),
+                    values.shape(),
+                    values.dtype()
+                );
+            }
+            if !block_size.is_power_of_two() || rows % block_size != 0 {
+                candle_core::bail!("PagedDecodeRows: block size {block_size} (a power of two) for a pool of {rows} rows");
+            }
+            let (batch, max_blocks) = tables.dims2()?;
+            let keys_per_row = max_blocks * block_size;
+            if tables.dtype() != DType::I32
+                || !tables.is_contiguous()
+                || !tables.device().same_device(keys.device())
+                || batch == 0
+                || max_blocks == 0
+                || i32::try_from(keys_per_row).is_err()
+            {
+                candle_core::bail!(
+                    "PagedDecodeRows: block tables {:?} ({:?}) are not [B, max_blocks] i32 on the pools' device",
+                    tables.shape(),
+                    tables.dtype()
+                );
+            }
+            Ok(Self {
+                keys: keys.clone(),
+                values: values.clone(),
+                tables: tables.clone(),
+                max_blocks,
+                block_shift: block_size.trailing_zeros(),
+                kv_heads,
+                head_dim,
+                splits: keys_per_row.div_ceil(SPLIT_KEYS).max(1),
+            })
+        }
+
+        /// [`DecodeRows::append_attend_gated`] on the pool: appends `k`, `v` (`[B, Hkv, T, D]`)
+        /// at each row's positions `lens - T ..` and attends `q` (`[B, Hq, T, D]`) over its
+        /// history, gated (`[B, T, Hq·D]`); `lens` (`[B]` i32, device) holds each row's length
+        /// after the append, at most `max_blocks · block_size`.
+        pub fn append_attend_gated(
+            &self,
+            q: &Tensor,
+            k: &Tensor,
+            v: &Tensor,
+            lens: &Tensor,
+            scoring: Scoring,
+            gate: &Tensor,
+        ) -> Result<Tensor> {
+            self.append(q, k, v, lens)?;
+            attend_table(q, KvSource::Paged { pool: self, lens }, self.kv_heads, self.splits, scoring, Some(gate))
+        }
+
+        /// [`Self::append_attend_gated`] without the gate (`[B, Hq, T, D]`, as
+        /// [`super::causal_attention_rows`] returns it): a verify step of a model whose attention
+        /// is not gated.
+        pub fn append_attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor, scoring: Scoring) -> Result<Tensor> {
+            self.append(q, k, v, lens)?;
+            attend_table(q, KvSource::Paged { pool: self, lens }, self.kv_heads, self.splits, scoring, None)
+        }
+
+        /// Checks the step's shapes against the pool and writes `k`, `v` into it.
+        fn append(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor) -> Result<()> {
+            let (b, hq, t, d) = q.dims4()?;
+            let batch = self.tables.dim(0)?;
+            let new = [b, self.kv_heads, t, d];
+            if b != batch
+                || d != self.head_dim
+                || hq % self.kv_heads != 0
+                || q.dtype() != self.keys.dtype()
+                || k.dims() != new
+                || v.dims() != new
+                || lens.dims() != [b]
+                || lens.dtype() != DType::I32
+            {
+                candle_core::bail!(
+                    "PagedDecodeRows: queries {:?} ({:?}), keys {:?}, values {:?}, lengths {:?} ({:?}) do not fit {batch} rows \
+                     of {} KV heads of {} ({:?})",
+                    q.shape(),
+                    q.dtype(),
+                    k.shape(),
+                    v.shape(),
+                    lens.shape(),
+                    lens.dtype(),
+                    self.kv_heads,
+                    self.head_dim,
+                    self.keys.dtype()
+                );
+            }
+            for (src, pool) in [(k, &self.keys), (v, &self.values)] {
+                let dst = [Arg::at(pool)?, Arg::at(&self.tables)?, Arg::at(lens)?, Arg::dim(self.max_blocks)?, self.shift()?];
+                write_kv(&src.to_dtype(pool.dtype())?, "write_paged", dst.into())?;
+            }
+            Ok(())
+        }
+
+        /// The split kernel's KV arguments: the pools, the block tables, `lens`, the tables'
+        /// width and the block shift.
+        fn kernel_args(&self, lens: &Tensor) -> Result<Vec<Arg>> {
+            Ok(vec![
+                Arg::at(&self.keys)?,
+                Arg::at(&self.values)?,
+                Arg::at(&self.tables)?,
+                Arg::at(lens)?,
+                Arg::dim(self.max_blocks)?,
+                self.shift()?,
+            ])
+        }
+
+        fn shift(&self) -> Result<Arg> {
+            Arg::dim(self.block_shift as usize)
         }
     }
 

@@ -7,7 +7,8 @@
 
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention::{
-    causal_attention, causal_attention_rows, gated_attention_rows, norm_rope, sigmoid_gate, write_rows, Scoring,
+    causal_attention, causal_attention_rows, gated_attention_rows, norm_rope, sigmoid_gate, write_rows, DecodeRows,
+    PagedDecodeRows, Scoring,
 };
 use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
 use strata_kernels::gated_delta::{gated_delta_rule, on_tensor_cores, Gating, Inputs};
@@ -435,5 +436,109 @@ fn decode_attention_over_long_histories_on_gpu_matches_cpu() {
             &run(&gpu),
             &run(&Device::Cpu),
         );
+    }
+}
+
+/// Paged KV — one pool shared by the rows through block tables in shuffled order — against rows
+/// in their own buffers holding the same histories: the same append, only where the tables say,
+/// and the same attention bit for bit, for decode steps and verify blocks, a row within its
+/// first block, one just past a block boundary and one across two splits of 512 keys.
+#[test]
+fn paged_decode_attention_on_gpu_matches_contiguous() {
+    let gpu = gpu();
+    let (hq, hkv, d, cap) = (8, 2, 64, 720usize);
+    // Each row's length before the step; the pool has a few blocks no table holds.
+    let (past, spare) = ([0usize, 16, 699], 3);
+    let flat = |x: &Tensor| {
+        x.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+    let runs = [DType::F32, DType::BF16, DType::F16].into_iter().flat_map(|dtype| {
+        [1, 16, 64].into_iter().flat_map(move |block_size| [1, 3].into_iter().map(move |t| (dtype, block_size, t)))
+    });
+    for (dtype, block_size, t) in runs {
+        let lens: Vec<usize> = past.iter().map(|p| p + t).collect();
+        let on_gpu = |x: Tensor| x.to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+        // Block ids in an order of their own, dealt to the rows in turn; table entries past a
+        // row's blocks are 0 (another row's block, or a spare one).
+        let max_blocks = cap.div_ceil(block_size);
+        let blocks: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
+        let total = blocks.iter().sum::<usize>() + spare;
+        let order = values(&[total], 1.0, 40).to_vec1::<f32>().unwrap();
+        let mut ids: Vec<usize> = (0..total).collect();
+        ids.sort_by(|&a, &b| order[a].total_cmp(&order[b]));
+        let mut dealt = ids.into_iter();
+        let tables: Vec<Vec<usize>> = blocks.iter().map(|&n| dealt.by_ref().take(n).collect()).collect();
+        let pool_row = |r: usize, p: usize| tables[r][p / block_size] * block_size + p % block_size;
+        // Per row, its keys and values [Hkv, cap, D]; the pools [rows, Hkv, D] start as other
+        // values, with each row's history copied to its pool rows.
+        let buffers: Vec<[Tensor; 2]> =
+            (0..3).map(|r| [60, 70].map(|seed| values(&[hkv, cap, d], 1.0, seed + r).to_dtype(dtype).unwrap())).collect();
+        let initial = [50, 51].map(|seed| flat(&values(&[total * block_size, hkv, d], 1.0, seed).to_dtype(dtype).unwrap()));
+        let mut pools = initial.clone();
+        for (side, pool) in pools.iter_mut().enumerate() {
+            for (r, row) in buffers.iter().enumerate() {
+                let data = flat(&row[side]);
+                for (p, h) in (0..past[r]).flat_map(|p| (0..hkv).map(move |h| (p, h))) {
+                    let at = (pool_row(r, p) * hkv + h) * d;
+                    pool[at..at + d].copy_from_slice(&data[(h * cap + p) * d..][..d]);
+                }
+            }
+        }
+        let pools = pools.map(|data| on_gpu(Tensor::from_vec(data, (total * block_size, hkv, d), &Device::Cpu).unwrap()));
+        let table_data: Vec<i32> =
+            tables.iter().flat_map(|row| (0..max_blocks).map(|i| row.get(i).map_or(0, |&id| id as i32))).collect();
+        let table = Tensor::from_vec(table_data, (3, max_blocks), &gpu).unwrap();
+        let lens_t = Tensor::from_vec(lens.iter().map(|&l| l as i32).collect::<Vec<_>>(), 3, &gpu).unwrap();
+        // The step's inputs, as in batched_kv_append_and_attention_on_gpu_match_cpu.
+        let new_k = on_gpu(values(&[3, hkv, t, d], 1.0, 80));
+        let new_v = on_gpu(values(&[3, t, hkv, d], 1.0, 81)).transpose(1, 2).unwrap();
+        let q = on_gpu(values(&[3, hq, t, d], 1.0, 82));
+        let gate = on_gpu(values(&[3, t, hq, 2 * d], 3.0, 83)).narrow(3, d, d).unwrap();
+        let paged = PagedDecodeRows::new(&pools[0], &pools[1], block_size, &table).unwrap();
+        for scoring in [Scoring::scaled(0.125), Scoring { scale: 0.125, window: Some(20) }] {
+            let what = format!("{dtype:?}, block size {block_size}, t={t}, lens {lens:?}, {scoring:?}");
+            let rows: Vec<(Tensor, Tensor)> =
+                buffers.iter().map(|[k, v]| (k.to_device(&gpu).unwrap(), v.to_device(&gpu).unwrap())).collect();
+            let want_gated =
+                DecodeRows::new(&rows).unwrap().append_attend_gated(&q, &new_k, &new_v, &lens_t, scoring, &gate).unwrap();
+            let history: Vec<(Tensor, Tensor)> =
+                rows.iter().zip(&lens).map(|((k, v), &l)| (k.narrow(1, 0, l).unwrap(), v.narrow(1, 0, l).unwrap())).collect();
+            let want = causal_attention_rows(&q, &history, scoring).unwrap();
+            let gated = paged.append_attend_gated(&q, &new_k, &new_v, &lens_t, scoring, &gate).unwrap();
+            // A second append of the same keys and values at the same positions changes nothing.
+            let plain = paged.append_attend(&q, &new_k, &new_v, &lens_t, scoring).unwrap();
+            assert_eq!(diff_bits(&f32(&gated), &f32(&want_gated)), 0, "paged gated attention, {what}");
+            assert_eq!(diff_bits(&f32(&plain), &f32(&want)), 0, "paged attention, {what}");
+            // The pools: the new positions hold the buffers' new keys and values, every other
+            // pool row (history, rows past the lengths, spare blocks) is as it was.
+            for (side, (pool, initial)) in pools.iter().zip(&initial).enumerate() {
+                let (pool, mut expected) = (flat(pool), initial.clone());
+                let mut written = vec![false; total * block_size];
+                for (r, row) in rows.iter().enumerate() {
+                    let data = flat(if side == 0 { &row.0 } else { &row.1 });
+                    for (p, h) in (0..lens[r]).flat_map(|p| (0..hkv).map(move |h| (p, h))) {
+                        let at = (pool_row(r, p) * hkv + h) * d;
+                        expected[at..at + d].copy_from_slice(&data[(h * cap + p) * d..][..d]);
+                        written[pool_row(r, p)] |= p >= past[r];
+                    }
+                }
+                let differs = |row: usize| {
+                    let at = row * hkv * d;
+                    pool[at..at + hkv * d].iter().zip(&expected[at..at + hkv * d]).any(|(a, b)| a.to_bits() != b.to_bits())
+                };
+                let side = ["keys", "values"][side];
+                let (new, old): (Vec<usize>, Vec<usize>) = (0..total * block_size).partition(|&row| written[row]);
+                assert_eq!(new.len(), 3 * t, "{side}: pool rows written, {what}");
+                assert!(!new.iter().any(|&row| differs(row)), "{side}: new positions in the pool, {what}");
+                assert!(!old.iter().any(|&row| differs(row)), "{side}: pool rows not written changed, {what}");
+            }
+        }
+        // What the pool cannot take: a block size that is not a power of two, pools that differ,
+        // a step of another batch.
+        assert!(PagedDecodeRows::new(&pools[0], &pools[1], 3, &table).is_err());
+        assert!(PagedDecodeRows::new(&pools[0], &pools[1].narrow(1, 0, 1).unwrap(), block_size, &table).is_err());
+        let two = |x: &Tensor| x.narrow(0, 0, 2).unwrap();
+        assert!(paged.append_attend(&two(&q), &two(&new_k), &two(&new_v), &two(&lens_t), Scoring::scaled(0.125)).is_err());
     }
 }
