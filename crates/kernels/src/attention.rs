@@ -589,8 +589,8 @@ mod gpu {
     /// length are not read). A recording holds the tensors' addresses, not their contents: the
     /// caller rewrites the tables in place between replays, as it uploads `lens`. The attention
     /// splits cover `max_blocks · block_size` keys, so a recording serves any lengths up to that,
-    /// and the kernels do what [`DecodeRows`]' do in the same order: the same bits over the same
-    /// histories.
+    /// and the split kernel runs [`DecodeRows`]' arithmetic in the same order, only its addresses
+    /// differ: the same bits over the same histories.
     pub struct PagedDecodeRows {
         keys: Tensor,
         values: Tensor,
@@ -627,7 +627,9 @@ mod gpu {
                 );
             }
             if !block_size.is_power_of_two() || rows % block_size != 0 {
-                candle_core::bail!("PagedDecodeRows: block size {block_size} (a power of two) for a pool of {rows} rows");
+                candle_core::bail!(
+                    "PagedDecodeRows: block size {block_size} is not a power of two dividing the pool's {rows} rows"
+                );
             }
             let (batch, max_blocks) = tables.dims2()?;
             let keys_per_row = max_blocks * block_size;
