@@ -570,6 +570,23 @@ async fn prompt_cache_reuses_previous_turns_and_flushes() {
     let (_, stats) = call(&app, "GET", "/stats", Value::Null, &[]).await;
     let stats: Value = serde_json::from_slice(&stats).unwrap();
     assert!(stats["prompt_cache"]["ram"]["hits"].as_u64().unwrap() >= 1, "{stats}");
+    // The rows' KV lived in the pool, and every finished row gives its blocks back (the cache
+    // entries hold copies of their own) — once the engine has dropped the row, just after its
+    // answer went out.
+    let pool = &stats["kv_pool"];
+    assert_eq!(pool["block_size"], 16, "{stats}");
+    assert!(pool["blocks_used_peak"].as_u64().unwrap() >= prompt1.div_ceil(16), "{stats}");
+    assert!(pool["blocks_total"].as_u64().unwrap() >= pool["blocks_used_peak"].as_u64().unwrap(), "{stats}");
+    let mut metrics = String::new();
+    for _ in 0..100 {
+        let (_, text) = call(&app, "GET", "/metrics", Value::Null, &[]).await;
+        metrics = String::from_utf8(text).unwrap();
+        if metrics.contains("\nstrata_kv_blocks_used 0\n") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(metrics.contains("\nstrata_kv_blocks_used 0\n"), "{metrics}");
     let (s, _) = post(&app, "/admin/cache/flush", json!({"ssd": "yes"})).await;
     assert_eq!(s, StatusCode::BAD_REQUEST);
 }
