@@ -25,6 +25,10 @@ pub struct Args {
     prompt_len: usize,
     #[arg(long, default_value_t = 64)]
     gen_len: usize,
+    /// Spread the requests' output lengths evenly from this up to --gen-len, so rows leave the
+    /// batch while others run (default: all --gen-len).
+    #[arg(long)]
+    gen_len_min: Option<usize>,
     /// Concurrent requests, one run per value, e.g. 1,4,8,16,32.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     concurrency: Vec<usize>,
@@ -92,6 +96,9 @@ struct Measured {
     itl_ms_p99: f64,
     /// Share of drafted tokens accepted (speculative runs).
     acceptance: Option<f64>,
+    /// Decode steps recorded as CUDA graphs and replayed from one during the run.
+    graph_recordings: usize,
+    graph_replays: usize,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -107,6 +114,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     let stats = worker.stats();
     let drafted_before = stats.drafted_tokens.load(Ordering::Relaxed);
     let accepted_before = stats.accepted_tokens.load(Ordering::Relaxed);
+    let graphs_before = (stats.graph_recordings.load(Ordering::Relaxed), stats.graph_replays.load(Ordering::Relaxed));
     let start = Instant::now();
     for i in 0..concurrency {
         // Distinct fixed pseudo-random prompts: the same workload on every run.
@@ -114,8 +122,9 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
         let prompt: Vec<u32> = (0..a.prompt_len as u64)
             .map(|t| (((t % cycle) * 2_654_435_761 + 12_345 + i as u64 * 7_919) % vocab) as u32)
             .collect();
+        let shortest = a.gen_len_min.unwrap_or(a.gen_len);
         let opts = GenerationOptions {
-            max_tokens: a.gen_len,
+            max_tokens: shortest + (a.gen_len - shortest) * i / concurrency.saturating_sub(1).max(1),
             sampling: SamplingParams::greedy(),
             stop_tokens: vec![],
             prefill_chunk: a.prefill_chunk(),
@@ -167,6 +176,8 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
             0 => None,
             drafted => Some((stats.accepted_tokens.load(Ordering::Relaxed) - accepted_before) as f64 / drafted as f64),
         },
+        graph_recordings: stats.graph_recordings.load(Ordering::Relaxed) - graphs_before.0,
+        graph_replays: stats.graph_replays.load(Ordering::Relaxed) - graphs_before.1,
     })
 }
 
@@ -185,6 +196,9 @@ pub fn run(mut a: Args) -> Result<()> {
     }
     if a.prompt_len == 0 || a.gen_len < 2 {
         bail!("--prompt-len must be at least 1 and --gen-len at least 2");
+    }
+    if a.gen_len_min.is_some_and(|min| min < 2 || min > a.gen_len) {
+        bail!("--gen-len-min must be at least 2 and at most --gen-len");
     }
     if a.concurrency.contains(&0) {
         bail!("--concurrency values must be at least 1");
@@ -242,7 +256,7 @@ pub fn run(mut a: Args) -> Result<()> {
                 max_batch: max_concurrency,
                 prefill_chunk: a.prefill_chunk(),
                 state_budget_bytes: usize::MAX,
-                kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+                ..EngineConfig::for_device(&device)
             },
             CacheConfig::off(),
             speculation,
@@ -252,7 +266,7 @@ pub fn run(mut a: Args) -> Result<()> {
         // the kernels of both the step-by-step (decode) and the chunked (prefill) paths and of
         // cuBLAS's for the chunk's shapes (the transformers baseline, too, runs each shape once
         // before timing it); a 64-token warm-up left them in the timed prefill.
-        measure(&worker, vocab, &Args { gen_len: 2, ..a.clone() }, 1)?;
+        measure(&worker, vocab, &Args { gen_len: 2, gen_len_min: None, ..a.clone() }, 1)?;
         for &c in &a.concurrency {
             let m = measure(&worker, vocab, &a, c)?;
             if a.json {
@@ -265,6 +279,9 @@ pub fn run(mut a: Args) -> Result<()> {
                         "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,
                         "draft": a.draft.describe().trim_start_matches(", "), "acceptance": m.acceptance,
                         "cuda_graphs": !a.no_cuda_graphs && device.is_cuda(),
+                        "gen_len_min": a.gen_len_min.unwrap_or(a.gen_len),
+                        "cuda_graph_recordings": m.graph_recordings, "cuda_graph_replays": m.graph_replays,
+                        "max_num_seqs": worker.config().max_batch, "pool": worker.pool_stats(),
                     })
                 );
             } else {
@@ -346,7 +363,8 @@ fn cache_ttft(
         let config = || -> Result<CacheConfig> {
             let options = SsdOptions { dir: dir.clone(), max_bytes: u64::MAX, verify: false };
             Ok(CacheConfig {
-                ram_bytes: usize::MAX,
+                // On a GPU the RAM tier's memory is set aside before the state pool is sized.
+                ram_bytes: CacheConfig::for_device(&parse_device(&a.device)?).ram_bytes,
                 stride: a.prefill_chunk(),
                 ssd: Some(SsdConfig { options, identity: identity(dtype)?, queue: 1024 }),
                 checkpoint_every: 0,
@@ -356,7 +374,7 @@ fn cache_ttft(
             max_batch: 1,
             prefill_chunk: a.prefill_chunk(),
             state_budget_bytes: usize::MAX,
-            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+            ..EngineConfig::for_device(&parse_device(&a.device)?)
         };
         let model = load(dtype)?;
         let vocab = model.vocab_size() as u64;

@@ -124,12 +124,9 @@ pub fn run(a: Args) -> Result<()> {
     )?;
     // The same engine that serves requests, for one request.
     let prefill_chunk = a.prefill_chunk.unwrap_or(EngineConfig::for_device(&device).prefill_chunk).max(1);
-    let engine = EngineConfig {
-        max_batch: 1,
-        prefill_chunk,
-        state_budget_bytes: usize::MAX,
-        kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
-    };
+    // No state budget: on a GPU the pool takes its share of the memory, on the CPU it grows.
+    let engine =
+        EngineConfig { max_batch: 1, prefill_chunk, state_budget_bytes: usize::MAX, ..EngineConfig::for_device(&device) };
     let worker = Worker::spawn(model, engine, CacheConfig::off(), speculation)?;
     let opts = GenerationOptions {
         max_tokens: a.max_tokens,

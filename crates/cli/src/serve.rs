@@ -49,15 +49,19 @@ pub struct Args {
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
     #[arg(long)]
     no_cuda_graphs: bool,
-    /// Most requests decoded together (vLLM's name; default: 16 on CPU, 64 on GPU).
+    /// Most requests decoded together (vLLM's name; default: 16 on CPU, 256 on GPU).
     #[arg(long, visible_alias = "max-batch")]
     max_num_seqs: Option<usize>,
-    /// Bytes of KV + recurrent state the running requests may hold (default: 8 GiB on CPU,
-    /// 32 GiB on GPU). A request is admitted only when its whole prompt + max_tokens fits. On
-    /// CPU the attention KV pool is allocated at start to hold this much.
+    /// Bytes of KV + recurrent state the running requests may hold (default on CPU: 8 GiB; on
+    /// GPU, --gpu-memory-utilization decides instead). A request is admitted only when its whole
+    /// prompt + max_tokens fits. The state pool is allocated at start to hold this much.
     #[arg(long, visible_alias = "state-budget-bytes")]
     kv_cache_memory: Option<usize>,
-    /// Positions per block of the attention KV pool.
+    /// GPU only: the share of the GPU's memory for the weights, the activations and the state
+    /// pool, which gets what the other two leave (vLLM's meaning; default 0.9).
+    #[arg(long, conflicts_with = "kv_cache_memory", value_parser = share)]
+    gpu_memory_utilization: Option<f64>,
+    /// Positions per block of the state pool's attention KV (a power of two on GPU).
     #[arg(long, default_value_t = strata_engine::DEFAULT_KV_BLOCK_SIZE as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     kv_block_size: u16,
     #[arg(long, value_enum, default_value = "text")]
@@ -138,11 +142,24 @@ pub fn run(a: Args) -> Result<()> {
         anyhow::bail!("--max-context {max_context} is more than the model's {model_max} positions (max_position_embeddings)");
     }
     let defaults = EngineConfig::for_device(&device);
+    if device.is_cpu() && a.gpu_memory_utilization.is_some() {
+        anyhow::bail!("--gpu-memory-utilization is for GPUs; on the CPU --kv-cache-memory sizes the state pool");
+    }
+    if !device.is_cpu() && !a.kv_block_size.is_power_of_two() {
+        anyhow::bail!(
+            "--kv-block-size {} must be a power of two on GPU (the paged kernels find blocks by a shift)",
+            a.kv_block_size
+        );
+    }
     let engine = EngineConfig {
         max_batch: a.max_num_seqs.unwrap_or(defaults.max_batch).max(1),
         prefill_chunk: a.prefill_chunk.unwrap_or(defaults.prefill_chunk).max(1),
         state_budget_bytes: a.kv_cache_memory.unwrap_or(defaults.state_budget_bytes),
         kv_block_size: a.kv_block_size.into(),
+        gpu_memory_utilization: match a.kv_cache_memory {
+            Some(_) => None,
+            None => a.gpu_memory_utilization.or(defaults.gpu_memory_utilization),
+        },
     };
     let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, dtype.name()))?;
     let model = folder.load(dtype.dtype(), &device)?;
@@ -160,21 +177,17 @@ pub fn run(a: Args) -> Result<()> {
         || Ok(folder.load_mtp(&model)?),
     )?;
     let worker = Worker::spawn(model, engine, cache, speculation).context("cannot start the engine")?;
-    match worker.kv_pool_stats() {
-        Some(pool) => tracing::info!(
-            block_size = pool.block_size,
-            blocks = pool.blocks_total,
-            tokens = pool.blocks_total * pool.block_size,
-            max_num_seqs = engine.max_batch,
-            state_budget_bytes = engine.state_budget_bytes,
-            "attention KV pool allocated"
-        ),
-        None => tracing::info!(
-            max_num_seqs = engine.max_batch,
-            state_budget_bytes = engine.state_budget_bytes,
-            "attention KV in per-request buffers (the paged pool is CPU-only so far)"
-        ),
-    }
+    let pool = worker.pool_stats();
+    tracing::info!(
+        kv_block_size = pool.block_size,
+        kv_blocks = pool.blocks_total,
+        kv_tokens = pool.blocks_total * pool.block_size,
+        rows = pool.slots_total,
+        max_num_seqs = engine.max_batch,
+        pool_bytes = worker.pool_bytes(),
+        state_budget_bytes = worker.config().state_budget_bytes,
+        "state pool allocated"
+    );
     if let Some(r) = worker.recovery() {
         tracing::info!(
             entries = r.entries,
@@ -248,6 +261,14 @@ fn seconds(s: &str) -> std::result::Result<Duration, String> {
         .ok()
         .and_then(|v| Duration::try_from_secs_f64(v).ok())
         .ok_or(format!("`{s}` is not a number of seconds (0 or more)"))
+}
+
+/// A share of a whole: more than 0, at most 1.
+fn share(s: &str) -> std::result::Result<f64, String> {
+    s.parse::<f64>()
+        .ok()
+        .filter(|v| *v > 0.0 && *v <= 1.0)
+        .ok_or(format!("`{s}` is not a share of the GPU's memory (0 < x <= 1)"))
 }
 
 /// A number of seconds, more than 0.

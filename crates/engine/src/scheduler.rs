@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
 use strata_model::{Logits, Model};
-use strata_state::{BatchState, KvPool, StateCost};
+use strata_state::{BatchState, StateCost, StatePool};
 
 use crate::cache::{usable_prefix, Resume, Snapshot, PROMPT_NAMESPACE};
 use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
@@ -108,8 +108,8 @@ pub(crate) struct Engine<'a> {
     drafter: Option<Drafter>,
     /// Reads SSD state for the job at the front of `waiting` (with an SSD tier).
     prefetch: Option<Prefetcher>,
-    /// Where the rows' attention KV lives (see [`EngineConfig`]); `None`: in per-row buffers.
-    pool: Option<KvPool>,
+    /// Where the rows' state lives (see [`EngineConfig`]).
+    pool: StatePool,
 }
 
 /// How a row's step ended.
@@ -127,18 +127,22 @@ impl<'a> Engine<'a> {
         cache: &'a SharedCache,
         drafter: Option<Drafter>,
         prefetch: Option<Prefetcher>,
-        pool: Option<KvPool>,
+        pool: StatePool,
     ) -> Self {
         let (waiting, joiner, batch, rows) = (VecDeque::new(), None, None, Vec::new());
         Self { model, config, cost, stats, cache, waiting, joiner, batch, rows, drafter, prefetch, pool }
     }
 
-    /// Fresh state for `rows` sequences, in the pool where there is one.
+    /// Fresh state for `rows` sequences, in the pool.
     fn new_state(&self, rows: usize) -> strata_model::Result<BatchState> {
-        match &self.pool {
-            Some(pool) => Ok(pool.new_state(rows)?),
-            None => self.model.new_state(rows),
-        }
+        Ok(self.pool.new_state(rows)?)
+    }
+
+    /// A copy of `state` in the pool.
+    fn into_pool(&self, state: &BatchState) -> strata_state::Result<BatchState> {
+        let mut pooled = self.pool.new_state(0)?;
+        pooled.merge(state)?;
+        Ok(pooled)
     }
 
     pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
@@ -173,6 +177,9 @@ impl<'a> Engine<'a> {
         self.decode()?;
         self.stats.active.store(self.rows.len() + self.joiner.is_some() as usize, Ordering::Relaxed);
         self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
+        let (recordings, replays) = self.model.decode_graph_counts();
+        self.stats.graph_recordings.store(recordings, Ordering::Relaxed);
+        self.stats.graph_replays.store(replays, Ordering::Relaxed);
         Ok(())
     }
 
@@ -261,18 +268,24 @@ impl<'a> Engine<'a> {
         let ssd = from_ssd.map(|snap| (score(&snap.tokens, snap.can_trim()), snap)).filter(|(usable, _)| *usable > 0);
         let restored = match ssd {
             Some((usable, snap)) if usable > ram.best(PROMPT_NAMESPACE, score) => {
-                let copy = snap.state.extract(0).and_then(|mut state| {
+                // Into the pool once: the request starts from the copy, and the RAM tier's entry
+                // shares its KV blocks.
+                let copy = self.into_pool(&snap.state).and_then(|mut state| {
+                    let entry = state.share(0)?;
                     if usable < snap.tokens.len() {
                         state.trim(0, usable)?;
                     }
-                    Ok(state)
+                    Ok((state, entry))
                 });
-                let state = self.cache.copied("an SSD entry", copy);
-                if state.is_some() {
+                let restored = self.cache.copied("an SSD entry", copy).map(|(state, entry)| {
                     stats.ssd_hits.fetch_add(1, Ordering::Relaxed);
+                    ram.insert(Snapshot { state: entry, ..snap.clone() });
+                    (state, usable)
+                });
+                if restored.is_none() {
+                    ram.insert(snap);
                 }
-                ram.insert(snap);
-                state.map(|state| (state, usable))
+                restored
             }
             _ => self.cache.copied("a RAM entry", ram.restore(PROMPT_NAMESPACE, score)).flatten().map(|r| {
                 stats.ram_hits.fetch_add(1, Ordering::Relaxed);
@@ -336,8 +349,8 @@ impl<'a> Engine<'a> {
         }
         match &mut self.batch {
             Some(batch) => batch.merge(&state)?,
-            // A restored state owns its KV: the batch starts in the pool and copies it in.
-            None if self.pool.is_some() && !state.is_paged() => {
+            // A restored state owns its tensors: the batch starts in the pool and copies it in.
+            None if !self.pool.holds(&state) => {
                 let mut batch = self.new_state(0)?;
                 batch.merge(&state)?;
                 self.batch = Some(batch);
@@ -352,10 +365,13 @@ impl<'a> Engine<'a> {
         self.cache.config.ram_bytes > 0 || self.cache.writer.is_some()
     }
 
-    /// Hands a snapshot to the RAM tier and the SSD write queue.
+    /// Hands a snapshot (of [`BatchState::share`]) to the RAM tier, and a copy of its own to
+    /// the SSD write queue: the writer thread never touches the pool.
     fn publish(&self, snap: Snapshot) {
         if let Some(writer) = &self.cache.writer {
-            writer.enqueue(snap.clone());
+            if let Some(state) = self.cache.copied("a snapshot for the SSD tier", snap.state.extract(0)) {
+                writer.enqueue(Snapshot { state, ..snap.clone() });
+            }
         }
         if self.cache.config.ram_bytes > 0 {
             self.cache.ram().insert(snap);
@@ -390,6 +406,8 @@ impl<'a> Engine<'a> {
         if stride > 0 {
             end = end.min((fed / stride + 1) * stride);
         }
+        let bs = self.pool.block_size();
+        make_room(&self.pool, cache, (end - joiner.fed).div_ceil(bs) + 1);
         let input = Tensor::new(&prompt[joiner.fed..end], self.model.device())?.unsqueeze(0)?;
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
         let (logits, hidden) = forward(&self.model, &input, &mut joiner.state, Logits::Last, hidden)?;
@@ -400,7 +418,7 @@ impl<'a> Engine<'a> {
         self.stats.prefill_chunks.fetch_add(1, Ordering::Relaxed);
         if end < len {
             let point = end + 1 == len || (stride > 0 && end % stride == 0) || next_point == Some(end);
-            let copy = (caching && point).then(|| cache.copied("a prefill snapshot", joiner.state.extract(0))).flatten();
+            let copy = (caching && point).then(|| cache.copied("a prefill snapshot", joiner.state.share(0))).flatten();
             if let Some(state) = copy {
                 let snap = Snapshot { namespace: PROMPT_NAMESPACE, tokens: prompt[..end].to_vec(), state, resume: None };
                 self.publish(snap);
@@ -426,9 +444,7 @@ impl<'a> Engine<'a> {
         let logits = Scores::Logits(logits.squeeze(0)?.to_vec1::<f32>()?);
         match Self::sample_and_send(self.stats, &mut row, &logits) {
             Step::Done(reason) => {
-                // A compact copy: the joiner's buffers grew by doubling, and may be views of
-                // the last chunk's tensors.
-                if let Some(state) = caching.then(|| cache.copied("a prompt snapshot", j.state.extract(0))).flatten() {
+                if let Some(state) = caching.then(|| cache.copied("a prompt snapshot", j.state.share(0))).flatten() {
                     self.publish(Snapshot { namespace: PROMPT_NAMESPACE, tokens: row.job.prompt.clone(), state, resume: None });
                 }
                 self.finish(row, reason)
@@ -473,7 +489,8 @@ impl<'a> Engine<'a> {
                 fed
             })
             .collect();
-        let round = (width > 1).then(|| self.model.open_round(batch));
+        make_room(&self.pool, self.cache, self.rows.len() * (width.div_ceil(self.pool.block_size()) + 1));
+        let round = if width > 1 { Some(self.model.open_round(batch)?) } else { None };
         let which = if width > 1 { Logits::All } else { Logits::Last };
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
         let (logits, hidden) = forward(&self.model, &Tensor::new(input, self.model.device())?, batch, which, hidden)?;
@@ -507,7 +524,7 @@ impl<'a> Engine<'a> {
             for &(i, _) in &done {
                 let covered = batch.positions[i];
                 let tokens = self.rows[i].context[..covered].to_vec();
-                if let Some(state) = self.cache.copied("a finished row's state", batch.extract(i)) {
+                if let Some(state) = self.cache.copied("a finished row's state", batch.share(i)) {
                     published.push(Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
                 }
             }
@@ -643,6 +660,19 @@ impl<'a> Engine<'a> {
         if let Some(drafter) = &mut self.drafter {
             drafter.clear();
         }
+    }
+}
+
+/// Lets the prompt cache give up pool blocks until `blocks` are free (or it holds no more): its
+/// entries share the pool with the running requests, which come first.
+fn make_room(pool: &StatePool, cache: &SharedCache, blocks: usize) {
+    let Some(mut free) = pool.blocks_free() else { return };
+    if free >= blocks {
+        return;
+    }
+    let mut ram = cache.ram();
+    while free < blocks && ram.evict_oldest() {
+        free = pool.blocks_free().unwrap_or(usize::MAX);
     }
 }
 

@@ -154,7 +154,7 @@ impl Drafter {
             }
             DraftSource::Model(model) => {
                 let state = state.ok_or_else(missing_state)?;
-                self.round = Some(model.open_round(state));
+                self.round = Some(model.open_round(state)?);
                 let mut input: Vec<u32> = contexts.iter().map(|c| *c.last().expect("a running row has a token")).collect();
                 let steps = self.tokens.min(limits.iter().copied().max().unwrap_or(0));
                 let mut drafts = vec![Vec::with_capacity(steps); contexts.len()];
@@ -375,7 +375,7 @@ mod tests {
                     fed
                 })
                 .collect();
-            let round = target.open_round(batch);
+            let round = target.open_round(batch).unwrap();
             let (logits, hidden) =
                 target.forward_with_hidden(&Tensor::new(input, &Device::Cpu).unwrap(), batch, Logits::All).unwrap();
             let mut kept = Vec::new();

@@ -11,7 +11,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use strata_model::Model;
-use strata_state::{BatchState, KvPool, PoolSize, PoolStats, StateCost};
+use strata_state::{BatchState, PoolSize, PoolStats, StateCost, StatePool};
 
 use crate::cache::ssd::SsdError;
 use crate::cache::{
@@ -127,47 +127,134 @@ pub(crate) fn release_waiting(stats: &CacheStats, snap: Option<&Snapshot>) {
 
 #[derive(Clone, Copy, Debug)]
 pub struct EngineConfig {
-    /// Most rows decoded together.
+    /// Most rows decoded together (`--max-num-seqs`).
     pub max_batch: usize,
     /// Prompt tokens per prefill forward.
     pub prefill_chunk: usize,
     /// Bytes of sequence state (KV + recurrent) the running batch may hold
-    /// (`--kv-cache-memory`, alias `--state-budget-bytes`). On CPU the attention KV pool is
-    /// preallocated to hold this budget's worth, so an admitted request never runs out of blocks.
+    /// (`--kv-cache-memory`, alias `--state-budget-bytes`); `usize::MAX`: no bound, the pool
+    /// grows with the rows (one-off runs). The state pool is allocated at start to hold this
+    /// budget's worth, so an admitted request never runs out of blocks. Unused where
+    /// `gpu_memory_utilization` sizes the pool.
     pub state_budget_bytes: usize,
     /// Positions per KV block of the pool (`--kv-block-size`).
     pub kv_block_size: usize,
+    /// On a GPU, the share of its memory for weights, activations and the state pool
+    /// (`--gpu-memory-utilization`, vLLM's meaning): the pool gets what the loaded weights and
+    /// the activations' reserve leave of it, and the state budget is what the pool holds.
+    pub gpu_memory_utilization: Option<f64>,
 }
 
 impl EngineConfig {
-    /// Defaults for a device: CPU decode gains little past 16 rows; GPUs batch wider, and take
-    /// prompts in longer chunks (a GPU forward of 512 tokens leaves its matmuls and the chunked
-    /// DeltaNet kernels short of work; 2048 prefilled an 8K prompt of the 4B shape ~20% faster
-    /// on an H200, for a longer pause of running streams while a prompt joins).
+    /// Defaults for a device: CPU decode gains little past 16 rows; GPUs batch wider (256 rows,
+    /// vLLM's default), size the pool from their memory, and take prompts in longer chunks (a
+    /// GPU forward of 512 tokens leaves its matmuls and the chunked DeltaNet kernels short of
+    /// work; 2048 prefilled an 8K prompt of the 4B shape ~20% faster on an H200, for a longer
+    /// pause of running streams while a prompt joins).
     pub fn for_device(device: &candle_core::Device) -> Self {
-        let (max_batch, gib, prefill_chunk) = if device.is_cpu() { (16, 8, 512) } else { (64, 32, 2048) };
-        Self { max_batch, prefill_chunk, state_budget_bytes: gib << 30, kv_block_size: DEFAULT_KV_BLOCK_SIZE }
+        let cpu = device.is_cpu();
+        let (max_batch, prefill_chunk) = if cpu { (16, 512) } else { (256, 2048) };
+        Self {
+            max_batch,
+            prefill_chunk,
+            state_budget_bytes: 8 << 30,
+            kv_block_size: DEFAULT_KV_BLOCK_SIZE,
+            gpu_memory_utilization: (!cpu).then_some(DEFAULT_GPU_MEMORY_UTILIZATION),
+        }
     }
 
-    /// The attention KV pool the running batch keeps its rows in, sized so that the rows this
-    /// config admits always fit. Only on CPU so far: the CUDA decode graphs read KV from
-    /// per-row buffers until their paged kernels are in (`None` there).
-    fn kv_pool(&self, model: &Model) -> strata_state::Result<Option<KvPool>> {
-        if !model.device().is_cpu() {
-            return Ok(None);
-        }
+    /// The state pool the running batch keeps its rows in, sized so that the rows this config
+    /// admits always fit, and the state budget admission counts against.
+    fn state_pool(&self, model: &Model, cache: &CacheConfig) -> Result<(StatePool, usize), SpawnError> {
         let spec = model.state_spec();
-        // No budget (a one-off run): the pool grows with the rows instead.
-        let size = match self.state_budget_bytes {
-            usize::MAX => PoolSize::Growing,
-            budget => PoolSize::Fixed(KvPool::blocks_for_budget(&spec, self.kv_block_size, budget, self.max_batch + 1)),
+        let rows = self.max_batch + 1; // the running rows and the one prefilling
+        let device = model.device();
+        let memory = strata_kernels::device_memory(device).map_err(strata_model::ModelError::from)?;
+        let (blocks, slots, budget) = match (self.gpu_memory_utilization, memory) {
+            (Some(share), Some((free, total))) => {
+                let plan = MemoryPlan::new(model, self, cache.ram_bytes, share, free, total);
+                let (blocks, budget) = plan.pool(&spec, self)?;
+                (PoolSize::Fixed(blocks), PoolSize::Fixed(rows), budget)
+            }
+            // No budget (a one-off run): the pool grows with the rows instead.
+            _ if self.state_budget_bytes == usize::MAX => (PoolSize::Growing, PoolSize::Growing, usize::MAX),
+            _ => {
+                let blocks = StatePool::blocks_for_budget(&spec, self.kv_block_size, self.state_budget_bytes, rows);
+                (PoolSize::Fixed(blocks), PoolSize::Fixed(rows), self.state_budget_bytes)
+            }
         };
-        KvPool::new(&spec, self.kv_block_size, size, model.device()).map(Some)
+        let pool = StatePool::new(&spec, self.kv_block_size, blocks, slots, device).map_err(strata_model::ModelError::from)?;
+        Ok((pool, budget))
+    }
+}
+
+/// How a GPU's memory is shared out: `share` of it for the weights (already loaded), the
+/// activations' reserve and the state pool.
+struct MemoryPlan {
+    /// What the state pool may take.
+    for_state: Option<usize>,
+    share: f64,
+    total: usize,
+    used: usize,
+    reserve: usize,
+}
+
+impl MemoryPlan {
+    fn new(model: &Model, config: &EngineConfig, cache_bytes: usize, share: f64, free: usize, total: usize) -> Self {
+        let used = total.saturating_sub(free);
+        // A prompt chunk, the decode steps recorded as CUDA graphs (one per batch-size bucket,
+        // whose sizes sum to about five times the widest), the prompt cache's RAM tier (which
+        // holds its snapshots in the device's memory), and 1 GiB for cuBLAS's workspaces and
+        // the CUDA context's own.
+        let widest = 5 * config.max_batch;
+        let reserve = model
+            .activation_bytes(config.prefill_chunk, 1)
+            .saturating_add(model.activation_bytes(widest, widest))
+            .saturating_add(cache_bytes)
+            .saturating_add(1 << 30);
+        let target = (share * total as f64) as usize;
+        let for_state = target.checked_sub(used).and_then(|left| left.checked_sub(reserve));
+        Self { for_state, share, total, used, reserve }
+    }
+
+    /// KV blocks for the pool and the state budget they make, after the rows' recurrent slots.
+    fn pool(&self, spec: &strata_state::StateSpec, config: &EngineConfig) -> Result<(usize, usize), SpawnError> {
+        let rows = config.max_batch + 1;
+        let per_row = spec.cost().bytes_per_row;
+        let slots = per_row.saturating_mul(rows);
+        let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
+        let too_small = |what: String| {
+            SpawnError::Memory(format!(
+                "--gpu-memory-utilization {} of {:.1} GiB leaves {what} for the state pool after {:.1} GiB in use (weights) \
+                 and a {:.1} GiB reserve for activations and the prompt cache's RAM tier; raise it, or lower \
+                 --max-num-seqs ({}) or --prompt-cache-bytes",
+                self.share,
+                gib(self.total),
+                gib(self.used),
+                gib(self.reserve),
+                config.max_batch
+            ))
+        };
+        let Some(for_state) = self.for_state else { return Err(too_small("nothing".into())) };
+        let for_kv = for_state.checked_sub(slots).ok_or_else(|| {
+            too_small(format!("{:.1} GiB, less than the {rows} rows' recurrent state ({:.1} GiB)", gib(for_state), gib(slots)))
+        })?;
+        let blocks = StatePool::blocks_in(spec, config.kv_block_size, for_kv);
+        let slack = rows * (1 + strata_state::ROUND_SLACK.div_ceil(config.kv_block_size));
+        let paid = blocks
+            .checked_sub(slack)
+            .filter(|&b| b > 0)
+            .ok_or_else(|| too_small(format!("{:.1} GiB, not a block past every row's partly filled ones", gib(for_state))))?;
+        let kv_budget = paid * config.kv_block_size * spec.cost().bytes_per_token;
+        Ok((blocks, kv_budget.saturating_add(slots)))
     }
 }
 
 /// vLLM's default block size.
 pub const DEFAULT_KV_BLOCK_SIZE: usize = 16;
+
+/// vLLM's default share of a GPU's memory.
+pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
 
 /// The prompt cache's settings.
 #[derive(Clone, Debug)]
@@ -219,6 +306,9 @@ pub struct WorkerStats {
     pub draft_rounds: AtomicU64,
     pub drafted_tokens: AtomicU64,
     pub accepted_tokens: AtomicU64,
+    /// Decode steps recorded as CUDA graphs, and replayed from one.
+    pub graph_recordings: AtomicUsize,
+    pub graph_replays: AtomicUsize,
 }
 
 /// The cache parts shared by the handle, the prefetch thread and the engine thread.
@@ -270,6 +360,8 @@ pub enum SpawnError {
     Ssd(#[from] SsdError),
     #[error(transparent)]
     Model(#[from] strata_model::ModelError),
+    #[error("{0}")]
+    Memory(String),
 }
 
 #[derive(Clone)]
@@ -281,7 +373,7 @@ pub struct Worker {
     cost: StateCost,
     config: EngineConfig,
     max_positions: usize,
-    kv_pool: Option<KvPool>,
+    pool: StatePool,
 }
 
 impl Worker {
@@ -296,7 +388,8 @@ impl Worker {
         let stats = Arc::new(WorkerStats::default());
         let cache_stats = Arc::new(CacheStats::default());
         let cost = model.state_cost();
-        let kv_pool = config.kv_pool(&model).map_err(strata_model::ModelError::from)?;
+        let (pool, state_budget_bytes) = config.state_pool(&model, &cache)?;
+        let config = EngineConfig { state_budget_bytes, ..config };
         let max_positions = model.max_position_embeddings();
         let (writer, recovery) = match &cache.ssd {
             Some(ssd) => {
@@ -317,7 +410,7 @@ impl Worker {
             Some(_) => Some(spawn_prefetch(shared.clone(), model.new_state(1)?)),
             None => None,
         };
-        let (thread_stats, thread_cache, kv) = (stats.clone(), shared.clone(), kv_pool.clone());
+        let (thread_stats, thread_cache, engine_pool) = (stats.clone(), shared.clone(), pool.clone());
         std::thread::Builder::new()
             .name("strata-engine".into())
             .spawn(move || {
@@ -334,10 +427,10 @@ impl Worker {
                     tracing::warn!(error = %e, "could not make the engine thread a compute thread");
                 }
                 let drafter = speculation.map(Drafter::new);
-                Engine::new(model, config, cost, &thread_stats, &thread_cache, drafter, prefetch, kv).run(queue)
+                Engine::new(model, config, cost, &thread_stats, &thread_cache, drafter, prefetch, engine_pool).run(queue)
             })
             .expect("the OS can start a thread");
-        Ok(Self { jobs, stats, cache: shared, recovery, cost, config, max_positions, kv_pool })
+        Ok(Self { jobs, stats, cache: shared, recovery, cost, config, max_positions, pool })
     }
 
     /// Whether a job of `tokens` total tokens (prompt + output budget) can ever be admitted;
@@ -378,9 +471,14 @@ impl Worker {
         &self.cache.stats
     }
 
-    /// The attention KV pool's counts, where the engine keeps its rows in one.
-    pub fn kv_pool_stats(&self) -> Option<PoolStats> {
-        self.kv_pool.as_ref().map(KvPool::stats)
+    /// The state pool's counts: KV blocks and recurrent slots.
+    pub fn pool_stats(&self) -> PoolStats {
+        self.pool.stats()
+    }
+
+    /// Bytes of device memory the state pool's buffers take.
+    pub fn pool_bytes(&self) -> usize {
+        self.pool.bytes()
     }
 
     pub fn cache_config(&self) -> &CacheConfig {
@@ -509,7 +607,13 @@ mod tests {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a");
         let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
         let rowless = BatchState { layers: model.new_state(0).unwrap().layers, positions: vec![5] };
-        let config = EngineConfig { max_batch: 4, prefill_chunk: 8, state_budget_bytes: 1 << 30, kv_block_size: 16 };
+        let config = EngineConfig {
+            max_batch: 4,
+            prefill_chunk: 8,
+            state_budget_bytes: 1 << 30,
+            kv_block_size: 16,
+            gpu_memory_utilization: None,
+        };
         let cache = CacheConfig { ram_bytes: 1 << 30, stride: 0, ssd: None, checkpoint_every: 0 };
         let worker = Worker::spawn(model, config, cache, None).unwrap();
         let tokens: Vec<u32> = (1..=5).collect();

@@ -36,6 +36,7 @@ fn engine(dir: &Path, cache: CacheConfig) -> Worker {
             prefill_chunk: 8,
             state_budget_bytes: 1 << 30,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+            gpu_memory_utilization: None,
         },
         cache,
         None,
@@ -263,6 +264,7 @@ fn a_burst_after_restart_restores_only_what_admission_can_take() {
             prefill_chunk: 8,
             state_budget_bytes: need * halves / 2,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+            gpu_memory_utilization: None,
         };
         let worker = Worker::spawn(model, config, cache(Some(ssd.path()), 0), None).unwrap();
         let stats = worker.cache_stats();

@@ -30,6 +30,7 @@ fn engine(dir: &Path, cache: CacheConfig, speculation: Option<Speculation>) -> W
             prefill_chunk: 16,
             state_budget_bytes: 1 << 30,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+            gpu_memory_utilization: None,
         },
         cache,
         speculation,

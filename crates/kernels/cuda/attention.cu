@@ -117,10 +117,17 @@ __device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq,
     // latencies overlap instead of adding up key after key.
     float m = -INFINITY, l = 0.0f;
     for (int j0 = from + warp * KEY_GROUP; j0 <= to; j0 += ATTN_WARPS * KEY_GROUP) {
+        // Each key's offset once: through a block table it is a load, which the value loop
+        // below would otherwise repeat for every element a lane sums (measured on an H200 on
+        // 2026-12-03 under ncu: the paged kernel took 22.4 µs where the contiguous one took 12.5,
+        // for 8 rows of ~80 keys).
+        long long offset[KEY_GROUP];
+#pragma unroll
+        for (int g = 0; g < KEY_GROUP; ++g) offset[g] = r.at(min(j0 + g, to));
         float s[KEY_GROUP];
 #pragma unroll
         for (int g = 0; g < KEY_GROUP; ++g) {
-            const T* kj = kh + r.at(min(j0 + g, to));
+            const T* kj = kh + offset[g];
             s[g] = 0.0f;
 #pragma unroll
             for (int e = 0; e < MAX_PER_LANE; ++e) {
@@ -149,7 +156,7 @@ __device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq,
             float x = acc[e] * correction;
 #pragma unroll
             for (int g = 0; g < KEY_GROUP; ++g) {
-                if (j0 + g <= to) x += p[g] * to_f32(vh[r.at(j0 + g) + d]);
+                if (j0 + g <= to) x += p[g] * to_f32(vh[offset[g] + d]);
             }
             acc[e] = x;
         }

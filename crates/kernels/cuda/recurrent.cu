@@ -77,14 +77,18 @@ __device__ void causal_conv1d_silu(const T* __restrict__ x, long long x_stride, 
 // One token per row of causal_conv1d_silu with the window updated in place (a recorded decode
 // step, whose window buffer stays put): one thread per (row, channel) reads its K - 1 stored
 // inputs and the new one, writes y and shifts the window by one. The same sums in the same order.
+// Row b's window is state[slots[b]] where `slots` is given (a state pool's slots), else state[b];
+// a row whose slot is negative (a padding row of a recorded batch) is skipped, its y not written.
 
 template <typename T>
-__device__ void causal_conv1d_silu_step(const T* x, long long x_stride, T* state, const float* w, T* y, int B, int C,
-                                        int K) {
+__device__ void causal_conv1d_silu_step(const T* x, long long x_stride, T* state, const int* slots, const float* w,
+                                        T* y, int B, int C, int K) {
     const int hist = K - 1, b = blockIdx.x;
     const int c = blockIdx.y * blockDim.x + threadIdx.x;
     if (c >= C || b >= B) return;
-    T* window = state + (long long)b * hist * C + c;
+    const int slot = slots ? slots[b] : b;
+    if (slot < 0) return;
+    T* window = state + (long long)slot * hist * C + c;
     float input[MAX_CONV_KERNEL];
 #pragma unroll
     for (int j = 0; j < MAX_CONV_KERNEL; ++j) {
@@ -117,7 +121,9 @@ __device__ void causal_conv1d_silu_step(const T* x, long long x_stride, T* state
 // arithmetic is the same whatever the number of tokens or rows in the call, so a verify block
 // computes each position exactly as decoding it alone would. q, k, v are [B, T, H, D] with the
 // given token strides and contiguous heads; a and beta_logits [B, T, Hv] with `gate_stride`
-// between tokens.
+// between tokens. Row b's state is s_in / s_out [slots[b]] where `slots` is given (the rows' slots
+// of a state pool, updated in place), else [b]; a row whose slot is negative (a padding row of a
+// recorded batch) is skipped, its outputs not written.
 constexpr int DELTA_WARPS = 4;
 constexpr int ROWS_PER_WARP = 2;
 constexpr int BLOCK_ROWS = DELTA_WARPS * ROWS_PER_WARP;
@@ -129,8 +135,8 @@ template <typename T>
 __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long q_stride, long long k_stride,
                                   long long v_stride, const T* a, const T* beta_logits, long long gate_stride,
                                   const float* a_log,
-                                  const float* dt_bias, const float* s_in, float* s_out, float* o, int B, int Tn,
-                                  int Hk, int Hv, int Dk, int Dv) {
+                                  const float* dt_bias, const float* s_in, float* s_out, const int* slots, float* o,
+                                  int B, int Tn, int Hk, int Hv, int Dk, int Dv) {
     __shared__ float q_tile[TOKEN_TILE][MAX_DK];
     __shared__ float k_tile[TOKEN_TILE][MAX_DK];
     __shared__ float v_tile[TOKEN_TILE][BLOCK_ROWS];
@@ -141,7 +147,9 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int block_row = blockIdx.y * BLOCK_ROWS;
     const int warp_row = warp * ROWS_PER_WARP;  // within the block
-    const long long head = (long long)b * Hv + h;
+    const int slot = slots ? slots[b] : b;
+    if (slot < 0) return;  // the whole block: every thread has this row
+    const long long head = (long long)slot * Hv + h;
     const float q_scale = rsqrtf((float)Dk);
     const float neg_a = -expf(a_log[h]);
 
@@ -653,6 +661,16 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
 
 #endif  // compute capability 8.0
 
+// Copies row i of `src` ([n / row_len rows] of `row_len` elements) to row rows[i] of `dst`: how
+// a batch's new recurrent state goes back into its rows' slots of a state pool. One thread per
+// element.
+template <typename T>
+__device__ void scatter_rows(const T* src, T* dst, const int* rows, long long row_len, long long n) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    dst[(long long)rows[i / row_len] * row_len + i % row_len] = src[i];
+}
+
 #define INSTANTIATE(T, NAME)                                                                                     \
     extern "C" __global__ void causal_conv1d_silu_##NAME(const T* x, long long x_stride, const T* state,        \
                                                          const float* w, T* y, T* new_state, int B, int Tn,     \
@@ -662,17 +680,24 @@ __device__ void gated_delta_chunk_scan(const T* qg, const T* kw, const T* w_neg,
         else causal_conv1d_silu<T, 0>(x, x_stride, state, w, y, new_state, B, Tn, C, K);                       \
     }                                                                                                            \
     extern "C" __global__ void causal_conv1d_silu_step_##NAME(const T* x, long long x_stride, T* state,       \
-                                                              const float* w, T* y, int B, int C, int K) {  \
+                                                              const int* slots, const float* w, T* y, int B, \
+                                                              int C, int K) {                               \
         await_previous_kernel();                                                                               \
-        causal_conv1d_silu_step<T>(x, x_stride, state, w, y, B, C, K);                                          \
+        causal_conv1d_silu_step<T>(x, x_stride, state, slots, w, y, B, C, K);                                   \
+    }                                                                                                            \
+    extern "C" __global__ void scatter_rows_##NAME(const T* src, T* dst, const int* rows, long long row_len,    \
+                                                   long long n) {                                              \
+        await_previous_kernel();                                                                               \
+        scatter_rows<T>(src, dst, rows, row_len, n);                                                            \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32) gated_delta_steps_##NAME(                     \
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
         const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias,      \
-        const float* s_in, float* s_out, float* o, int B, int Tn, int Hk, int Hv, int Dk, int Dv) {             \
+        const float* s_in, float* s_out, const int* slots, float* o, int B, int Tn, int Hk, int Hv, int Dk,     \
+        int Dv) {                                                                                                \
         await_previous_kernel();                                                                                \
         gated_delta_steps<T>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log, dt_bias, \
-                             s_in, s_out, o, B, Tn, Hk, Hv, Dk, Dv);                                            \
+                             s_in, s_out, slots, o, B, Tn, Hk, Hv, Dk, Dv);                                     \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)
 

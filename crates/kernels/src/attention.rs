@@ -262,6 +262,66 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 #[cfg(feature = "cuda")]
 pub use gpu::{DecodeRows, PagedDecodeRows};
 
+/// A layer's paged KV as the paged kernels read it: one key and one value pool
+/// `[blocks · block_size, Hkv, D]` shared by the rows, row `r`'s position `p` at pool row
+/// `tables[r][p / block_size] · block_size + p % block_size`, row `r` `lens[r]` positions long
+/// (its new positions included).
+pub struct PagedKv<'a> {
+    pub keys: &'a Tensor,
+    pub values: &'a Tensor,
+    pub block_size: usize,
+    pub tables: &'a [Vec<u32>],
+    pub lens: &'a [usize],
+}
+
+/// Writes `k`, `v` (`[B, Hkv, T, D]`) into `kv`'s pools at each row's last `T` positions, in one
+/// kernel per side on CUDA; `false` (nothing written) where the kernels do not take them (on the
+/// CPU, a block size that is not a power of two), for the caller to write them itself.
+pub fn write_paged(k: &Tensor, v: &Tensor, kv: &PagedKv) -> Result<bool> {
+    #[cfg(feature = "cuda")]
+    if let Some(rows) = gpu::paged_rows(kv)? {
+        rows.write(k, v, &Tensor::from_vec(lens_i32(kv.lens)?, kv.lens.len(), k.device())?)?;
+        return Ok(true);
+    }
+    let _ = (k, v, kv);
+    Ok(false)
+}
+
+/// [`write_paged`], then the attention of `q` (`[B, Hq, T, D]`) over each row's history as
+/// [`gated_attention_rows`] (with `gate`) or [`causal_attention_rows`] compute it, reading the
+/// pools in place: `None` (nothing written) where the paged kernels do not take the inputs —
+/// on the CPU, or more than a few queries per row.
+pub fn paged_append_attend(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    kv: &PagedKv,
+    scoring: Scoring,
+    gate: Option<&Tensor>,
+) -> Result<Option<Tensor>> {
+    #[cfg(feature = "cuda")]
+    if q.dim(2)? <= crate::matmul::MAX_EXACT_ROWS {
+        if let Some(rows) = gpu::paged_rows(kv)? {
+            let lens = Tensor::from_vec(lens_i32(kv.lens)?, kv.lens.len(), q.device())?;
+            return Ok(Some(match gate {
+                Some(gate) => rows.append_attend_gated(q, k, v, &lens, scoring, gate)?,
+                None => rows.append_attend(q, k, v, &lens, scoring)?,
+            }));
+        }
+    }
+    let _ = (q, k, v, kv, scoring, gate);
+    Ok(None)
+}
+
+/// Row lengths as the kernels' `int`s.
+pub fn lens_i32(lens: &[usize]) -> Result<Vec<i32>> {
+    lens.iter()
+        .map(|&len| {
+            i32::try_from(len).map_err(|_| candle_core::Error::Msg(format!("a KV length of {len} past the kernels' int")))
+        })
+        .collect()
+}
+
 /// Per-head RMSNorm (`scale` f32 `[D]`, result rounded to `x`'s dtype) then [`rope`]: `x`
 /// `[B, T, H, D]` in, `[B, H, T, D]` out (the layout attention reads). One kernel on CUDA.
 pub fn norm_rope(x: &Tensor, scale: &Tensor, eps: f32, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -581,6 +641,23 @@ mod gpu {
         }
     }
 
+    /// `kv` as [`PagedDecodeRows`] with its tables uploaded, where the paged kernels take it: a
+    /// CUDA pool of a dtype they have, a power-of-two block size.
+    pub(super) fn paged_rows(kv: &super::PagedKv) -> Result<Option<PagedDecodeRows>> {
+        let device = kv.keys.device();
+        if !device.is_cuda() || !cuda::supports(kv.keys.dtype()) || !kv.block_size.is_power_of_two() || kv.tables.is_empty() {
+            return Ok(None);
+        }
+        let width = kv.tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
+        let mut flat = Vec::with_capacity(kv.tables.len() * width);
+        for table in kv.tables {
+            flat.extend(table.iter().map(|&b| b as i32));
+            flat.extend(std::iter::repeat_n(0, width - table.len()));
+        }
+        let tables = Tensor::from_vec(flat, (kv.tables.len(), width), device)?;
+        PagedDecodeRows::new(kv.keys, kv.values, kv.block_size, &tables).map(Some)
+    }
+
     /// A layer's paged KV as the decode kernels read it, made once for a captured decode step
     /// (as [`DecodeRows`] is for rows in their own buffers): one key and one value pool
     /// `[blocks · block_size, Hkv, D]` shared by every row, token-major, row `b`'s position `p`
@@ -683,32 +760,27 @@ mod gpu {
             attend_table(q, KvSource::Paged { pool: self, lens }, self.kv_heads, self.splits, scoring, None)
         }
 
-        /// Checks the step's shapes against the pool and writes `k`, `v` into it.
-        fn append(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor) -> Result<()> {
-            let (b, hq, t, d) = q.dims4()?;
+        /// Writes `k`, `v` (`[B, Hkv, T, D]`) at each row's positions `lens - T ..` (`lens` `[B]`
+        /// i32, device: each row's length after the write).
+        pub fn write(&self, k: &Tensor, v: &Tensor, lens: &Tensor) -> Result<()> {
+            let (b, _, t, d) = k.dims4()?;
             let batch = self.tables.dim(0)?;
             let new = [b, self.kv_heads, t, d];
             if b != batch
                 || d != self.head_dim
-                || hq % self.kv_heads != 0
-                || q.dtype() != self.keys.dtype()
                 || k.dims() != new
                 || v.dims() != new
                 || lens.dims() != [b]
                 || lens.dtype() != DType::I32
             {
                 candle_core::bail!(
-                    "PagedDecodeRows: queries {:?} ({:?}), keys {:?}, values {:?}, lengths {:?} ({:?}) do not fit {batch} rows \
-                     of {} KV heads of {} ({:?})",
-                    q.shape(),
-                    q.dtype(),
+                    "PagedDecodeRows: keys {:?}, values {:?}, lengths {:?} ({:?}) do not fit {batch} rows of {} KV heads of {}",
                     k.shape(),
                     v.shape(),
                     lens.shape(),
                     lens.dtype(),
                     self.kv_heads,
                     self.head_dim,
-                    self.keys.dtype()
                 );
             }
             for (src, pool) in [(k, &self.keys), (v, &self.values)] {
@@ -716,6 +788,27 @@ mod gpu {
                 write_kv(&src.to_dtype(pool.dtype())?, "write_paged", dst.into())?;
             }
             Ok(())
+        }
+
+        /// Checks the queries against the pool and writes `k`, `v` into it.
+        fn append(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor) -> Result<()> {
+            let (b, hq, t, d) = q.dims4()?;
+            if d != self.head_dim
+                || hq % self.kv_heads != 0
+                || q.dtype() != self.keys.dtype()
+                || k.dims4()?.2 != t
+                || k.dim(0)? != b
+            {
+                candle_core::bail!(
+                    "PagedDecodeRows: queries {:?} ({:?}) for keys {:?} do not fit KV heads of {} ({:?})",
+                    q.shape(),
+                    q.dtype(),
+                    k.shape(),
+                    self.head_dim,
+                    self.keys.dtype()
+                );
+            }
+            self.write(k, v, lens)
         }
 
         /// The split kernel's KV arguments: the pools, the block tables, `lens`, the tables'

@@ -21,17 +21,24 @@ pub fn causal_conv1d_silu(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result
 
 /// [`causal_conv1d_silu`] of one token per row (`x` `[B, 1, C]`) writing the new window over
 /// `state` (contiguous) instead of to fresh memory, for a recorded decode step whose buffers stay
-/// put; returns the output. The caller must be the state's only holder. CUDA only; the same sums
-/// as [`causal_conv1d_silu`] there.
+/// put; returns the output. With `slots` (`[B]` i32, device), `state` is a pool `[S, K-1, C]` and
+/// row `b`'s window is `state[slots[b]]`; without, `state` is `[B, K-1, C]`. The caller must be
+/// the state's only holder. CUDA only; the same sums as [`causal_conv1d_silu`] there.
 #[cfg(feature = "cuda")]
-pub fn causal_conv1d_silu_step_in_place(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<Tensor> {
+pub fn causal_conv1d_silu_step_in_place(x: &Tensor, state: &Tensor, weight: &Tensor, slots: Option<&Tensor>) -> Result<Tensor> {
     let (b, t, c) = x.dims3()?;
     let kernel = weight.dim(1)?;
+    let rows_fit = match slots {
+        Some(slots) => {
+            slots.dims() == [b] && slots.dtype() == candle_core::DType::I32 && state.dims().get(1..) == Some(&[kernel - 1, c][..])
+        }
+        None => state.dims() == [b, kernel - 1, c],
+    };
     if !x.device().is_cuda()
         || !gpu::takes(x, state, weight)?
         || t != 1
         || !state.is_contiguous()
-        || state.dims() != [b, kernel - 1, c]
+        || !rows_fit
         || kernel > gpu::MAX_KERNEL
     {
         candle_core::bail!(
@@ -39,7 +46,7 @@ pub fn causal_conv1d_silu_step_in_place(x: &Tensor, state: &Tensor, weight: &Ten
             gpu::MAX_KERNEL
         );
     }
-    gpu::step_in_place(x, state, weight)
+    gpu::step_in_place(x, state, weight, slots)
 }
 
 #[cfg(feature = "cuda")]
@@ -94,7 +101,7 @@ mod gpu {
     }
 
     /// One thread per (row, channel).
-    pub(super) fn step_in_place(x: &Tensor, state: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    pub(super) fn step_in_place(x: &Tensor, state: &Tensor, weight: &Tensor, slots: Option<&Tensor>) -> Result<Tensor> {
         let (b, _, c) = x.dims3()?;
         let kernel = weight.dim(1)?;
         let (x, x_stride) = cuda::row_strided(x)?;
@@ -104,6 +111,7 @@ mod gpu {
             Arg::at(&x)?,
             Arg::I64(x_stride as i64),
             Arg::at(state)?,
+            Arg::at_or_null(slots)?,
             Arg::at(&weight)?,
             Arg::at(&y)?,
             Arg::dim(b)?,

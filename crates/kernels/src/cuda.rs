@@ -126,6 +126,12 @@ pub fn prepare_device(dev: &CudaDevice) -> Result<()> {
     Ok(())
 }
 
+/// The device's free and total memory in bytes.
+pub fn memory(dev: &CudaDevice) -> Result<(usize, usize)> {
+    dev.cuda_stream().context().bind_to_thread().map_err(candle_core::Error::wrap)?;
+    candle_core::cuda_backend::cudarc::driver::result::mem_get_info().map_err(candle_core::Error::wrap)
+}
+
 /// Whether the kernels have an instance for `dtype` (the float dtypes a model computes in).
 pub(crate) fn supports(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::BF16 | DType::F16)

@@ -57,7 +57,7 @@ pub fn gated_delta_rule(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Res
         #[cfg(feature = "cuda")]
         Device::Cuda(_) if gpu::takes(inputs)? => match gpu::takes_chunked(inputs)? {
             true => gpu::chunked(inputs, gating, state),
-            false => gpu::steps(inputs, gating, state, false),
+            false => gpu::steps(inputs, gating, state, None),
         },
         _ if q.dim(1)? > STEPWISE_MAX => chunked(inputs, gating, state),
         _ => reference(inputs, gating, state),
@@ -73,22 +73,23 @@ pub fn on_tensor_cores(inputs: &Inputs) -> Result<bool> {
 
 /// [`gated_delta_rule`] writing the new state over `state` (f32, contiguous) instead of to fresh
 /// memory, for a captured decode step whose state buffers stay put between replays; returns the
-/// output. The caller must be the state's only holder. CUDA only; the same kernel and the same
-/// bits as [`gated_delta_rule`] there (each block reads its state rows before writing them).
+/// output. With `slots` (`[B]` i32, device), `state` is a pool `[S, Hv, Dv, Dk]` and row `b`'s
+/// state is `state[slots[b]]`; without, `state` is `[B, Hv, Dv, Dk]`. The caller must be the
+/// state's only holder. CUDA only; the same kernel and the same bits as [`gated_delta_rule`]
+/// there (each block reads its state rows before writing them).
 #[cfg(feature = "cuda")]
-pub fn gated_delta_rule_in_place(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<Tensor> {
+pub fn gated_delta_rule_in_place(inputs: &Inputs, gating: &Gating, state: &Tensor, slots: Option<&Tensor>) -> Result<Tensor> {
     let Inputs { q, v, .. } = *inputs;
     let (bsz, _, _, dk) = q.dims4()?;
     let (_, _, hv, dv) = v.dims4()?;
-    if !q.device().is_cuda()
-        || !gpu::takes(inputs)?
-        || state.dtype() != DType::F32
-        || !state.is_contiguous()
-        || state.dims() != [bsz, hv, dv, dk]
-    {
+    let rows_fit = match slots {
+        Some(slots) => slots.dims() == [bsz] && slots.dtype() == DType::I32 && state.dims().get(1..) == Some(&[hv, dv, dk][..]),
+        None => state.dims() == [bsz, hv, dv, dk],
+    };
+    if !q.device().is_cuda() || !gpu::takes(inputs)? || state.dtype() != DType::F32 || !state.is_contiguous() || !rows_fit {
         candle_core::bail!("the in-place gated delta rule takes CUDA inputs the kernel handles and a contiguous f32 state");
     }
-    Ok(gpu::steps(inputs, gating, state, true)?.0)
+    Ok(gpu::steps(inputs, gating, state, Some(slots))?.0)
 }
 
 fn softplus(x: &Tensor) -> Result<Tensor> {
@@ -389,8 +390,14 @@ mod gpu {
     }
 
     /// One block per (row, value head, 8 state rows); each warp keeps 2 rows of the state in
-    /// registers across all tokens. The new state goes over `state` when `in_place`.
-    pub(super) fn steps(inputs: &Inputs, gating: &Gating, state: &Tensor, in_place: bool) -> Result<(Tensor, Tensor)> {
+    /// registers across all tokens. With `in_place` (`Some`), the new state goes over `state`,
+    /// at the rows' slots where they are given.
+    pub(super) fn steps(
+        inputs: &Inputs,
+        gating: &Gating,
+        state: &Tensor,
+        in_place: Option<Option<&Tensor>>,
+    ) -> Result<(Tensor, Tensor)> {
         let Inputs { q, k, v, a, b } = *inputs;
         let (bsz, t_len, hk, dk) = q.dims4()?;
         let (hv, dv) = (v.dim(2)?, v.dim(3)?);
@@ -400,7 +407,10 @@ mod gpu {
         let (a_log, dt_bias, state) = (f32(gating.a_log)?, f32(gating.dt_bias)?, f32(state)?);
         let dev = q.device();
         let out = cuda::output((bsz, t_len, hv, dv), DType::F32, dev)?;
-        let new_state = if in_place { state.clone() } else { cuda::output((bsz, hv, dv, dk), DType::F32, dev)? };
+        let (new_state, slots) = match in_place {
+            Some(slots) => (state.clone(), slots),
+            None => (cuda::output((bsz, hv, dv, dk), DType::F32, dev)?, None),
+        };
         let rows_per_block = WARPS * ROWS_PER_WARP;
         let cfg = LaunchConfig {
             grid_dim: ((bsz * hv) as u32, dv.div_ceil(rows_per_block) as u32, 1),
@@ -421,6 +431,7 @@ mod gpu {
             Arg::at(&dt_bias)?,
             Arg::at(&state)?,
             Arg::at(&new_state)?,
+            Arg::at_or_null(slots)?,
             Arg::at(&out)?,
             Arg::dim(bsz)?,
             Arg::dim(t_len)?,

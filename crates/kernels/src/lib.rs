@@ -6,6 +6,7 @@
 //! - [`attention`]: causal softmax attention with GQA over a row's KV history.
 //! - [`norm`]: RMSNorm (alone, after a residual add, gated per DeltaNet head) and SwiGLU's product.
 //! - [`matmul`]: weight-streaming `x W^T` for decode-sized inputs against bf16 weights on CPU.
+//! - [`rows`]: row copies between a batch and a pool's slots.
 //! - [`sampling`]: the greedy tail, each row's argmax (on the device where the logits are).
 //! - [`quant`]: `x W^T` against GGUF block-quantized weights (Q8_0, Q5_0, Q4_K, Q6_K) on CPU,
 //!   packed as in the file, llama.cpp's arithmetic.
@@ -21,6 +22,7 @@ pub mod gated_delta;
 pub mod matmul;
 pub mod norm;
 pub mod quant;
+pub mod rows;
 pub mod sampling;
 
 pub use candle_core::{Error, Result};
@@ -45,6 +47,17 @@ pub fn device_use(device: &candle_core::Device) -> std::sync::RwLockReadGuard<'s
     #[cfg(not(feature = "cuda"))]
     let _ = device;
     guard
+}
+
+/// A GPU's free and total memory in bytes; `None` for the CPU (and for devices this build has no
+/// backend for).
+pub fn device_memory(device: &candle_core::Device) -> Result<Option<(usize, usize)>> {
+    #[cfg(feature = "cuda")]
+    if let candle_core::Device::Cuda(dev) = device {
+        return cuda::memory(dev).map(Some);
+    }
+    let _ = device;
+    Ok(None)
 }
 
 /// Borrow a contiguous CPU tensor's f32 data.

@@ -11,7 +11,7 @@ use strata_kernels::attention::{
     PagedDecodeRows, Scoring,
 };
 use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
-use strata_kernels::gated_delta::{gated_delta_rule, on_tensor_cores, Gating, Inputs};
+use strata_kernels::gated_delta::{gated_delta_rule, gated_delta_rule_in_place, on_tensor_cores, Gating, Inputs};
 use strata_kernels::matmul::matmul_t;
 use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
 use strata_kernels::sampling::{argmax_rows, first_max};
@@ -128,9 +128,68 @@ fn gated_delta_steps_on_gpu_do_not_depend_on_block_length() {
     assert_eq!(diff_bits(&state, &block_state), 0, "state after single steps differs from the block's");
 }
 
+/// A recorded decode step over a state pool: the in-place conv step and delta rule read and write
+/// each row's slot, give the fresh-output kernels' bits, skip a padding row (slot -1) and leave
+/// every other slot as it was.
+#[test]
+fn in_place_steps_over_pool_slots_match_fresh_outputs() {
+    let gpu = gpu();
+    let on = |x: &Tensor| x.to_device(&gpu).unwrap();
+    let slots = [4i32, 1, -1, 2];
+    let slot_tensor = Tensor::new(&slots[..], &gpu).unwrap();
+    let real = [0usize, 1, 3];
+    // Rows of `fresh` at their slots of a 6-slot pool whose other slots hold `fill`.
+    let pool_of = |fresh: &Tensor, fill: f32| {
+        let mut dims = fresh.dims().to_vec();
+        dims[0] = 6;
+        let pool = (Tensor::ones(dims, fresh.dtype(), &gpu).unwrap() * fill as f64).unwrap();
+        for &r in &real {
+            pool.slice_set(&on(fresh).narrow(0, r, 1).unwrap(), 0, slots[r] as usize).unwrap();
+        }
+        pool
+    };
+    let check = |what: &str, pool: &Tensor, want: &Tensor, fill: f32| {
+        for (slot, row) in [(4, Some(0)), (1, Some(1)), (2, Some(3)), (0, None), (3, None), (5, None)] {
+            let got = pool.narrow(0, slot, 1).unwrap();
+            match row {
+                Some(r) => assert_eq!(diff_bits(&got, &want.narrow(0, r, 1).unwrap()), 0, "{what}: slot {slot}"),
+                None => {
+                    let untouched = (got.ones_like().unwrap() * fill as f64).unwrap();
+                    assert_eq!(diff_bits(&got, &untouched), 0, "{what}: slot {slot} held by no row was written");
+                }
+            }
+        }
+    };
+    for dtype in [DType::F32, DType::BF16] {
+        let inputs = DeltaInputs::new(4, 1, (2, 4, 128, 128), dtype);
+        let (want_out, want_state) = inputs.run(&gpu, 0, 1, &inputs.state);
+        let pool = pool_of(&inputs.state, 9.0);
+        let out = inputs.with(&gpu, 0, 1, |i, g| gated_delta_rule_in_place(i, g, &pool, Some(&slot_tensor)).unwrap());
+        for &r in &real {
+            let (got, want) = (out.narrow(0, r, 1).unwrap(), want_out.narrow(0, r, 1).unwrap());
+            assert_eq!(diff_bits(&got, &want), 0, "delta rule output of row {r} ({dtype:?})");
+        }
+        check(&format!("delta rule state ({dtype:?})"), &pool, &want_state, 9.0);
+
+        let (c, kernel) = (48, 4);
+        let x = values(&[4, 1, c], 1.0, 21).to_dtype(dtype).unwrap();
+        let state = values(&[4, kernel - 1, c], 1.0, 22).to_dtype(dtype).unwrap();
+        let w = values(&[c, kernel], 0.5, 23);
+        let (want_y, want_window) = causal_conv1d_silu(&on(&x), &on(&state), &on(&w)).unwrap();
+        let pool = pool_of(&state, 7.0);
+        let y = causal_conv1d_silu_step_in_place(&on(&x), &pool, &on(&w), Some(&slot_tensor)).unwrap();
+        for &r in &real {
+            assert_eq!(diff_bits(&y.narrow(0, r, 1).unwrap(), &want_y.narrow(0, r, 1).unwrap()), 0, "conv output of row {r}");
+        }
+        check(&format!("conv window ({dtype:?})"), &pool, &want_window, 7.0);
+    }
+}
+
 /// How many elements differ in their bits.
 fn diff_bits(a: &Tensor, b: &Tensor) -> usize {
-    let bits = |x: &Tensor| x.to_device(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let bits = |x: &Tensor| {
+        x.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
     bits(a).iter().zip(bits(b)).filter(|(x, y)| x.to_bits() != y.to_bits()).count()
 }
 
@@ -173,7 +232,7 @@ fn causal_conv1d_on_gpu_matches_cpu() {
             // The in-place step of a recorded decode step: the same bits as the fresh-output
             // kernel, the window updated where it lies.
             let window = on(&state).copy().unwrap();
-            let stepped = causal_conv1d_silu_step_in_place(&on(&x), &window, &on(&w)).unwrap();
+            let stepped = causal_conv1d_silu_step_in_place(&on(&x), &window, &on(&w), None).unwrap();
             let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
             assert!(
                 bits(&stepped) == bits(&y) && bits(&window) == bits(&new_state),

@@ -138,6 +138,15 @@ impl Model {
         }
     }
 
+    /// Decode steps recorded as CUDA graphs and replayed from one so far: `(recordings,
+    /// replays)` (Qwen3.5 on CUDA; none elsewhere).
+    pub fn decode_graph_counts(&self) -> (usize, usize) {
+        match self {
+            Model::Qwen35(m) => m.decode_graph_counts(),
+            Model::Dense(_) | Model::Gemma3(_) => (0, 0),
+        }
+    }
+
     pub fn device(&self) -> &Device {
         match self {
             Model::Qwen35(m) => m.device(),
@@ -162,6 +171,25 @@ impl Model {
         }
     }
 
+    /// A bound on the device memory a forward of `tokens` positions over `rows` rows (last
+    /// logits only) takes beyond weights and state: the layers' activations at a few live copies
+    /// of the widest (the MLP's, the DeltaNet projections' or the attention's per position) and
+    /// each row's logits in bf16 and f32. Memory planning reserves it before sizing the state
+    /// pool.
+    pub fn activation_bytes(&self, tokens: usize, rows: usize) -> usize {
+        let (hidden, intermediate, vocab) = match self {
+            Model::Qwen35(m) => {
+                let c = m.config();
+                let widest = c.intermediate_size.max(c.linear_conv_dim()).max(2 * c.num_attention_heads * c.head_dim);
+                (c.hidden_size, widest, c.vocab_size)
+            }
+            Model::Dense(m) => (m.config().hidden_size, m.config().intermediate_size, m.config().vocab_size),
+            Model::Gemma3(m) => (m.config().hidden_size, m.config().intermediate_size, m.config().vocab_size),
+        };
+        let per_token = tokens.saturating_mul(16 * hidden + 8 * intermediate);
+        per_token.saturating_add(rows.saturating_mul(3 * vocab)).saturating_mul(4)
+    }
+
     pub fn max_position_embeddings(&self) -> usize {
         match self {
             Model::Qwen35(m) => m.config().max_position_embeddings,
@@ -171,10 +199,10 @@ impl Model {
     }
 
     /// Opens a speculative round: forwards until [`Model::close_round`] can be taken back.
-    pub fn open_round(&self, state: &mut BatchState) -> Round {
+    pub fn open_round(&self, state: &mut BatchState) -> Result<Round> {
         match self {
             Model::Qwen35(m) => m.open_round(state),
-            Model::Dense(_) | Model::Gemma3(_) => Round { start: state.positions.clone() },
+            Model::Dense(_) | Model::Gemma3(_) => Ok(Round { start: state.positions.clone() }),
         }
     }
 

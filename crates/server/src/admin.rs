@@ -31,6 +31,7 @@ pub async fn stats(State(state): State<AppState>, headers: HeaderMap) -> Json<Va
 
 fn all_stats(state: &AppState) -> Value {
     let w = state.worker.stats();
+    let pool = state.worker.pool_stats();
     let c = &state.config;
     json!({
         "model": c.model_name,
@@ -47,15 +48,18 @@ fn all_stats(state: &AppState) -> Value {
         "generated_tokens": w.generated_tokens.load(Ordering::Relaxed),
         "max_context": c.max_context,
         "prompt_cache": cache_stats(state),
-        "kv_pool": state.worker.kv_pool_stats().map(|p| json!({
-            "block_size": p.block_size,
-            "blocks_total": p.blocks_total,
-            "blocks_used": p.blocks_used,
-            "blocks_used_peak": p.blocks_used_peak,
-            "blocks_shared": p.blocks_shared,
-            "tokens_total": p.blocks_total * p.block_size,
+        "kv_pool": {
+            "block_size": pool.block_size,
+            "blocks_total": pool.blocks_total,
+            "blocks_used": pool.blocks_used,
+            "blocks_used_peak": pool.blocks_used_peak,
+            "blocks_shared": pool.blocks_shared,
+            "tokens_total": pool.blocks_total * pool.block_size,
             "rows": w.active.load(Ordering::Relaxed),
-        })),
+            "slots_total": pool.slots_total,
+            "slots_used": pool.slots_used,
+            "bytes": state.worker.pool_bytes(),
+        },
         "speculation": {
             "draft_rounds": w.draft_rounds.load(Ordering::Relaxed),
             "drafted_tokens": w.drafted_tokens.load(Ordering::Relaxed),
@@ -185,17 +189,18 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         ("strata_drafted_tokens_total", "counter", "Tokens drafted for speculative decoding.", n(&w.drafted_tokens)),
         ("strata_accepted_tokens_total", "counter", "Drafted tokens the model accepted.", n(&w.accepted_tokens)),
     ];
-    let pool = state.worker.kv_pool_stats().map(|p| {
-        [
-            ("strata_kv_block_size", "gauge", "Positions per attention KV block.", p.block_size as f64),
-            ("strata_kv_blocks_total", "gauge", "Blocks of the attention KV pool (per attention layer).", p.blocks_total as f64),
-            ("strata_kv_blocks_used", "gauge", "KV blocks held by requests.", p.blocks_used as f64),
-            ("strata_kv_blocks_used_peak", "gauge", "Most KV blocks held at once since start.", p.blocks_used_peak as f64),
-            ("strata_kv_blocks_shared", "gauge", "KV blocks held by more than one request.", p.blocks_shared as f64),
-        ]
-    });
+    let p = state.worker.pool_stats();
+    let pool = [
+        ("strata_kv_block_size", "gauge", "Positions per attention KV block.", p.block_size as f64),
+        ("strata_kv_blocks_total", "gauge", "Blocks of the attention KV pool (per attention layer).", p.blocks_total as f64),
+        ("strata_kv_blocks_used", "gauge", "KV blocks held by requests.", p.blocks_used as f64),
+        ("strata_kv_blocks_used_peak", "gauge", "Most KV blocks held at once since start.", p.blocks_used_peak as f64),
+        ("strata_kv_blocks_shared", "gauge", "KV blocks held by more than one request.", p.blocks_shared as f64),
+        ("strata_kv_slots_total", "gauge", "Recurrent-state slots of the pool (per recurrent layer).", p.slots_total as f64),
+        ("strata_kv_slots_used", "gauge", "Recurrent-state slots held by requests.", p.slots_used as f64),
+    ];
     let mut text = String::new();
-    for (name, kind, help, value) in rows.into_iter().chain(pool.into_iter().flatten()) {
+    for (name, kind, help, value) in rows.into_iter().chain(pool) {
         text.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}\n"));
     }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)

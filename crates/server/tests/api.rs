@@ -570,13 +570,15 @@ async fn prompt_cache_reuses_previous_turns_and_flushes() {
     let (_, stats) = call(&app, "GET", "/stats", Value::Null, &[]).await;
     let stats: Value = serde_json::from_slice(&stats).unwrap();
     assert!(stats["prompt_cache"]["ram"]["hits"].as_u64().unwrap() >= 1, "{stats}");
-    // The rows' KV lived in the pool, and every finished row gives its blocks back (the cache
-    // entries hold copies of their own) — once the engine has dropped the row, just after its
-    // answer went out.
+    // The rows' KV lived in the pool, and every block comes back: the cache's entries share
+    // the finished rows' blocks, so once the cache is flushed and the engine has dropped the
+    // row (just after its answer went out), none is held.
     let pool = &stats["kv_pool"];
     assert_eq!(pool["block_size"], 16, "{stats}");
     assert!(pool["blocks_used_peak"].as_u64().unwrap() >= prompt1.div_ceil(16), "{stats}");
     assert!(pool["blocks_total"].as_u64().unwrap() >= pool["blocks_used_peak"].as_u64().unwrap(), "{stats}");
+    let (s, _) = post(&app, "/admin/cache/flush", Value::Null).await;
+    assert_eq!(s, StatusCode::OK);
     let mut metrics = String::new();
     for _ in 0..100 {
         let (_, text) = call(&app, "GET", "/metrics", Value::Null, &[]).await;

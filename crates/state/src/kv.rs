@@ -8,9 +8,9 @@
 //! paged. The two answer the same questions with the same bits.
 
 use candle_core::{DType, Device, Tensor};
-use strata_kernels::attention;
+use strata_kernels::attention::{self, PagedKv, Scoring};
 
-use crate::paged::PagedRows;
+use crate::paged::{PagedLayout, PagedRows};
 use crate::spec::{KvShape, StateCost, Storage};
 use crate::{buffer_bytes, Result, StateError};
 
@@ -59,10 +59,22 @@ impl KvShape {
 }
 
 impl KvStore {
-    /// This store's shape with `rows` empty rows in `paged`'s pool instead.
-    pub(crate) fn into_paged(self, mut paged: PagedRows, rows: usize) -> KvStore {
-        (0..rows).for_each(|_| paged.push_empty());
-        KvStore { rows: Rows::Paged(paged), ..self }
+    /// A store of `paged`'s rows.
+    pub(crate) fn paged(shape: KvShape, dtype: DType, device: &Device, paged: PagedRows) -> KvStore {
+        KvStore { rows: Rows::Paged(paged), shape, dtype, device: device.clone() }
+    }
+
+    pub(crate) fn paged_rows(&self) -> Option<&PagedRows> {
+        match &self.rows {
+            Rows::Paged(paged) => Some(paged),
+            Rows::Owned(_) => None,
+        }
+    }
+
+    /// Where a kernel writing and reading the rows in place finds them: the pool's tensors and
+    /// the rows' block tables; `None` for rows in buffers of their own.
+    pub fn paged_layout(&self) -> Option<PagedLayout> {
+        self.paged_rows().map(PagedRows::layout)
     }
 
     fn empty_row(&self, capacity: usize) -> Result<KvRow> {
@@ -143,8 +155,16 @@ impl KvStore {
     /// row's whole history; one write for all rows where the device allows.
     pub fn append_rows(&mut self, k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
         if let Rows::Paged(paged) = &mut self.rows {
-            for row in 0..paged.rows() {
-                paged.append(row, &k.get(row)?, &v.get(row)?)?;
+            let t = k.dim(2)?;
+            paged.reserve_rows(t)?;
+            let layout = paged.layout();
+            let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
+            if attention::write_paged(k, v, &kernel_view(&layout, &lens))? {
+                paged.commit_written(t)?;
+            } else {
+                for row in 0..paged.rows() {
+                    paged.append(row, &k.get(row)?, &v.get(row)?)?;
+                }
             }
             return (0..self.rows()).map(|row| self.history(row)).collect();
         }
@@ -173,10 +193,36 @@ impl KvStore {
         }
     }
 
-    /// Room for `t` more positions in every row (see [`KvStore::buffers`]).
+    /// Room for `t` more positions in every row, in buffers or blocks of its own (see
+    /// [`KvStore::buffers`], [`KvStore::paged_layout`]).
     pub fn reserve_rows(&mut self, t: usize) -> Result<()> {
-        self.not_paged("reserving buffer room")?;
+        if let Rows::Paged(paged) = &mut self.rows {
+            return paged.reserve_rows(t);
+        }
         (0..self.rows()).try_for_each(|row| self.reserve(row, t))
+    }
+
+    /// Appends `k`, `v` (`[B, Hkv, T, D]`) to every row and attends `q` (`[B, Hq, T, D]`) over
+    /// each row's history: with `gate` (`[B, T, Hq, D]`), gated as
+    /// [`attention::gated_attention_rows`] returns it (`[B, T, Hq·D]`), else `[B, Hq, T, D]`.
+    /// The one attention every family's full-attention layers go through: on CUDA, paged rows
+    /// of a few positions are written and read through their block tables in place.
+    pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
+        if let Rows::Paged(paged) = &mut self.rows {
+            let t = k.dim(2)?;
+            paged.reserve_rows(t)?;
+            let layout = paged.layout();
+            let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
+            if let Some(out) = attention::paged_append_attend(q, k, v, &kernel_view(&layout, &lens), scoring, gate)? {
+                paged.commit_written(t)?;
+                return Ok(out);
+            }
+        }
+        let history = self.append_rows(k, v)?;
+        Ok(match gate {
+            Some(gate) => attention::gated_attention_rows(q, &history, scoring, gate)?,
+            None => attention::causal_attention_rows(q, &history, scoring)?,
+        })
     }
 
     /// Each row's whole key and value buffers `[Hkv, capacity, D]`, for kernels that write a
@@ -186,9 +232,13 @@ impl KvStore {
         Ok(self.not_paged("row buffers")?.iter().map(|r| (r.k.clone(), r.v.clone())).collect())
     }
 
-    /// Counts `t` more positions in every row, written into [`KvStore::buffers`] by a device
-    /// kernel rather than through [`KvStore::append_rows`].
+    /// Counts `t` more positions in every row, written into [`KvStore::buffers`] (or the blocks
+    /// of [`KvStore::paged_layout`]) by a device kernel rather than through
+    /// [`KvStore::append_rows`].
     pub fn commit_written(&mut self, t: usize) -> Result<()> {
+        if let Rows::Paged(paged) = &mut self.rows {
+            return paged.commit_written(t);
+        }
         for r in self.not_paged("counting written positions")? {
             let capacity = r.k.dim(1)?;
             if r.len + t > capacity {
@@ -296,6 +346,19 @@ impl KvStore {
         })
     }
 
+    /// A single-row store of `row`: a pooled row shares its blocks (each copied when either
+    /// side writes into it), a row in buffers of its own is copied ([`KvStore::extract`]).
+    pub fn share(&self, row: usize) -> Result<KvStore> {
+        let n = self.rows();
+        if row >= n {
+            return Err(StateError::RowOutOfRange { row, rows: n });
+        }
+        match &self.rows {
+            Rows::Paged(paged) => Ok(KvStore { rows: Rows::Paged(paged.row(row)), ..self.clone_empty() }),
+            Rows::Owned(_) => self.extract(row),
+        }
+    }
+
     /// A single-row store holding `k`, `v` (`[Hkv, len, D]`) in its own buffers, shaped like
     /// this store's rows; the error names what does not match.
     pub fn single_row(&self, k: Tensor, v: Tensor) -> Result<KvStore> {
@@ -323,6 +386,11 @@ impl KvStore {
     fn clone_empty(&self) -> KvStore {
         KvStore { rows: Rows::Owned(Vec::new()), shape: self.shape, dtype: self.dtype, device: self.device.clone() }
     }
+}
+
+/// `layout`'s pool as the paged kernels read it, each row `lens[r]` positions long.
+fn kernel_view<'a>(layout: &'a PagedLayout, lens: &'a [usize]) -> PagedKv<'a> {
+    PagedKv { keys: &layout.keys, values: &layout.values, block_size: layout.block_size, tables: &layout.tables, lens }
 }
 
 #[cfg(test)]

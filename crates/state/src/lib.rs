@@ -8,13 +8,17 @@
 
 mod kv;
 mod paged;
+mod pool;
 mod recurrent;
+mod slots;
 mod spec;
 mod window;
 
 pub use kv::KvStore;
-pub use paged::{KvPool, PoolSize, PoolStats};
+pub use paged::PagedLayout;
+pub use pool::{PoolSize, PoolStats, StatePool};
 pub use recurrent::{RecurrentRound, RecurrentShape, RecurrentState};
+pub use slots::SlotLayout;
 pub use spec::{KvShape, LayerSpec, StateCost, StateSpec, Storage, WindowShape};
 pub use window::{WindowKvStore, ROUND_SLACK};
 
@@ -34,8 +38,8 @@ pub enum StateError {
     Untrimmable { kind: &'static str, from: usize, to: usize },
     #[error("{written} positions written after {len} past a KV capacity of {capacity}")]
     PastCapacity { len: usize, written: usize, capacity: usize },
-    #[error("the KV pool's {blocks} blocks (attention layer {layer}) are all in use")]
-    PoolExhausted { layer: usize, blocks: usize },
+    #[error("the state pool's {total} {what} (layer {layer} of that kind) are all in use")]
+    PoolExhausted { what: &'static str, layer: usize, total: usize },
     #[error("rows cannot join or leave a batch while a speculative round is open")]
     RoundOpen,
     #[error("stored state does not fit this model: {0}")]
@@ -83,7 +87,7 @@ impl LayerState {
     pub fn device(&self) -> candle_core::Device {
         match self {
             LayerState::Attention(s) => s.device().clone(),
-            LayerState::Recurrent(s) => s.conv.device().clone(),
+            LayerState::Recurrent(s) => s.device(),
             LayerState::Window(s) => s.device().clone(),
         }
     }
@@ -155,6 +159,17 @@ impl LayerState {
         })
     }
 
+    /// A single-row state of `row` that holds what it can share instead of a copy: a pool's KV
+    /// blocks (copied on write) and a single-row recurrent state's tensors (never written in
+    /// place); everything else is copied as [`LayerState::extract`] copies it.
+    pub fn share(&self, row: usize) -> Result<LayerState> {
+        Ok(match self {
+            LayerState::Attention(s) => LayerState::Attention(s.share(row)?),
+            LayerState::Recurrent(s) => LayerState::Recurrent(s.share(row)?),
+            LayerState::Window(s) => LayerState::Window(s.extract(row)?),
+        })
+    }
+
     /// Cuts `row` back to its first `len` positions; an error for kinds that cannot trim.
     pub fn trim(&mut self, row: usize, len: usize) -> Result<()> {
         match self {
@@ -174,7 +189,10 @@ impl LayerState {
                 let (k, v) = s.history(0)?;
                 vec![k.force_contiguous()?, v.force_contiguous()?]
             }
-            LayerState::Recurrent(s) => vec![s.conv.clone(), s.ssm.clone()],
+            LayerState::Recurrent(s) => {
+                let (conv, ssm) = s.tensors()?;
+                vec![conv, ssm]
+            }
             LayerState::Window(s) => {
                 let (k, v) = s.held(0)?;
                 vec![k, v]
@@ -259,9 +277,13 @@ impl BatchState {
         Ok(())
     }
 
-    /// Whether the attention layers keep their rows in a [`KvPool`].
-    pub fn is_paged(&self) -> bool {
-        self.layers.iter().any(|l| matches!(l, LayerState::Attention(kv) if kv.is_paged()))
+    /// Whether the layers keep their rows in a [`StatePool`].
+    pub fn is_pooled(&self) -> bool {
+        self.layers.iter().any(|l| match l {
+            LayerState::Attention(kv) => kv.is_paged(),
+            LayerState::Recurrent(s) => s.slotted_rows().is_some(),
+            LayerState::Window(_) => false,
+        })
     }
 
     /// Whether every layer can be cut back to an earlier position.
@@ -319,5 +341,14 @@ impl BatchState {
         let rows = self.rows();
         let position = *self.positions.get(row).ok_or(StateError::RowOutOfRange { row, rows })?;
         Ok(BatchState { layers: self.layers.iter().map(|l| l.extract(row)).collect::<Result<_>>()?, positions: vec![position] })
+    }
+
+    /// A single-row state of `row` sharing what it can (see [`LayerState::share`]): a prompt
+    /// cache entry of a pooled row holds its KV blocks once, with the row and with every
+    /// request that reuses it.
+    pub fn share(&self, row: usize) -> Result<BatchState> {
+        let rows = self.rows();
+        let position = *self.positions.get(row).ok_or(StateError::RowOutOfRange { row, rows })?;
+        Ok(BatchState { layers: self.layers.iter().map(|l| l.share(row)).collect::<Result<_>>()?, positions: vec![position] })
     }
 }

@@ -1,210 +1,85 @@
-//! Paged attention KV: one preallocated pool of fixed-size blocks per attention layer, and per
-//! row a block table naming the blocks that hold its positions.
+//! Paged attention KV: per full-attention layer, one preallocated tensor of fixed-size blocks
+//! (see [`crate::StatePool`]), and per row a block table naming the blocks that hold its
+//! positions.
 //!
 //! Position `p` of a row lives in pool row `table[p / block_size] * block_size + p % block_size`
 //! of the layer's key and value tensors (`[blocks * block_size, Hkv, D]`, token-major, as the
-//! CUDA kernels read them). A row joining, leaving or growing changes block tables, never the
-//! pool tensors, so their addresses stay put. Blocks are reference-counted: cloning a row
-//! shares its blocks, and a write into a shared block first copies it (copy on write), so a
-//! clone keeps value semantics while holding its prefix once.
-//!
-//! Each attention layer has its own blocks and block tables: a layer's table is independent of
-//! the others', so every store answers for itself (and the pool's counts are those of its
-//! first layer, which every layer repeats, since all are fed the same positions).
+//! CUDA kernels read them).
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::spec::{KvShape, LayerSpec, StateSpec};
-use crate::{BatchState, LayerState, Result, StateError};
+use crate::pool::{grown, lock, tensor_bytes, Ids, Pool, PoolSize};
+use crate::spec::KvShape;
+use crate::{Result, StateError};
 
-/// How many blocks a pool holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum PoolSize {
-    /// Exactly this many per layer, allocated at start; a write past them is
-    /// [`StateError::PoolExhausted`].
-    Fixed(usize),
-    /// As many as the rows need: the pool doubles when it runs out (moving its tensors, so not
-    /// for captured CUDA graphs; for one-off runs that were not given a memory size).
-    Growing,
-}
-
-/// A model's attention KV blocks: the pool a [`BatchState`] built by [`KvPool::new_state`]
-/// stores its full-attention layers in. Cheap to clone (a handle).
-#[derive(Clone, Debug)]
-pub struct KvPool {
-    pool: Arc<Pool>,
-}
-
+/// One attention layer's blocks: its key and value tensors, plus one scratch block past them.
 #[derive(Debug)]
-struct Pool {
-    spec: StateSpec,
-    device: Device,
-    block_size: usize,
-    size: PoolSize,
-    /// One per [`LayerSpec::Attention`] layer of the spec, in order.
-    layers: Vec<Mutex<LayerBlocks>>,
-}
-
-#[derive(Debug)]
-struct LayerBlocks {
+pub(crate) struct LayerBlocks {
     shape: KvShape,
-    /// `[blocks * block_size, Hkv, D]` each.
+    /// `[(blocks + 1) * block_size, Hkv, D]` each; the last block is the scratch block.
     k: Tensor,
     v: Tensor,
-    /// Holders of each block (row tables); 0 = free.
-    refs: Vec<u32>,
-    /// Free block ids, the next to hand out last.
-    free: Vec<u32>,
-    used_peak: usize,
-}
-
-/// What a pool holds, for `/stats` and `/metrics`.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
-pub struct PoolStats {
-    pub block_size: usize,
-    pub blocks_total: usize,
-    pub blocks_used: usize,
-    pub blocks_used_peak: usize,
-    /// Blocks held by more than one row.
-    pub blocks_shared: usize,
-}
-
-impl KvPool {
-    /// A pool for `spec`'s attention layers on `device`, in blocks of `block_size` positions.
-    pub fn new(spec: &StateSpec, block_size: usize, size: PoolSize, device: &Device) -> Result<Self> {
-        if block_size == 0 {
-            return Err(StateError::BadPart("a KV block of 0 positions".into()));
-        }
-        let blocks = match size {
-            PoolSize::Fixed(blocks) => blocks,
-            PoolSize::Growing => 0,
-        };
-        let layers = spec
-            .layers
-            .iter()
-            .filter_map(|layer| match layer {
-                LayerSpec::Attention(shape) => Some(LayerBlocks::new(*shape, blocks, block_size, spec.dtype, device)),
-                _ => None,
-            })
-            .map(|layer| layer.map(Mutex::new))
-            .collect::<Result<_>>()?;
-        Ok(Self { pool: Arc::new(Pool { spec: spec.clone(), device: device.clone(), block_size, size, layers }) })
-    }
-
-    /// Blocks that hold every row a state budget of `budget` bytes admits, for at most `rows`
-    /// rows at once: the positions the budget pays for (at its attention layers' cost per
-    /// position, a bound whatever else the rows hold), plus per row one partly filled block and
-    /// room for a speculative round's positions past its length ([`crate::ROUND_SLACK`]).
-    pub fn blocks_for_budget(spec: &StateSpec, block_size: usize, budget: usize, rows: usize) -> usize {
-        let per_token: usize = spec
-            .layers
-            .iter()
-            .filter_map(|layer| match layer {
-                LayerSpec::Attention(shape) => Some(shape.bytes_per_token(spec.dtype)),
-                _ => None,
-            })
-            .sum();
-        let paid = (budget / per_token.max(1)).div_ceil(block_size);
-        paid + rows * (1 + crate::ROUND_SLACK.div_ceil(block_size))
-    }
-
-    pub fn block_size(&self) -> usize {
-        self.pool.block_size
-    }
-
-    /// Fresh state for `rows` empty sequences: full-attention layers in this pool, the others
-    /// as the spec declares them.
-    pub fn new_state(&self, rows: usize) -> Result<BatchState> {
-        let mut state = self.pool.spec.new_state(rows, &self.pool.device)?;
-        let mut layer = 0;
-        for slot in &mut state.layers {
-            if let LayerState::Attention(store) = slot {
-                let paged = PagedRows { pool: self.pool.clone(), layer, rows: Vec::new() };
-                *store = store.clone().into_paged(paged, rows);
-                layer += 1;
-            }
-        }
-        Ok(state)
-    }
-
-    pub fn stats(&self) -> PoolStats {
-        let Some(first) = self.pool.layers.first() else {
-            return PoolStats { block_size: self.pool.block_size, ..PoolStats::default() };
-        };
-        let blocks = lock(first);
-        PoolStats {
-            block_size: self.pool.block_size,
-            blocks_total: blocks.refs.len(),
-            blocks_used: blocks.refs.len() - blocks.free.len(),
-            blocks_used_peak: blocks.used_peak,
-            blocks_shared: blocks.refs.iter().filter(|&&r| r > 1).count(),
-        }
-    }
-}
-
-fn lock(layer: &Mutex<LayerBlocks>) -> MutexGuard<'_, LayerBlocks> {
-    // A panic while holding the lock leaves counts, not tensors, half-updated at worst; the
-    // counts are only ever changed in whole steps below, so the data is still consistent.
-    layer.lock().unwrap_or_else(|e| e.into_inner())
+    ids: Ids,
+    block_size: usize,
 }
 
 impl LayerBlocks {
-    fn new(shape: KvShape, blocks: usize, block_size: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let dims = (blocks * block_size, shape.kv_heads, shape.head_dim);
+    pub(crate) fn new(shape: KvShape, blocks: usize, block_size: usize, dtype: DType, device: &Device) -> Result<Self> {
+        let dims = ((blocks + 1) * block_size, shape.kv_heads, shape.head_dim);
         Ok(Self {
             shape,
             k: Tensor::zeros(dims, dtype, device)?,
             v: Tensor::zeros(dims, dtype, device)?,
-            refs: vec![0; blocks],
-            free: (0..blocks as u32).rev().collect(),
-            used_peak: 0,
+            ids: Ids::new(blocks),
+            block_size,
         })
     }
 
-    fn take(&mut self, pool: &Pool, layer: usize) -> Result<u32> {
-        if self.free.is_empty() {
-            match pool.size {
-                PoolSize::Fixed(blocks) => return Err(StateError::PoolExhausted { layer, blocks }),
-                PoolSize::Growing => self.grow(pool.block_size)?,
+    pub(crate) fn ids(&self) -> &Ids {
+        &self.ids
+    }
+
+    pub(crate) fn bytes(&self) -> usize {
+        tensor_bytes(&self.k) + tensor_bytes(&self.v)
+    }
+
+    fn take(&mut self, size: PoolSize, layer: usize) -> Result<u32> {
+        if let Some(id) = self.ids.take() {
+            return Ok(id);
+        }
+        match size {
+            PoolSize::Fixed(blocks) => Err(StateError::PoolExhausted { what: "KV blocks", layer, total: blocks }),
+            PoolSize::Growing => {
+                self.grow()?;
+                Ok(self.ids.take().expect("grown above"))
             }
         }
-        let id = self.free.pop().expect("grown above");
-        self.refs[id as usize] = 1;
-        self.used_peak = self.used_peak.max(self.refs.len() - self.free.len());
-        Ok(id)
     }
 
-    fn release(&mut self, id: u32) {
-        let refs = &mut self.refs[id as usize];
-        *refs -= 1;
-        if *refs == 0 {
-            self.free.push(id);
-        }
-    }
-
-    /// Doubles the pool (at least 16 blocks), keeping every block's contents and id.
-    fn grow(&mut self, block_size: usize) -> Result<()> {
-        let (old, new) = (self.refs.len(), (2 * self.refs.len()).max(16));
-        let dims = (new * block_size, self.shape.kv_heads, self.shape.head_dim);
+    /// Doubles the pool (at least 16 blocks), keeping every block's contents and id (the scratch
+    /// block moves to the new end; what it holds is nobody's).
+    fn grow(&mut self) -> Result<()> {
+        let (old, new) = (self.ids.len(), grown(self.ids.len()));
+        let dims = ((new + 1) * self.block_size, self.shape.kv_heads, self.shape.head_dim);
         let (k, v) =
             (Tensor::zeros(dims, self.k.dtype(), self.k.device())?, Tensor::zeros(dims, self.v.dtype(), self.v.device())?);
         if old > 0 {
-            k.slice_set(&self.k, 0, 0)?;
-            v.slice_set(&self.v, 0, 0)?;
+            k.slice_set(&self.k.narrow(0, 0, old * self.block_size)?, 0, 0)?;
+            v.slice_set(&self.v.narrow(0, 0, old * self.block_size)?, 0, 0)?;
         }
         (self.k, self.v) = (k, v);
-        self.refs.resize(new, 0);
-        self.free.extend((old as u32..new as u32).rev());
+        self.ids.grow_to(new);
         Ok(())
     }
 
     /// Copies block `from`'s positions into block `to`.
-    fn copy_block(&self, from: u32, to: u32, block_size: usize) -> Result<()> {
+    fn copy_block(&self, from: u32, to: u32) -> Result<()> {
+        let bs = self.block_size;
         for t in [&self.k, &self.v] {
-            let src = t.narrow(0, from as usize * block_size, block_size)?.force_contiguous()?;
-            t.slice_set(&src, 0, to as usize * block_size)?;
+            let src = t.narrow(0, from as usize * bs, bs)?.force_contiguous()?;
+            t.slice_set(&src, 0, to as usize * bs)?;
         }
         Ok(())
     }
@@ -220,18 +95,16 @@ struct BlockTable {
 
 impl Clone for BlockTable {
     fn clone(&self) -> Self {
-        let mut layer = lock(&self.pool.layers[self.layer]);
-        for &id in &self.blocks {
-            layer.refs[id as usize] += 1;
-        }
+        let mut layer = lock(&self.pool.kv[self.layer]);
+        self.blocks.iter().for_each(|&id| layer.ids.share(id));
         Self { pool: self.pool.clone(), layer: self.layer, blocks: self.blocks.clone() }
     }
 }
 
 impl Drop for BlockTable {
     fn drop(&mut self) {
-        let mut layer = lock(&self.pool.layers[self.layer]);
-        self.blocks.drain(..).for_each(|id| layer.release(id));
+        let mut layer = lock(&self.pool.kv[self.layer]);
+        self.blocks.drain(..).for_each(|id| layer.ids.release(id));
     }
 }
 
@@ -241,15 +114,33 @@ struct PagedRow {
     len: usize,
 }
 
-/// The rows of one attention layer's [`KvStore`] held in a pool.
+/// The rows of one attention layer's [`crate::KvStore`] held in a pool.
 #[derive(Clone, Debug)]
 pub(crate) struct PagedRows {
-    pool: Arc<Pool>,
+    pub(crate) pool: Arc<Pool>,
     layer: usize,
     rows: Vec<PagedRow>,
 }
 
+/// What a device kernel needs to read and write a layer's paged rows in place: the pool tensors,
+/// the block size, and per row its blocks and length; `scratch` is a block no row holds.
+#[derive(Clone, Debug)]
+pub struct PagedLayout {
+    pub keys: Tensor,
+    pub values: Tensor,
+    pub block_size: usize,
+    pub tables: Vec<Vec<u32>>,
+    pub lens: Vec<usize>,
+    pub scratch: u32,
+}
+
 impl PagedRows {
+    pub(crate) fn new(pool: Arc<Pool>, layer: usize, rows: usize) -> Self {
+        let mut paged = Self { pool, layer, rows: Vec::with_capacity(rows) };
+        (0..rows).for_each(|_| paged.push_empty());
+        paged
+    }
+
     pub(crate) fn rows(&self) -> usize {
         self.rows.len()
     }
@@ -271,25 +162,62 @@ impl PagedRows {
         self.rows.push(PagedRow { table: BlockTable { pool: self.pool.clone(), layer: self.layer, blocks: Vec::new() }, len: 0 });
     }
 
-    /// Writes `k`, `v` (`[Hkv, T, D]`) after `row`'s positions: takes blocks as needed and
-    /// copies any shared block the write lands in first.
-    pub(crate) fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+    /// Makes `row`'s blocks for positions `len .. len + t` its own: takes blocks past its
+    /// table, and copies a shared block the positions land in first. On an error (the pool is
+    /// full) the row keeps what it held, with at most some unused blocks more.
+    pub(crate) fn reserve(&mut self, row: usize, t: usize) -> Result<()> {
         let bs = self.pool.block_size;
-        let t = k.dim(1)?;
         let r = &mut self.rows[row];
-        let mut layer = lock(&self.pool.layers[self.layer]);
-        let (first, last) = (r.len / bs, (r.len + t).div_ceil(bs));
-        for i in first..last {
+        let mut layer = lock(&self.pool.kv[self.layer]);
+        for i in r.len / bs..(r.len + t).div_ceil(bs) {
             if i == r.table.blocks.len() {
-                let id = layer.take(&self.pool, self.layer)?;
+                let id = layer.take(self.pool.blocks, self.layer)?;
                 r.table.blocks.push(id);
-            } else if layer.refs[r.table.blocks[i] as usize] > 1 {
-                let (shared, id) = (r.table.blocks[i], layer.take(&self.pool, self.layer)?);
-                layer.copy_block(shared, id, bs)?;
-                layer.release(shared);
+            } else if layer.ids.is_shared(r.table.blocks[i]) {
+                let (shared, id) = (r.table.blocks[i], layer.take(self.pool.blocks, self.layer)?);
+                layer.copy_block(shared, id)?;
+                layer.ids.release(shared);
                 r.table.blocks[i] = id;
             }
         }
+        Ok(())
+    }
+
+    /// Room for `t` more positions in every row (see [`PagedRows::reserve`]).
+    pub(crate) fn reserve_rows(&mut self, t: usize) -> Result<()> {
+        (0..self.rows()).try_for_each(|row| self.reserve(row, t))
+    }
+
+    /// Counts `t` more positions in every row, written into its blocks by a device kernel.
+    pub(crate) fn commit_written(&mut self, t: usize) -> Result<()> {
+        let bs = self.pool.block_size;
+        if let Some(r) = self.rows.iter().find(|r| r.len + t > r.table.blocks.len() * bs) {
+            return Err(StateError::PastCapacity { len: r.len, written: t, capacity: r.table.blocks.len() * bs });
+        }
+        self.rows.iter_mut().for_each(|r| r.len += t);
+        Ok(())
+    }
+
+    /// The pool tensors and every row's blocks, for a kernel that writes and reads them in place.
+    pub(crate) fn layout(&self) -> PagedLayout {
+        let layer = lock(&self.pool.kv[self.layer]);
+        PagedLayout {
+            keys: layer.k.clone(),
+            values: layer.v.clone(),
+            block_size: self.pool.block_size,
+            tables: self.rows.iter().map(|r| r.table.blocks.clone()).collect(),
+            lens: self.lens().collect(),
+            scratch: layer.ids.len() as u32,
+        }
+    }
+
+    /// Writes `k`, `v` (`[Hkv, T, D]`) after `row`'s positions.
+    pub(crate) fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<()> {
+        let t = k.dim(1)?;
+        self.reserve(row, t)?;
+        let bs = self.pool.block_size;
+        let r = &mut self.rows[row];
+        let layer = lock(&self.pool.kv[self.layer]);
         let dtype = layer.k.dtype();
         let (k, v) = (k.to_dtype(dtype)?.transpose(0, 1)?.contiguous()?, v.to_dtype(dtype)?.transpose(0, 1)?.contiguous()?);
         let mut done = 0;
@@ -309,7 +237,7 @@ impl PagedRows {
     pub(crate) fn history(&self, row: usize) -> Result<(Tensor, Tensor)> {
         let (bs, r) = (self.pool.block_size, &self.rows[row]);
         let ids: Vec<u32> = (0..r.len).map(|p| r.table.blocks[p / bs] * bs as u32 + (p % bs) as u32).collect();
-        let layer = lock(&self.pool.layers[self.layer]);
+        let layer = lock(&self.pool.kv[self.layer]);
         let ids = Tensor::from_vec(ids, r.len, layer.k.device())?;
         let gather = |t: &Tensor| -> Result<Tensor> { Ok(t.index_select(&ids, 0)?.transpose(0, 1)?.contiguous()?) };
         Ok((gather(&layer.k)?, gather(&layer.v)?))
@@ -321,8 +249,8 @@ impl PagedRows {
         if len > r.len {
             return Err(StateError::Untrimmable { kind: "attention KV", from: r.len, to: len });
         }
-        let mut layer = lock(&self.pool.layers[self.layer]);
-        r.table.blocks.drain(len.div_ceil(self.pool.block_size)..).for_each(|id| layer.release(id));
+        let mut layer = lock(&self.pool.kv[self.layer]);
+        r.table.blocks.drain(len.div_ceil(self.pool.block_size)..).for_each(|id| layer.ids.release(id));
         r.len = len;
         Ok(())
     }
@@ -340,12 +268,18 @@ impl PagedRows {
     pub(crate) fn filter(&mut self, keep: &[usize]) {
         self.rows = keep.iter().map(|&r| self.rows[r].clone()).collect();
     }
+
+    /// Row `row` alone, sharing its blocks.
+    pub(crate) fn row(&self, row: usize) -> PagedRows {
+        PagedRows { pool: self.pool.clone(), layer: self.layer, rows: vec![self.rows[row].clone()] }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{KvStore, RecurrentShape};
+    use crate::spec::{LayerSpec, StateSpec};
+    use crate::{BatchState, KvStore, LayerState, PoolStats, RecurrentShape, StatePool};
 
     const HEADS: usize = 2;
     const DIM: usize = 3;
@@ -382,7 +316,8 @@ mod tests {
     #[test]
     fn paged_rows_hold_what_contiguous_rows_hold() {
         for block_size in [1, 16, 64] {
-            let pool = KvPool::new(&spec(), block_size, PoolSize::Fixed(4096 / block_size), &Device::Cpu).unwrap();
+            let pool =
+                StatePool::new(&spec(), block_size, PoolSize::Fixed(4096 / block_size), PoolSize::Growing, &Device::Cpu).unwrap();
             let mut paged = pool.new_state(3).unwrap();
             let mut plain = spec().new_state(3, &Device::Cpu).unwrap();
             let mut seed = 0;
@@ -422,7 +357,7 @@ mod tests {
     /// and neither sees the other's writes.
     #[test]
     fn shared_blocks_are_copied_on_write() {
-        let pool = KvPool::new(&spec(), 16, PoolSize::Fixed(8), &Device::Cpu).unwrap();
+        let pool = StatePool::new(&spec(), 16, PoolSize::Fixed(8), PoolSize::Fixed(2), &Device::Cpu).unwrap();
         let mut a = pool.new_state(1).unwrap();
         attention(&mut a, 0).append(0, &values(20, 1), &values(20, 2)).unwrap();
         let mut b = a.clone();
@@ -431,7 +366,15 @@ mod tests {
         attention(&mut b, 0).append(0, &values(1, 3), &values(1, 4)).unwrap();
         assert_eq!(
             pool.stats(),
-            PoolStats { block_size: 16, blocks_total: 8, blocks_used: 3, blocks_used_peak: 3, blocks_shared: 1 }
+            PoolStats {
+                block_size: 16,
+                blocks_total: 8,
+                blocks_used: 3,
+                blocks_used_peak: 3,
+                blocks_shared: 1,
+                slots_total: 2,
+                slots_used: 1
+            }
         );
         let (after, _) = attention(&mut a, 0).history(0).unwrap();
         assert!(same(&before, &after), "the original is untouched by its clone's write");
@@ -441,15 +384,15 @@ mod tests {
 
     #[test]
     fn a_fixed_pool_says_when_it_is_full_and_a_growing_one_grows() {
-        let pool = KvPool::new(&spec(), 4, PoolSize::Fixed(2), &Device::Cpu).unwrap();
+        let pool = StatePool::new(&spec(), 4, PoolSize::Fixed(2), PoolSize::Fixed(1), &Device::Cpu).unwrap();
         let mut state = pool.new_state(1).unwrap();
         attention(&mut state, 0).append(0, &values(8, 1), &values(8, 1)).unwrap();
         let full = attention(&mut state, 0).append(0, &values(1, 2), &values(1, 2));
-        assert!(matches!(full, Err(StateError::PoolExhausted { blocks: 2, .. })), "{full:?}");
+        assert!(matches!(full, Err(StateError::PoolExhausted { total: 2, .. })), "{full:?}");
         let (k, _) = attention(&mut state, 0).history(0).unwrap();
         assert!(same(&k, &values(8, 1)), "a refused write leaves the row as it was");
 
-        let pool = KvPool::new(&spec(), 4, PoolSize::Growing, &Device::Cpu).unwrap();
+        let pool = StatePool::new(&spec(), 4, PoolSize::Growing, PoolSize::Growing, &Device::Cpu).unwrap();
         let mut state = pool.new_state(1).unwrap();
         let (k, _) = attention(&mut state, 0).append(0, &values(100, 1), &values(100, 1)).unwrap();
         assert!(same(&k, &values(100, 1)));

@@ -15,6 +15,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use strata_kernels::attention;
+
 use crate::spec::{StateCost, Storage, WindowShape};
 use crate::{buffer_bytes, Result, StateError};
 
@@ -150,6 +152,14 @@ impl WindowKvStore {
         r.v.slice_set(&v, 1, len - r.start)?;
         r.len = end;
         Ok((r.k.narrow(1, from - r.start, end - from)?, r.v.narrow(1, from - r.start, end - from)?))
+    }
+
+    /// Appends `k`, `v` (`[B, Hkv, T, D]`) to every row and attends `q` (`[B, Hq, T, D]`) over
+    /// each row's window (`scoring` masks each query to it): `[B, Hq, T, D]`. The sliding-window
+    /// twin of [`crate::KvStore::attend`].
+    pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, scoring: attention::Scoring) -> Result<Tensor> {
+        let held = (0..self.rows()).map(|r| self.append(r, &k.get(r)?, &v.get(r)?)).collect::<Result<Vec<_>>>()?;
+        Ok(attention::causal_attention_rows(q, &held, scoring)?)
     }
 
     /// Makes slots for positions up to `end`, growing the buffer, or once it is full moving the

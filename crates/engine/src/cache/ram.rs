@@ -1,7 +1,8 @@
 //! The RAM tier: a byte-capped LRU of snapshots, held where the model runs.
 //!
-//! Entries are immutable once inserted; a restore hands out a deep copy, so a running sequence
-//! that writes into its state in place can never change what the cache holds.
+//! Entries are immutable once inserted; a restore hands out a state that shares only what is
+//! copied on write (a pool's KV blocks, see [`BatchState::share`]) and copies the rest, so a
+//! running sequence that writes into its state can never change what the cache holds.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -51,14 +52,15 @@ impl RamCache {
             .map(|(i, s, _)| (i, s))
     }
 
-    /// A copy of the best entry's state cut to its score's length (only trimmable entries are
-    /// ever scored below their length), and bumps the entry in the LRU order.
+    /// The best entry's state (shared as [`BatchState::share`] shares it) cut to its score's
+    /// length (only trimmable entries are ever scored below their length), and bumps the entry
+    /// in the LRU order.
     pub fn restore(&mut self, ns: u64, score: impl Fn(&[u32], bool) -> usize) -> strata_state::Result<Option<Restored>> {
         let Some((i, tokens)) = self.pick(ns, &score) else { return Ok(None) };
         self.clock += 1;
         let entry = &mut self.entries[i];
         entry.last_used = self.clock;
-        let mut state = entry.snap.state.extract(0)?;
+        let mut state = entry.snap.state.share(0)?;
         if tokens < entry.snap.tokens.len() {
             state.trim(0, tokens)?;
         }
@@ -73,16 +75,23 @@ impl RamCache {
             return;
         }
         self.remove_where(|e| e.snap.namespace == snap.namespace && supersedes(&snap, &e.snap.tokens, e.snap.resume.is_some()));
-        while self.bytes + bytes > self.max_bytes {
-            let Some(oldest) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i) else { break };
-            let e = self.entries.swap_remove(oldest);
-            self.bytes -= e.bytes;
-            self.stats.ram_evictions.fetch_add(1, Ordering::Relaxed);
-        }
+        while self.bytes + bytes > self.max_bytes && self.evict_oldest() {}
         self.clock += 1;
         self.entries.push(Entry { snap, bytes, last_used: self.clock });
         self.bytes += bytes;
         self.publish_stats();
+    }
+
+    /// Drops the least recently used entry; false when there is none.
+    pub fn evict_oldest(&mut self) -> bool {
+        let Some(oldest) = self.entries.iter().enumerate().min_by_key(|(_, e)| e.last_used).map(|(i, _)| i) else {
+            return false;
+        };
+        let e = self.entries.swap_remove(oldest);
+        self.bytes -= e.bytes;
+        self.stats.ram_evictions.fetch_add(1, Ordering::Relaxed);
+        self.publish_stats();
+        true
     }
 
     pub fn clear(&mut self) -> usize {

@@ -2,7 +2,7 @@
 //! q/k RMSNorm (Qwen3), full RoPE, GQA over each row's own KV history, `o_proj`.
 
 use candle_core::{DType, Tensor};
-use strata_kernels::attention::{causal_attention, rope, Scoring};
+use strata_kernels::attention::{rope, Scoring};
 use strata_state::KvStore;
 
 use super::config::DenseConfig;
@@ -53,13 +53,8 @@ impl Attention {
         }
         let q = rope(&q.transpose(1, 2)?, &rope_tables.0, &rope_tables.1)?;
         let k = rope(&k.transpose(1, 2)?, &rope_tables.0, &rope_tables.1)?;
-        let scale = 1.0 / (d as f64).sqrt();
-        let mut rows = Vec::with_capacity(b);
-        for row in 0..b {
-            let (keys, values) = kv.append(row, &k.get(row)?, &v.get(row)?)?;
-            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, Scoring::scaled(scale))?);
-        }
-        let out = Tensor::stack(&rows, 0)?.transpose(1, 2)?.reshape((b, t, h * d))?;
+        let scoring = Scoring::scaled(1.0 / (d as f64).sqrt());
+        let out = kv.attend(&q, &k, &v, scoring, None)?.transpose(1, 2)?.reshape((b, t, h * d))?;
         self.o_proj.forward(&out)
     }
 }

@@ -7,7 +7,7 @@
 pub mod config;
 
 use candle_core::{DType, Device, Tensor};
-use strata_kernels::attention::{causal_attention, Scoring};
+use strata_kernels::attention::Scoring;
 use strata_state::{BatchState, KvShape, LayerSpec, LayerState, StateSpec, WindowShape};
 
 use crate::error::{ModelError, Result};
@@ -166,12 +166,12 @@ impl Gemma3 {
                 let LayerState::Window(kv) = layer_state else {
                     return Err(ModelError::Invalid(format!("a sliding-window layer got {} state", layer_state.kind())));
                 };
-                self.attention(layer, &h, &local_rope, |row, k, v| kv.append(row, k, v))?
+                self.attention(layer, &h, &local_rope, |q, k, v, scoring| kv.attend(q, k, v, scoring))?
             } else {
                 let LayerState::Attention(kv) = layer_state else {
                     return Err(ModelError::Invalid(format!("a global attention layer got {} state", layer_state.kind())));
                 };
-                self.attention(layer, &h, &global_rope, |row, k, v| kv.append(row, k, v))?
+                self.attention(layer, &h, &global_rope, |q, k, v, scoring| kv.attend(q, k, v, scoring, None))?
             };
             let (sum, h) = layer.pre_mlp_norm.forward_residual(&x, &layer.post_attn_norm.forward(&h)?)?;
             let h = layer.mlp.forward(&h)?;
@@ -191,14 +191,14 @@ impl Gemma3 {
         })
     }
 
-    /// Attention of one layer; `append` stores a row's new keys and values and hands back the
-    /// keys and values its queries read (the whole history, or the window's).
+    /// Attention of one layer; `attend` stores the rows' new keys and values and attends the
+    /// queries over what each row holds (the whole history, or the window's), `[B, H, T, D]`.
     fn attention(
         &self,
         layer: &DecoderLayer,
         x: &Tensor,
         rope: &(Tensor, Tensor),
-        mut append: impl FnMut(usize, &Tensor, &Tensor) -> strata_state::Result<(Tensor, Tensor)>,
+        attend: impl FnOnce(&Tensor, &Tensor, &Tensor, Scoring) -> strata_state::Result<Tensor>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let (h, kv, d) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
@@ -211,12 +211,7 @@ impl Gemma3 {
             scale: 1.0 / self.cfg.query_pre_attn_scalar.sqrt(),
             window: layer.sliding.then_some(self.cfg.sliding_window),
         };
-        let mut rows = Vec::with_capacity(b);
-        for row in 0..b {
-            let (keys, values) = append(row, &k.get(row)?, &v.get(row)?)?;
-            rows.push(causal_attention(&q.get(row)?.contiguous()?, &keys, &values, scoring)?);
-        }
-        let out = Tensor::stack(&rows, 0)?.transpose(1, 2)?.reshape((b, t, h * d))?;
+        let out = attend(&q, &k, &v, scoring)?.transpose(1, 2)?.reshape((b, t, h * d))?;
         a.o_proj.forward(&out)
     }
 }

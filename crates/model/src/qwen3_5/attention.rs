@@ -2,7 +2,7 @@
 //! each row's KV history, output times `sigmoid(gate)`.
 
 use candle_core::{DType, Tensor};
-use strata_kernels::attention::{gated_attention_rows, Scoring};
+use strata_kernels::attention::Scoring;
 use strata_state::KvStore;
 
 use super::layers::{Linear, Projections, RmsNorm};
@@ -45,17 +45,16 @@ impl Attention {
     /// `x` `[B, T, hidden]`; `rope` holds the per-row cos/sin tables for these positions.
     pub fn forward(&self, x: &Tensor, kv: &mut KvStore, rope: &(Tensor, Tensor)) -> Result<Tensor> {
         let Heads { q, k, v, gate } = self.heads(x, rope)?;
-        let history = kv.append_rows(&k, &v)?;
-        Ok(self.o_proj.forward(&gated_attention_rows(&q, &history, self.scoring(), &gate)?)?)
+        Ok(self.o_proj.forward(&kv.attend(&q, &k, &v, self.scoring(), Some(&gate))?)?)
     }
 
     /// [`Attention::forward`] of one recorded decode step: the KV append and the attention go
-    /// through `rows`' device tables, each row's length after the step read from `lens`.
+    /// through `rows`' block tables, each row's length after the step read from `lens`.
     #[cfg(feature = "cuda")]
     pub fn forward_captured(
         &self,
         x: &Tensor,
-        rows: &strata_kernels::attention::DecodeRows,
+        rows: &strata_kernels::attention::PagedDecodeRows,
         lens: &Tensor,
         rope: &(Tensor, Tensor),
     ) -> Result<Tensor> {

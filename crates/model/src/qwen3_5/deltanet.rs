@@ -69,27 +69,30 @@ impl GatedDeltaNet {
     pub fn forward(&self, x: &Tensor, state: &mut RecurrentState) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let [qkv, z, beta_logits, a] = self.in_proj.forward(x)?;
-        let (o, conv, ssm) = self.recurrence(&qkv, &a, &beta_logits, &state.conv, &state.ssm)?;
+        let (conv, ssm) = state.tensors()?;
+        let (o, conv, ssm) = self.recurrence(&qkv, &a, &beta_logits, &conv, &ssm)?;
         if let Some(round) = &mut state.round {
             round.inputs.push(vec![qkv, a, beta_logits]);
         }
-        state.conv = conv;
-        state.ssm = ssm;
+        state.set(conv, ssm)?;
         self.output(&o, &z, (b, t))
     }
 
-    /// [`GatedDeltaNet::forward`] of one recorded decode step: the new conv window and
-    /// recurrent state are written over the old ones, which the step must hold alone.
+    /// [`GatedDeltaNet::forward`] of one recorded decode step over a state pool's slots: the
+    /// new conv windows and recurrent states are written over the old ones in `conv` `[S, K-1,
+    /// C]` and `ssm` `[S, Hv, Dv, Dk]`, row `b` at slot `slots[b]` (`[B]` i32, device), which
+    /// the step must hold alone.
     #[cfg(feature = "cuda")]
-    pub fn forward_in_place(&self, x: &Tensor, state: &RecurrentState) -> Result<Tensor> {
+    pub fn forward_in_place(&self, x: &Tensor, conv: &Tensor, ssm: &Tensor, slots: &Tensor) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let [qkv, z, beta_logits, a] = self.in_proj.forward(x)?;
-        let mixed = strata_kernels::conv1d::causal_conv1d_silu_step_in_place(&qkv, &state.conv, &self.conv_weight)?;
+        let mixed = strata_kernels::conv1d::causal_conv1d_silu_step_in_place(&qkv, conv, &self.conv_weight, Some(slots))?;
         let [q, k, v] = self.split_heads(&mixed)?;
         let o = gated_delta::gated_delta_rule_in_place(
             &gated_delta::Inputs { q: &q, k: &k, v: &v, a: &a, b: &beta_logits },
             &self.gating(),
-            &state.ssm,
+            ssm,
+            Some(slots),
         )?;
         self.output(&o, &z, (b, t))
     }
@@ -139,9 +142,12 @@ impl GatedDeltaNet {
         Ok((o, conv, ssm))
     }
 
-    /// Opens a speculative round: remembers the state and starts recording.
-    pub fn open_round(state: &mut RecurrentState) {
-        state.round = Some(RecurrentRound { conv: state.conv.clone(), ssm: state.ssm.clone(), inputs: Vec::new() });
+    /// Opens a speculative round: remembers the state (references to the rows' own tensors,
+    /// or copies out of their slots) and starts recording.
+    pub fn open_round(state: &mut RecurrentState) -> Result<()> {
+        let (conv, ssm) = state.tensors()?;
+        state.round = Some(RecurrentRound { conv, ssm, inputs: Vec::new() });
+        Ok(())
     }
 
     /// Closes the round keeping the first `keep[r]` of the `fed[r]` positions row `r` was fed:
@@ -154,10 +160,11 @@ impl GatedDeltaNet {
         }
         let recorded = |i: usize| Tensor::cat(&round.inputs.iter().map(|step| &step[i]).collect::<Vec<_>>(), 1);
         let (qkv, a, beta_logits) = (recorded(0)?, recorded(1)?, recorded(2)?);
+        let (now_conv, now_ssm) = state.tensors()?;
         let (mut convs, mut ssms) = (Vec::with_capacity(fed.len()), Vec::with_capacity(fed.len()));
         for (r, (&kept, &fed)) in keep.iter().zip(fed).enumerate() {
             let (conv, ssm) = if kept == fed {
-                (state.conv.narrow(0, r, 1)?, state.ssm.narrow(0, r, 1)?)
+                (now_conv.narrow(0, r, 1)?, now_ssm.narrow(0, r, 1)?)
             } else if kept == 0 {
                 (round.conv.narrow(0, r, 1)?, round.ssm.narrow(0, r, 1)?)
             } else {
@@ -174,8 +181,7 @@ impl GatedDeltaNet {
             convs.push(conv);
             ssms.push(ssm);
         }
-        state.conv = Tensor::cat(&convs, 0)?;
-        state.ssm = Tensor::cat(&ssms, 0)?;
+        state.set(Tensor::cat(&convs, 0)?, Tensor::cat(&ssms, 0)?)?;
         Ok(())
     }
 }

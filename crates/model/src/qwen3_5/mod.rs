@@ -211,13 +211,13 @@ impl Qwen35 {
     /// Opens a speculative round on `state`: forwards until [`Qwen35::close_round`] can be
     /// taken back, per row. Opening is cheap: the round keeps references (state tensors are only
     /// written in place by a recorded CUDA decode step, which does not run while a round is open).
-    pub fn open_round(&self, state: &mut BatchState) -> Round {
+    pub fn open_round(&self, state: &mut BatchState) -> Result<Round> {
         for layer in &mut state.layers {
             if let LayerState::Recurrent(s) = layer {
-                GatedDeltaNet::open_round(s);
+                GatedDeltaNet::open_round(s)?;
             }
         }
-        Round { start: state.positions.clone() }
+        Ok(Round { start: state.positions.clone() })
     }
 
     /// Closes `round`, keeping the first `keep[r]` positions row `r` was fed since it opened

@@ -44,6 +44,22 @@ pub fn state_configured(
     engine: EngineConfig,
     template: Option<&str>,
 ) -> AppState {
+    build(name, max_context, api_key, engine, template, CacheConfig::for_device(&Device::Cpu))
+}
+
+/// Without a prompt cache: every request computes its whole prompt.
+pub fn state_uncached(name: &str, max_context: usize, engine: EngineConfig) -> AppState {
+    build(name, max_context, None, engine, None, CacheConfig::off())
+}
+
+fn build(
+    name: &str,
+    max_context: usize,
+    api_key: Option<&str>,
+    engine: EngineConfig,
+    template: Option<&str>,
+    cache: CacheConfig,
+) -> AppState {
     let mut folder = ModelFolder::open(&fixture(name)).unwrap();
     if let Some(source) = template {
         folder.chat_template = Some(strata_model::ChatTemplate::new(source).unwrap());
@@ -60,7 +76,7 @@ pub fn state_configured(
             special_tokens_in_content: false,
             http: HttpLimits::default(),
         },
-        worker: Worker::spawn(model, engine, CacheConfig::for_device(&Device::Cpu), None).unwrap(),
+        worker: Worker::spawn(model, engine, cache, None).unwrap(),
         vocab_size: folder.config.vocab_size,
         tokenizer: folder.tokenizer,
         template: folder.chat_template,
