@@ -99,6 +99,10 @@ struct Measured {
     /// Decode steps recorded as CUDA graphs and replayed from one during the run.
     graph_recordings: usize,
     graph_replays: usize,
+    /// Mean wall time of a decode step over the run, and of its forward (to the logits on the
+    /// host): the difference is the scheduler's own work between forwards.
+    decode_step_ms: f64,
+    decode_forward_ms: f64,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -115,6 +119,11 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     let drafted_before = stats.drafted_tokens.load(Ordering::Relaxed);
     let accepted_before = stats.accepted_tokens.load(Ordering::Relaxed);
     let graphs_before = (stats.graph_recordings.load(Ordering::Relaxed), stats.graph_replays.load(Ordering::Relaxed));
+    let steps_before = (
+        stats.decode_steps.load(Ordering::Relaxed),
+        stats.decode_ns.load(Ordering::Relaxed),
+        stats.decode_forward_ns.load(Ordering::Relaxed),
+    );
     let start = Instant::now();
     for i in 0..concurrency {
         // Distinct fixed pseudo-random prompts: the same workload on every run.
@@ -166,6 +175,8 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
         (times.iter().map(|t| t.len() - 1).sum(), last - first)
     };
     let window = window.max(Duration::from_nanos(1)).as_secs_f64();
+    let steps = (stats.decode_steps.load(Ordering::Relaxed) - steps_before.0).max(1);
+    let per_step = |ns: u64| ns as f64 / steps as f64 / 1e6;
     Ok(Measured {
         prefill_tok_s: (a.prompt_len * concurrency) as f64 / (all_first - start).as_secs_f64().max(1e-9),
         aggregate_decode_tok_s: decode_tokens as f64 / window,
@@ -178,6 +189,8 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
         },
         graph_recordings: stats.graph_recordings.load(Ordering::Relaxed) - graphs_before.0,
         graph_replays: stats.graph_replays.load(Ordering::Relaxed) - graphs_before.1,
+        decode_step_ms: per_step(stats.decode_ns.load(Ordering::Relaxed) - steps_before.1),
+        decode_forward_ms: per_step(stats.decode_forward_ns.load(Ordering::Relaxed) - steps_before.2),
     })
 }
 
@@ -281,6 +294,7 @@ pub fn run(mut a: Args) -> Result<()> {
                         "cuda_graphs": !a.no_cuda_graphs && device.is_cuda(),
                         "gen_len_min": a.gen_len_min.unwrap_or(a.gen_len),
                         "cuda_graph_recordings": m.graph_recordings, "cuda_graph_replays": m.graph_replays,
+                        "decode_step_ms": m.decode_step_ms, "decode_forward_ms": m.decode_forward_ms,
                         "max_num_seqs": worker.config().max_batch, "pool": worker.pool_stats(),
                     })
                 );

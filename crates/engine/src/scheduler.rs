@@ -459,6 +459,17 @@ impl<'a> Engine<'a> {
     /// the same forward (`[last, d1..dk]`), each position is verified in order, and the state
     /// keeps exactly the positions whose tokens stand.
     fn decode(&mut self) -> strata_model::Result<()> {
+        if self.batch.is_none() {
+            return Ok(());
+        }
+        let started = Instant::now();
+        let result = self.decode_step();
+        self.stats.decode_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        result
+    }
+
+    /// [`Self::decode`]'s work, which it times.
+    fn decode_step(&mut self) -> strata_model::Result<()> {
         let Some(batch) = self.batch.as_mut() else { return Ok(()) };
         let drafts = match &mut self.drafter {
             Some(drafter) => {
@@ -493,8 +504,10 @@ impl<'a> Engine<'a> {
         let round = if width > 1 { Some(self.model.open_round(batch)?) } else { None };
         let which = if width > 1 { Logits::All } else { Logits::Last };
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
+        let forward_started = Instant::now();
         let (logits, hidden) = forward(&self.model, &Tensor::new(input, self.model.device())?, batch, which, hidden)?;
         let logits = Scores::of_step(&logits, &self.rows)?;
+        self.stats.decode_forward_ns.fetch_add(forward_started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
         let mut kept = Vec::with_capacity(self.rows.len());
         let mut keep = Vec::with_capacity(self.rows.len());

@@ -309,6 +309,10 @@ pub struct WorkerStats {
     /// Decode steps recorded as CUDA graphs, and replayed from one.
     pub graph_recordings: AtomicUsize,
     pub graph_replays: AtomicUsize,
+    /// Time spent in decode steps, and the part of it in the target's forward (to its logits
+    /// on the host): the rest is the scheduler's own work (drafting, sampling, bookkeeping).
+    pub decode_ns: AtomicU64,
+    pub decode_forward_ns: AtomicU64,
 }
 
 /// The cache parts shared by the handle, the prefetch thread and the engine thread.
