@@ -13,6 +13,9 @@ use crate::cache::{folder_identity, CacheArgs};
 use crate::common::{parse_device, DTypeArg};
 use crate::draft::DraftArgs;
 
+/// `--kv-cache-memory` on the CPU when neither it nor `--state-budget-bytes` is given.
+const DEFAULT_CPU_KV_CACHE_BYTES: usize = 8 << 30;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -52,11 +55,18 @@ pub struct Args {
     /// Most requests decoded together (vLLM's name; default: 16 on CPU, 256 on GPU).
     #[arg(long, visible_alias = "max-batch")]
     max_num_seqs: Option<usize>,
-    /// Bytes of KV + recurrent state the running requests may hold (default on CPU: 8 GiB; on
-    /// GPU, --gpu-memory-utilization decides instead). A request is admitted only when its whole
-    /// prompt + max_tokens fits. The state pool is allocated at start to hold this much.
-    #[arg(long, visible_alias = "state-budget-bytes")]
+    /// Bytes of the state pool: the attention KV blocks and the running requests' recurrent
+    /// state (default on CPU: 8 GiB; on GPU, --gpu-memory-utilization sizes it instead). Allocated
+    /// at start. Requests are admitted while free blocks hold their prompt; when the running
+    /// ones outgrow the pool, the youngest are preempted and resume later where they stopped.
+    #[arg(long)]
     kv_cache_memory: Option<usize>,
+    /// Admit a request only while every running request's state at its full length (prompt +
+    /// max_tokens) fits in these bytes, and size the pool for that worst case (unless
+    /// --kv-cache-memory or --gpu-memory-utilization is given): nothing is ever preempted, at
+    /// the cost of fewer requests at once. Default: no cap.
+    #[arg(long)]
+    state_budget_bytes: Option<usize>,
     /// GPU only: the share of the GPU's memory for the weights, the activations and the state
     /// pool, which gets what the other two leave (vLLM's meaning; default 0.9).
     #[arg(long, conflicts_with = "kv_cache_memory", value_parser = share)]
@@ -154,7 +164,12 @@ pub fn run(a: Args) -> Result<()> {
     let engine = EngineConfig {
         max_batch: a.max_num_seqs.unwrap_or(defaults.max_batch).max(1),
         prefill_chunk: a.prefill_chunk.unwrap_or(defaults.prefill_chunk).max(1),
-        state_budget_bytes: a.kv_cache_memory.unwrap_or(defaults.state_budget_bytes),
+        state_budget_bytes: a.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
+        // The CPU's pool has a size of its own unless a budget cap sizes it; a GPU's comes from
+        // its memory.
+        kv_cache_bytes: a
+            .kv_cache_memory
+            .or((device.is_cpu() && a.state_budget_bytes.is_none()).then_some(DEFAULT_CPU_KV_CACHE_BYTES)),
         kv_block_size: a.kv_block_size.into(),
         gpu_memory_utilization: match a.kv_cache_memory {
             Some(_) => None,
@@ -185,7 +200,7 @@ pub fn run(a: Args) -> Result<()> {
         rows = pool.slots_total,
         max_num_seqs = engine.max_batch,
         pool_bytes = worker.pool_bytes(),
-        state_budget_bytes = worker.config().state_budget_bytes,
+        state_budget_bytes = (engine.state_budget_bytes != usize::MAX).then_some(engine.state_budget_bytes),
         "state pool allocated"
     );
     if let Some(r) = worker.recovery() {

@@ -1,11 +1,18 @@
 //! The engine thread: continuous batching over one model, with the prompt cache.
 //!
-//! Each step it admits waiting jobs (first come, first admitted, while the batch has room and
-//! the state budget covers the job's whole prompt + output), feeds one prefill chunk of the
-//! oldest joiner, then runs one batched decode forward for every running row — each row at its
-//! own position — and samples each row with its own parameters. A long prompt therefore holds
-//! the running streams up for at most one chunk per step. A finished row (end token, length, or
-//! a requester that went away) leaves the batch without disturbing the others.
+//! Each step it admits waiting jobs (first come, first admitted, while the batch has room, the
+//! pool has free KV blocks for the prompt, and a `--state-budget-bytes` cap, where set, covers
+//! the job's whole prompt + output), feeds one prefill chunk of the oldest joiner, then runs
+//! one batched decode forward for every running row — each row at its own position — and
+//! samples each row with its own parameters. A long prompt therefore holds the running streams
+//! up for at most one chunk per step. A finished row (end token, length, or a requester that
+//! went away) leaves the batch without disturbing the others.
+//!
+//! When the pool runs short of blocks for a decode step, the prompt cache gives up entries
+//! first, then the prefilling job starts over, then the youngest running rows are preempted:
+//! their state is copied to host memory and their blocks freed. Preempted rows come back, the
+//! oldest first and before any new job, once their blocks are free again, and go on exactly
+//! where they stopped (the copy is bit for bit; the sampler travels with the row).
 //!
 //! The cache: a joiner starts from the longest usable stored prefix (RAM, or SSD read by the
 //! prefetch thread for the job admitted next, once it fits the budget). Prefill chunks end at
@@ -19,7 +26,7 @@ use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use candle_core::Tensor;
+use candle_core::{Device, Tensor};
 use strata_model::{Logits, Model};
 use strata_state::{BatchState, StateCost, StatePool};
 
@@ -83,6 +90,14 @@ impl Scores {
     }
 }
 
+/// A running row taken out of the batch when the pool ran short of KV blocks: its state as
+/// host tensors named as [`BatchState::parts`] names them, at `position`.
+struct Preempted {
+    row: Row,
+    parts: Vec<(String, Tensor)>,
+    position: usize,
+}
+
 /// The job being prefilled, in its own single-row state until it joins the batch.
 struct Joiner {
     job: Job,
@@ -105,6 +120,8 @@ pub(crate) struct Engine<'a> {
     /// State of the running rows, in `rows` order.
     batch: Option<BatchState>,
     rows: Vec<Row>,
+    /// Rows waiting to resume, the first to resume first.
+    preempted: VecDeque<Preempted>,
     drafter: Option<Drafter>,
     /// Reads SSD state for the job at the front of `waiting` (with an SSD tier).
     prefetch: Option<Prefetcher>,
@@ -129,8 +146,8 @@ impl<'a> Engine<'a> {
         prefetch: Option<Prefetcher>,
         pool: StatePool,
     ) -> Self {
-        let (waiting, joiner, batch, rows) = (VecDeque::new(), None, None, Vec::new());
-        Self { model, config, cost, stats, cache, waiting, joiner, batch, rows, drafter, prefetch, pool }
+        let (waiting, joiner, batch, rows, preempted) = (VecDeque::new(), None, None, Vec::new(), VecDeque::new());
+        Self { model, config, cost, stats, cache, waiting, joiner, batch, rows, preempted, drafter, prefetch, pool }
     }
 
     /// Fresh state for `rows` sequences, in the pool.
@@ -147,7 +164,7 @@ impl<'a> Engine<'a> {
 
     pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
         loop {
-            let idle = self.rows.is_empty() && self.joiner.is_none();
+            let idle = self.rows.is_empty() && self.joiner.is_none() && self.preempted.is_empty();
             if idle && self.waiting.is_empty() {
                 match queue.recv() {
                     Ok(job) => self.waiting.push_back(job),
@@ -167,7 +184,8 @@ impl<'a> Engine<'a> {
     }
 
     fn reserved(&self) -> usize {
-        self.rows.iter().map(|r| r.reserved).sum::<usize>() + self.joiner.as_ref().map_or(0, |j| j.reserved)
+        let rows = self.rows.iter().chain(self.preempted.iter().map(|p| &p.row));
+        rows.map(|r| r.reserved).sum::<usize>() + self.joiner.as_ref().map_or(0, |j| j.reserved)
     }
 
     /// Admission, one prefill chunk, one decode step.
@@ -175,7 +193,8 @@ impl<'a> Engine<'a> {
         self.admit()?;
         self.prefill_chunk()?;
         self.decode()?;
-        self.stats.active.store(self.rows.len() + self.joiner.is_some() as usize, Ordering::Relaxed);
+        let active = self.rows.len() + self.preempted.len() + self.joiner.is_some() as usize;
+        self.stats.active.store(active, Ordering::Relaxed);
         self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
         let (recordings, replays) = self.model.decode_graph_counts();
         self.stats.graph_recordings.store(recordings, Ordering::Relaxed);
@@ -189,6 +208,10 @@ impl<'a> Engine<'a> {
     /// full or another job prefills, so that it overlaps their work; the restored state then
     /// waits within the budget, and no other job's does.
     fn admit(&mut self) -> strata_model::Result<()> {
+        self.resume_preempted()?;
+        if !self.preempted.is_empty() {
+            return Ok(());
+        }
         loop {
             let Some(queued) = self.waiting.front() else { return Ok(()) };
             let job = &queued.job;
@@ -201,11 +224,15 @@ impl<'a> Engine<'a> {
                 self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
                 continue;
             }
-            let need = self.cost.bytes(job.prompt.len() + job.opts.max_tokens).expect("submit() checked the job's state size");
+            let prompt_len = job.prompt.len();
+            let need = self.cost.bytes(prompt_len + job.opts.max_tokens).expect("submit() checked the job's state size");
             if self.reserved().checked_add(need).is_none_or(|total| total > self.config.state_budget_bytes) {
                 return Ok(());
             }
             if !self.poll_fetch(false) || self.joiner.is_some() || self.rows.len() >= self.config.max_batch {
+                return Ok(());
+            }
+            if !self.has_room(prompt_len) {
                 return Ok(());
             }
             let Some(Queued { job, fetch: Fetch::Ready(restored) }) = self.waiting.pop_front() else {
@@ -232,6 +259,83 @@ impl<'a> Engine<'a> {
                 }
             }
         }
+    }
+
+    /// Whether the pool's free blocks — after the prompt cache gives up what it must — hold
+    /// `tokens` positions of one more row besides a block for each running row's next step.
+    fn has_room(&self, tokens: usize) -> bool {
+        let need = tokens.div_ceil(self.pool.block_size()) + 1 + self.rows.len();
+        make_room(&self.pool, self.cache, need);
+        self.pool.blocks_free().is_none_or(|free| free >= need)
+    }
+
+    /// Brings preempted rows back into the batch, the first preempted first, while it and the
+    /// pool have room for them.
+    fn resume_preempted(&mut self) -> strata_model::Result<()> {
+        while let Some(front) = self.preempted.front() {
+            if front.row.job.sink.is_closed() {
+                let gone = self.preempted.pop_front().expect("checked above");
+                self.finish(gone.row, FinishReason::Cancelled);
+                continue;
+            }
+            let batch_full = self.rows.len() + self.joiner.is_some() as usize >= self.config.max_batch;
+            if batch_full || !self.has_room(front.position) {
+                return Ok(());
+            }
+            let Preempted { row, parts, position } = self.preempted.pop_front().expect("checked above");
+            let device = self.model.device().clone();
+            let state = BatchState::from_parts(&self.new_state(0)?, position, |name| {
+                let (_, part) = parts.iter().find(|(n, _)| n == name).expect("parts() named every part from_parts asks for");
+                Ok(part.to_device(&device)?)
+            })?;
+            // The draft model reads the context again, as after a checkpoint's resume.
+            self.join_batch(row, state, JoinerDraft::default())?;
+        }
+        Ok(())
+    }
+
+    /// Frees pool blocks for a decode step of `width` positions per row: the prompt cache gives
+    /// up entries first, then the prefilling job starts over (its prompt is fed again later),
+    /// then the youngest rows are preempted, until the step fits. One row always fits alone:
+    /// admission checked that its longest state fits the pool.
+    fn room_for_step(&mut self, width: usize) -> strata_model::Result<()> {
+        loop {
+            let Some(batch) = &self.batch else { return Ok(()) };
+            let need = batch.blocks_to_grow(width);
+            make_room(&self.pool, self.cache, need);
+            if self.pool.blocks_free().is_none_or(|free| free >= need) {
+                return Ok(());
+            }
+            if let Some(mut joiner) = self.joiner.take_if(|j| j.fed > 0) {
+                joiner.state.filter(&[])?; // its blocks and slot back to the pool first
+                (joiner.state, joiner.fed, joiner.draft) = (self.new_state(1)?, 0, JoinerDraft::default());
+                self.joiner = Some(joiner);
+                continue;
+            }
+            if self.rows.len() == 1 {
+                return Ok(());
+            }
+            self.preempt(self.rows.len() - 1)?;
+        }
+    }
+
+    /// Takes running row `i` out of the batch: its state to host memory, its blocks and slot
+    /// back to the pool.
+    fn preempt(&mut self, i: usize) -> strata_model::Result<()> {
+        let batch = self.batch.as_mut().expect("a row runs");
+        let position = batch.positions[i];
+        let parts = batch.extract(i)?.parts()?;
+        let parts =
+            parts.into_iter().map(|(name, t)| Ok((name, t.to_device(&Device::Cpu)?))).collect::<strata_model::Result<_>>()?;
+        let keep: Vec<usize> = (0..self.rows.len()).filter(|&r| r != i).collect();
+        batch.filter(&keep)?;
+        if let Some(drafter) = &mut self.drafter {
+            drafter.filter(&keep)?;
+        }
+        let row = self.rows.remove(i);
+        self.preempted.push_front(Preempted { row, parts, position });
+        self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Moves the front job's SSD read along: asks for it, or takes its answer (waiting for it
@@ -406,8 +510,13 @@ impl<'a> Engine<'a> {
         if stride > 0 {
             end = end.min((fed / stride + 1) * stride);
         }
-        let bs = self.pool.block_size();
-        make_room(&self.pool, cache, (end - joiner.fed).div_ceil(bs) + 1);
+        // The running rows come first: a block each stays free for their next step, and the
+        // chunk waits while that would not leave it room.
+        let need = joiner.state.blocks_to_grow(end - joiner.fed) + self.rows.len();
+        make_room(&self.pool, cache, need);
+        if !self.rows.is_empty() && self.pool.blocks_free().is_some_and(|free| free < need) {
+            return Ok(());
+        }
         let input = Tensor::new(&prompt[joiner.fed..end], self.model.device())?.unsqueeze(0)?;
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
         let (logits, hidden) = forward(&self.model, &input, &mut joiner.state, Logits::Last, hidden)?;
@@ -470,6 +579,7 @@ impl<'a> Engine<'a> {
 
     /// [`Self::decode`]'s work, which it times.
     fn decode_step(&mut self) -> strata_model::Result<()> {
+        self.room_for_step(1 + self.drafter.as_ref().map_or(0, |d| d.tokens))?;
         let Some(batch) = self.batch.as_mut() else { return Ok(()) };
         let drafts = match &mut self.drafter {
             Some(drafter) => {
@@ -500,7 +610,6 @@ impl<'a> Engine<'a> {
                 fed
             })
             .collect();
-        make_room(&self.pool, self.cache, self.rows.len() * (width.div_ceil(self.pool.block_size()) + 1));
         let round = if width > 1 { Some(self.model.open_round(batch)?) } else { None };
         let which = if width > 1 { Logits::All } else { Logits::Last };
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);

@@ -131,12 +131,16 @@ pub struct EngineConfig {
     pub max_batch: usize,
     /// Prompt tokens per prefill forward.
     pub prefill_chunk: usize,
-    /// Bytes of sequence state (KV + recurrent) the running batch may hold
-    /// (`--kv-cache-memory`, alias `--state-budget-bytes`); `usize::MAX`: no bound, the pool
-    /// grows with the rows (one-off runs). The state pool is allocated at start to hold this
-    /// budget's worth, so an admitted request never runs out of blocks. Unused where
-    /// `gpu_memory_utilization` sizes the pool.
+    /// Admission by worst case (`--state-budget-bytes`): a job is admitted only while the
+    /// running rows' state at their full length (prompt + `max_tokens`) fits in these bytes,
+    /// and the pool is sized to hold them, so no row is ever preempted. `usize::MAX` (the
+    /// default): admission by the pool's free blocks instead, preempting rows when it runs short.
     pub state_budget_bytes: usize,
+    /// Bytes of the state pool (`--kv-cache-memory`): its KV blocks and the rows' recurrent
+    /// slots. `None`: on a GPU sized from `gpu_memory_utilization`; else from
+    /// `state_budget_bytes` where that is bounded; else a pool that grows with the rows
+    /// (one-off runs).
+    pub kv_cache_bytes: Option<usize>,
     /// Positions per KV block of the pool (`--kv-block-size`).
     pub kv_block_size: usize,
     /// On a GPU, the share of its memory for weights, activations and the state pool
@@ -157,34 +161,46 @@ impl EngineConfig {
         Self {
             max_batch,
             prefill_chunk,
-            state_budget_bytes: 8 << 30,
+            state_budget_bytes: usize::MAX,
+            kv_cache_bytes: None,
             kv_block_size: DEFAULT_KV_BLOCK_SIZE,
             gpu_memory_utilization: (!cpu).then_some(DEFAULT_GPU_MEMORY_UTILIZATION),
         }
     }
 
-    /// The state pool the running batch keeps its rows in, sized so that the rows this config
-    /// admits always fit, and the state budget admission counts against.
-    fn state_pool(&self, model: &Model, cache: &CacheConfig) -> Result<(StatePool, usize), SpawnError> {
+    /// The state pool the running batch keeps its rows in (see `kv_cache_bytes`).
+    fn state_pool(&self, model: &Model, cache: &CacheConfig) -> Result<StatePool, SpawnError> {
         let spec = model.state_spec();
         let rows = self.max_batch + 1; // the running rows and the one prefilling
         let device = model.device();
         let memory = strata_kernels::device_memory(device).map_err(strata_model::ModelError::from)?;
-        let (blocks, slots, budget) = match (self.gpu_memory_utilization, memory) {
-            (Some(share), Some((free, total))) => {
+        let blocks = match (self.kv_cache_bytes, self.gpu_memory_utilization, memory) {
+            (Some(bytes), ..) => {
+                let slots = spec.cost().bytes_per_row.saturating_mul(rows);
+                let blocks = bytes.checked_sub(slots).map_or(0, |kv| StatePool::blocks_in(&spec, self.kv_block_size, kv));
+                if blocks <= rows {
+                    return Err(SpawnError::Memory(format!(
+                        "--kv-cache-memory {bytes} holds {blocks} KV blocks after the recurrent state of {rows} rows \
+                         ({slots} bytes): not one block per row; raise it or lower --max-num-seqs"
+                    )));
+                }
+                PoolSize::Fixed(blocks)
+            }
+            // The worst case of the budget's rows, so that none is ever preempted.
+            _ if self.state_budget_bytes != usize::MAX => {
+                PoolSize::Fixed(StatePool::blocks_for_budget(&spec, self.kv_block_size, self.state_budget_bytes, rows))
+            }
+            (None, Some(share), Some((free, total))) => {
                 let plan = MemoryPlan::new(model, self, cache.ram_bytes, share, free, total);
-                let (blocks, budget) = plan.pool(&spec, self)?;
-                (PoolSize::Fixed(blocks), PoolSize::Fixed(rows), budget)
+                PoolSize::Fixed(plan.blocks(&spec, self)?)
             }
-            // No budget (a one-off run): the pool grows with the rows instead.
-            _ if self.state_budget_bytes == usize::MAX => (PoolSize::Growing, PoolSize::Growing, usize::MAX),
-            _ => {
-                let blocks = StatePool::blocks_for_budget(&spec, self.kv_block_size, self.state_budget_bytes, rows);
-                (PoolSize::Fixed(blocks), PoolSize::Fixed(rows), self.state_budget_bytes)
-            }
+            (None, ..) => PoolSize::Growing,
         };
-        let pool = StatePool::new(&spec, self.kv_block_size, blocks, slots, device).map_err(strata_model::ModelError::from)?;
-        Ok((pool, budget))
+        let slots = match blocks {
+            PoolSize::Fixed(_) => PoolSize::Fixed(rows),
+            PoolSize::Growing => PoolSize::Growing,
+        };
+        Ok(StatePool::new(&spec, self.kv_block_size, blocks, slots, device).map_err(strata_model::ModelError::from)?)
     }
 }
 
@@ -217,8 +233,8 @@ impl MemoryPlan {
         Self { for_state, share, total, used, reserve }
     }
 
-    /// KV blocks for the pool and the state budget they make, after the rows' recurrent slots.
-    fn pool(&self, spec: &strata_state::StateSpec, config: &EngineConfig) -> Result<(usize, usize), SpawnError> {
+    /// KV blocks for the pool, after the rows' recurrent slots.
+    fn blocks(&self, spec: &strata_state::StateSpec, config: &EngineConfig) -> Result<usize, SpawnError> {
         let rows = config.max_batch + 1;
         let per_row = spec.cost().bytes_per_row;
         let slots = per_row.saturating_mul(rows);
@@ -241,12 +257,10 @@ impl MemoryPlan {
         })?;
         let blocks = StatePool::blocks_in(spec, config.kv_block_size, for_kv);
         let slack = rows * (1 + strata_state::ROUND_SLACK.div_ceil(config.kv_block_size));
-        let paid = blocks
-            .checked_sub(slack)
-            .filter(|&b| b > 0)
-            .ok_or_else(|| too_small(format!("{:.1} GiB, not a block past every row's partly filled ones", gib(for_state))))?;
-        let kv_budget = paid * config.kv_block_size * spec.cost().bytes_per_token;
-        Ok((blocks, kv_budget.saturating_add(slots)))
+        if blocks <= slack {
+            return Err(too_small(format!("{:.1} GiB, not a block past every row's partly filled ones", gib(for_state))));
+        }
+        Ok(blocks)
     }
 }
 
@@ -313,6 +327,9 @@ pub struct WorkerStats {
     /// on the host): the rest is the scheduler's own work (drafting, sampling, bookkeeping).
     pub decode_ns: AtomicU64,
     pub decode_forward_ns: AtomicU64,
+    /// Running rows taken out of the batch (their state moved to host memory) because the
+    /// pool ran short of KV blocks; each resumed later, bit for bit where it stopped.
+    pub preemptions: AtomicU64,
 }
 
 /// The cache parts shared by the handle, the prefetch thread and the engine thread.
@@ -392,8 +409,7 @@ impl Worker {
         let stats = Arc::new(WorkerStats::default());
         let cache_stats = Arc::new(CacheStats::default());
         let cost = model.state_cost();
-        let (pool, state_budget_bytes) = config.state_pool(&model, &cache)?;
-        let config = EngineConfig { state_budget_bytes, ..config };
+        let pool = config.state_pool(&model, &cache)?;
         let max_positions = model.max_position_embeddings();
         let (writer, recovery) = match &cache.ssd {
             Some(ssd) => {
@@ -447,6 +463,16 @@ impl Worker {
             return Err(format!(
                 "the request needs {need} bytes of state for {tokens} tokens but the engine's state budget is {} bytes",
                 self.config.state_budget_bytes
+            ));
+        }
+        // The longest a row of it gets (with a speculative round's slack and a partly filled
+        // block) must fit the pool alone: everything else can wait or be preempted.
+        let block_size = self.pool.block_size();
+        let blocks = (tokens + strata_state::ROUND_SLACK).div_ceil(block_size) + 1;
+        if let Some(total) = self.pool.blocks_total().filter(|&total| blocks > total) {
+            return Err(format!(
+                "the request's {tokens} tokens need {blocks} KV blocks of {block_size} positions but the pool holds \
+                 {total}; raise --kv-cache-memory (or --gpu-memory-utilization)"
             ));
         }
         Ok(())
@@ -615,6 +641,7 @@ mod tests {
             max_batch: 4,
             prefill_chunk: 8,
             state_budget_bytes: 1 << 30,
+            kv_cache_bytes: None,
             kv_block_size: 16,
             gpu_memory_utilization: None,
         };

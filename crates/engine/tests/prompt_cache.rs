@@ -35,6 +35,7 @@ fn engine(dir: &Path, cache: CacheConfig) -> Worker {
             max_batch: 4,
             prefill_chunk: 8,
             state_budget_bytes: 1 << 30,
+            kv_cache_bytes: None,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
             gpu_memory_utilization: None,
         },
@@ -263,6 +264,7 @@ fn a_burst_after_restart_restores_only_what_admission_can_take() {
             max_batch,
             prefill_chunk: 8,
             state_budget_bytes: need * halves / 2,
+            kv_cache_bytes: None,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
             gpu_memory_utilization: None,
         };

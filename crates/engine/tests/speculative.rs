@@ -29,6 +29,7 @@ fn engine(dir: &Path, cache: CacheConfig, speculation: Option<Speculation>) -> W
             max_batch: 8,
             prefill_chunk: 16,
             state_budget_bytes: 1 << 30,
+            kv_cache_bytes: None,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
             gpu_memory_utilization: None,
         },

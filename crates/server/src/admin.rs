@@ -58,6 +58,7 @@ fn all_stats(state: &AppState) -> Value {
             "rows": w.active.load(Ordering::Relaxed),
             "slots_total": pool.slots_total,
             "slots_used": pool.slots_used,
+            "preemptions": w.preemptions.load(Ordering::Relaxed),
             "bytes": state.worker.pool_bytes(),
         },
         "speculation": {
@@ -198,6 +199,12 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         ("strata_kv_blocks_shared", "gauge", "KV blocks held by more than one request.", p.blocks_shared as f64),
         ("strata_kv_slots_total", "gauge", "Recurrent-state slots of the pool (per recurrent layer).", p.slots_total as f64),
         ("strata_kv_slots_used", "gauge", "Recurrent-state slots held by requests.", p.slots_used as f64),
+        (
+            "strata_kv_preemptions_total",
+            "counter",
+            "Running requests preempted (state moved to host memory) when the pool ran short of blocks.",
+            state.worker.stats().preemptions.load(Ordering::Relaxed) as f64,
+        ),
     ];
     let mut text = String::new();
     for (name, kind, help, value) in rows.into_iter().chain(pool) {

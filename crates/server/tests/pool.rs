@@ -72,3 +72,63 @@ async fn requests_extending_a_cached_prefix_share_its_blocks() {
         assert_eq!(r["choices"][0]["text"].as_str().unwrap(), shared_answer, "{} prompt tokens", prompt.len());
     }
 }
+
+/// A pool sized for two long requests (232 positions: 15 blocks of 16) with six submitted at
+/// once: all six are admitted on their short prompts, outgrow the pool (four of them run past
+/// 100 tokens before an end token), and the youngest are preempted (their state moved to host
+/// memory) and resumed later. Every answer —
+/// greedy, and sampled with a seed — equals the same request run alone in an unbounded pool,
+/// and `/stats` and `/metrics` count the preemptions.
+#[tokio::test(flavor = "multi_thread")]
+async fn requests_outgrowing_the_pool_are_preempted_and_resume_exactly() {
+    let fixture = "qwen3_5-tiny-a";
+    let cost = strata_model::ModelFolder::open(&common::fixture(fixture))
+        .unwrap()
+        .load(candle_core::DType::F32, &Device::Cpu)
+        .unwrap()
+        .state_cost();
+    let (rows, blocks) = (6, 2 * 16);
+    let pool_bytes = (rows + 1) * cost.bytes_per_row + blocks * BLOCK as usize * cost.bytes_per_token;
+    let engine = EngineConfig {
+        max_batch: rows,
+        kv_block_size: BLOCK as usize,
+        kv_cache_bytes: Some(pool_bytes),
+        ..EngineConfig::for_device(&Device::Cpu)
+    };
+    let small = strata_server::router(state_with(fixture, 100_000, engine));
+    assert_eq!(stats(&small).await["kv_pool"]["blocks_total"], blocks as u64);
+
+    let body = |i: u32| {
+        let prompt: Vec<u32> = (0..32).map(|t| (i * 503 + t * 13) % 500 + 3).collect();
+        let mut body = json!({"prompt": prompt, "max_tokens": 200, "temperature": 0});
+        if i % 2 == 1 {
+            body["temperature"] = json!(0.9);
+            body["seed"] = json!(1000 + i);
+        }
+        body
+    };
+    let tasks: Vec<_> = (0..rows as u32)
+        .map(|i| {
+            let (app, body) = (small.clone(), body(i));
+            tokio::spawn(async move { post(&app, "/v1/completions", body).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        let (s, r) = task.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "{r}");
+        answers.push(r["choices"][0]["text"].as_str().unwrap().to_string());
+    }
+    let preemptions = stats(&small).await["kv_pool"]["preemptions"].as_u64().unwrap();
+    assert!(preemptions > 0, "six rows growing to 15 blocks each in a pool of {blocks} were preempted");
+    let (_, metrics) = call(&small, "GET", "/metrics", Value::Null, &[]).await;
+    let metrics = String::from_utf8(metrics).unwrap();
+    assert!(metrics.contains(&format!("\nstrata_kv_preemptions_total {preemptions}\n")), "{metrics}");
+
+    let alone = strata_server::router(state_uncached(fixture, 100_000, EngineConfig::for_device(&Device::Cpu)));
+    for (i, answer) in answers.iter().enumerate() {
+        let (s, r) = post(&alone, "/v1/completions", body(i as u32)).await;
+        assert_eq!(s, StatusCode::OK, "{r}");
+        assert_eq!(r["choices"][0]["text"].as_str().unwrap(), answer, "request {i}");
+    }
+}

@@ -193,6 +193,12 @@ impl KvStore {
         }
     }
 
+    /// Pool blocks that room for `t` more positions in every row would take (0 for rows in
+    /// their own buffers).
+    pub fn blocks_to_reserve(&self, t: usize) -> usize {
+        self.paged_rows().map_or(0, |paged| paged.blocks_to_reserve(t))
+    }
+
     /// Room for `t` more positions in every row, in buffers or blocks of its own (see
     /// [`KvStore::buffers`], [`KvStore::paged_layout`]).
     pub fn reserve_rows(&mut self, t: usize) -> Result<()> {

@@ -286,6 +286,19 @@ impl BatchState {
         })
     }
 
+    /// KV blocks each attention layer of a pool would take to give every row room for `t` more
+    /// positions (the layers are fed the same positions, so each takes as many): what must be
+    /// free in [`StatePool::blocks_free`] before such a step.
+    pub fn blocks_to_grow(&self, t: usize) -> usize {
+        self.layers
+            .iter()
+            .find_map(|l| match l {
+                LayerState::Attention(kv) if kv.is_paged() => Some(kv.blocks_to_reserve(t)),
+                _ => None,
+            })
+            .unwrap_or(0)
+    }
+
     /// Whether every layer can be cut back to an earlier position.
     pub fn can_trim(&self) -> bool {
         self.layers.iter().all(LayerState::can_trim)

@@ -183,6 +183,18 @@ impl PagedRows {
         Ok(())
     }
 
+    /// Blocks [`PagedRows::reserve_rows`]`(t)` would take from the pool: new ones past the rows'
+    /// tables, and copies of shared ones the positions land in.
+    pub(crate) fn blocks_to_reserve(&self, t: usize) -> usize {
+        let bs = self.pool.block_size;
+        let layer = lock(&self.pool.kv[self.layer]);
+        let row_needs = |r: &PagedRow| {
+            let needed = r.len / bs..(r.len + t).div_ceil(bs);
+            needed.filter(|&i| r.table.blocks.get(i).is_none_or(|&id| layer.ids.is_shared(id))).count()
+        };
+        self.rows.iter().map(row_needs).sum()
+    }
+
     /// Room for `t` more positions in every row (see [`PagedRows::reserve`]).
     pub(crate) fn reserve_rows(&mut self, t: usize) -> Result<()> {
         (0..self.rows()).try_for_each(|row| self.reserve(row, t))
@@ -363,7 +375,11 @@ mod tests {
         let mut b = a.clone();
         assert_eq!((pool.stats().blocks_used, pool.stats().blocks_shared), (2, 2));
         let (before, _) = attention(&mut a, 0).history(0).unwrap();
+        // b's next position lands in the shared second block (a copy); 13 more cross into a
+        // third block (one more).
+        assert_eq!((b.blocks_to_grow(1), b.blocks_to_grow(13), a.blocks_to_grow(12)), (1, 2, 1));
         attention(&mut b, 0).append(0, &values(1, 3), &values(1, 4)).unwrap();
+        assert_eq!(b.blocks_to_grow(1), 0, "b's last block is its own now");
         assert_eq!(
             pool.stats(),
             PoolStats {

@@ -239,6 +239,14 @@ impl StatePool {
         }
     }
 
+    /// KV blocks per attention layer; `None` for a pool that grows.
+    pub fn blocks_total(&self) -> Option<usize> {
+        match self.pool.blocks {
+            PoolSize::Growing => None,
+            PoolSize::Fixed(n) => Some(n),
+        }
+    }
+
     pub fn stats(&self) -> PoolStats {
         let mut stats = PoolStats { block_size: self.pool.block_size, ..PoolStats::default() };
         if let Some(first) = self.pool.kv.first() {
