@@ -103,6 +103,10 @@ struct Measured {
     /// host): the difference is the scheduler's own work between forwards.
     decode_step_ms: f64,
     decode_forward_ms: f64,
+    /// Mean per replayed step: host time before the replay, and the replay's GPU time (their
+    /// sum falls short of the forward by the logits' reduction and read-back).
+    graph_prepare_ms: f64,
+    graph_replay_gpu_ms: f64,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -118,7 +122,12 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     let stats = worker.stats();
     let drafted_before = stats.drafted_tokens.load(Ordering::Relaxed);
     let accepted_before = stats.accepted_tokens.load(Ordering::Relaxed);
-    let graphs_before = (stats.graph_recordings.load(Ordering::Relaxed), stats.graph_replays.load(Ordering::Relaxed));
+    let graphs_before = (
+        stats.graph_recordings.load(Ordering::Relaxed),
+        stats.graph_replays.load(Ordering::Relaxed),
+        stats.graph_prepare_ns.load(Ordering::Relaxed),
+        stats.graph_replay_gpu_ns.load(Ordering::Relaxed),
+    );
     let steps_before = (
         stats.decode_steps.load(Ordering::Relaxed),
         stats.decode_ns.load(Ordering::Relaxed),
@@ -177,6 +186,8 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
     let window = window.max(Duration::from_nanos(1)).as_secs_f64();
     let steps = (stats.decode_steps.load(Ordering::Relaxed) - steps_before.0).max(1);
     let per_step = |ns: u64| ns as f64 / steps as f64 / 1e6;
+    let replays = (stats.graph_replays.load(Ordering::Relaxed) - graphs_before.1).max(1);
+    let per_replay = |ns: u64| ns as f64 / replays as f64 / 1e6;
     Ok(Measured {
         prefill_tok_s: (a.prompt_len * concurrency) as f64 / (all_first - start).as_secs_f64().max(1e-9),
         aggregate_decode_tok_s: decode_tokens as f64 / window,
@@ -191,6 +202,8 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
         graph_replays: stats.graph_replays.load(Ordering::Relaxed) - graphs_before.1,
         decode_step_ms: per_step(stats.decode_ns.load(Ordering::Relaxed) - steps_before.1),
         decode_forward_ms: per_step(stats.decode_forward_ns.load(Ordering::Relaxed) - steps_before.2),
+        graph_prepare_ms: per_replay(stats.graph_prepare_ns.load(Ordering::Relaxed) - graphs_before.2),
+        graph_replay_gpu_ms: per_replay(stats.graph_replay_gpu_ns.load(Ordering::Relaxed) - graphs_before.3),
     })
 }
 
@@ -295,6 +308,7 @@ pub fn run(mut a: Args) -> Result<()> {
                         "gen_len_min": a.gen_len_min.unwrap_or(a.gen_len),
                         "cuda_graph_recordings": m.graph_recordings, "cuda_graph_replays": m.graph_replays,
                         "decode_step_ms": m.decode_step_ms, "decode_forward_ms": m.decode_forward_ms,
+                        "graph_prepare_ms": m.graph_prepare_ms, "graph_replay_gpu_ms": m.graph_replay_gpu_ms,
                         "max_num_seqs": worker.config().max_batch, "pool": worker.pool_stats(),
                     })
                 );

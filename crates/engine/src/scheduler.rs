@@ -196,9 +196,11 @@ impl<'a> Engine<'a> {
         let active = self.rows.len() + self.preempted.len() + self.joiner.is_some() as usize;
         self.stats.active.store(active, Ordering::Relaxed);
         self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
-        let (recordings, replays) = self.model.decode_graph_counts();
-        self.stats.graph_recordings.store(recordings, Ordering::Relaxed);
-        self.stats.graph_replays.store(replays, Ordering::Relaxed);
+        let graphs = self.model.decode_graph_stats();
+        self.stats.graph_recordings.store(graphs.recordings, Ordering::Relaxed);
+        self.stats.graph_replays.store(graphs.replays, Ordering::Relaxed);
+        self.stats.graph_prepare_ns.store(graphs.prepare_ns, Ordering::Relaxed);
+        self.stats.graph_replay_gpu_ns.store(graphs.replay_gpu_ns, Ordering::Relaxed);
         Ok(())
     }
 

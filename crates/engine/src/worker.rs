@@ -323,6 +323,9 @@ pub struct WorkerStats {
     /// Decode steps recorded as CUDA graphs, and replayed from one.
     pub graph_recordings: AtomicUsize,
     pub graph_replays: AtomicUsize,
+    /// Of the replayed steps: host time before each replay, and the replays' GPU time.
+    pub graph_prepare_ns: AtomicU64,
+    pub graph_replay_gpu_ns: AtomicU64,
     /// Time spent in decode steps, and the part of it in the target's forward (to its logits
     /// on the host): the rest is the scheduler's own work (drafting, sampling, bookkeeping).
     pub decode_ns: AtomicU64,

@@ -44,32 +44,37 @@ struct ContiguousRow {
     __device__ __forceinline__ long long at(int j) const { return (long long)j * D; }
 };
 
-// Rows in their own buffers [Hkv, capacity, D], through a KvRow table.
+// Rows in their own buffers [Hkv, capacity, D], through a KvRow table. `row` is called by every
+// thread of a block, for the block's row and split.
 template <typename T>
 struct ContiguousKv {
     const KvRow* rows;
     const int* lens;
-    __device__ __forceinline__ ContiguousRow<T> row(unsigned b, int D) const { return {rows[b], lens, b, D}; }
+    __device__ __forceinline__ ContiguousRow<T> row(unsigned b, int D, int) const { return {rows[b], lens, b, D}; }
 };
 
 // Paged KV: every row's positions in blocks of 2^shift pool rows of one pool [rows, Hkv, D]
 // (token-major), position p at pool row table[p >> shift] * 2^shift + p % 2^shift. A power of
-// two so that finding a key's block is a shift, not a division, in the keys' inner loop.
+// two so that finding a key's block is a shift, not a division, in the keys' inner loop. The
+// block-table entries of the split's keys are in shared memory (`blocks`, from table entry
+// `first`): the keys' loop reads them there instead of waiting on a global load for each key.
 template <typename T>
 struct PagedRow {
     const T* k;
     const T* v;
-    const int* table;
-    int length, shift, D;
+    const int* blocks;
+    int first, length, shift, D;
     long long row_stride;
     __device__ __forceinline__ int len() const { return length; }
     __device__ __forceinline__ const T* keys(int kvh) const { return k + (long long)kvh * D; }
     __device__ __forceinline__ const T* values(int kvh) const { return v + (long long)kvh * D; }
     __device__ __forceinline__ long long at(int j) const {
-        const long long row = ((long long)table[j >> shift] << shift) | (j & ((1 << shift) - 1));
+        const long long row = ((long long)blocks[(j >> shift) - first] << shift) | (j & ((1 << shift) - 1));
         return row * row_stride;
     }
 };
+
+static_assert((SPLIT_KEYS & (SPLIT_KEYS - 1)) == 0, "a split starts a block of keys or lies in one");
 
 // The pools and each row's block table (`tables` [B, max_blocks]) and length (`lens` [B]).
 template <typename T>
@@ -79,116 +84,199 @@ struct PagedKv {
     const int* tables;
     const int* lens;
     int max_blocks, shift, Hkv;
-    __device__ __forceinline__ PagedRow<T> row(unsigned b, int D) const {
-        return {k, v, tables + (long long)b * max_blocks, lens[b], shift, D, (long long)Hkv * D};
+    // Copies the table entries of split `split`'s keys into shared memory, all the block's
+    // threads at once, where they take one load's latency together: keys split * SPLIT_KEYS ..
+    // lie in SPLIT_KEYS >> shift blocks from entry (split * SPLIT_KEYS) >> shift, or in one
+    // where a block is longer than a split (SPLIT_KEYS is a power of two), and entries past the
+    // table's width belong to no split that has a key. Called after await_previous_kernel.
+    __device__ __forceinline__ PagedRow<T> row(unsigned b, int D, int split) const {
+        __shared__ int staged[SPLIT_KEYS];
+        const int* table = tables + (long long)b * max_blocks;
+        const int first = (split * SPLIT_KEYS) >> shift;
+        const int count = min(((SPLIT_KEYS - 1) >> shift) + 1, max_blocks - first);
+        for (int e = threadIdx.x; e < count; e += blockDim.x) staged[e] = table[first + e];
+        __syncthreads();
+        return {k, v, staged, first, lens[b], shift, D, (long long)Hkv * D};
     }
 };
 
-// Flash-decoding, first half: one block per (query head and query, row, split of SPLIT_KEYS
-// keys). q [B, Hq, T, D]; query i of a row sits at position L - T + i and sees keys
-// first..=pos (first = 0, or the window's start). The block's warps each walk every
-// ATTN_WARPS-th group of KEY_GROUP keys of the split with an online softmax in f32, then merge; the block writes
-// its partial (max, sum of exponentials, weighted sum of values [D]) to `partial`
-// [B, Hq, T, splits, D + 2] — an empty one (max -inf) when it sees no key.
-template <typename T, typename Kv>
-__device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq, int Hkv, int Tq, int D, int splits,
-                                float scale, int window) {
-    __shared__ float warp_max[ATTN_WARPS], warp_sum_exp[ATTN_WARPS];
+// Flash-decoding, first half: one block per (QG query heads of one KV head and query, row,
+// split of SPLIT_KEYS keys). q [B, Hq, T, D]; query i of a row sits at position L - T + i and
+// sees keys first..=pos (first = 0, or the window's start). The block's warps each walk every
+// ATTN_WARPS-th group of KEY_GROUP keys of the split with an online softmax in f32, then merge;
+// the block writes each query's partial (max, sum of exponentials, weighted sum of values [D])
+// to `partial` [B, Hq, T, splits, D + 2] — an empty one (max -inf) when it sees no key.
+//
+// QG = 1 is the plain kernel: one query head per block, any D up to MAX_HEAD_DIM (HEAD_DIM = 0;
+// a lane holds MAX_PER_LANE elements of its query and sum, those past D unused). The grouped
+// kernels (QG > 1, HEAD_DIM = D at compile time so that a lane holds only D / 32 of each) load
+// every key and value element once for the QG heads that share its KV head. Per query, every
+// operation is the plain kernel's, in its order: the same warp takes the same keys, each score
+// is the same lane sums (the lane's elements in order) reduced by the same butterflies, the
+// online softmax and the weighted sums are updated with the same operations per key group, and
+// the merge sums the warps in order. The products, sums and fused multiply-adds are written as
+// intrinsics (__fmul_rn, __fadd_rn, __fmaf_rn), which the compiler neither fuses nor splits, so
+// that how the code is laid out (one query or several interleaved, a branch or a select) cannot
+// change which of them it fuses: each is what the plain kernel compiled to when they were plain
+// `*` and `+` (in its PTX, the score and weighted-sum terms and l · correction + p[0] fused, the
+// rest not; ptxas fused nothing further, every expf's result read by its own last FMUL only),
+// so the plain kernel kept its bits and the grouped kernels' partials are the same bits.
+template <int QG, int HEAD_DIM, typename T, typename Kv>
+__device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq, int Hkv, int Tq, int head_dim,
+                                int splits, float scale, int window) {
+    static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= MAX_HEAD_DIM, "a lane holds D / 32 elements");
+    static_assert(QG >= 1 && QG <= ATTN_WARPS && (QG == 1 || HEAD_DIM > 0), "grouped blocks know D");
+    constexpr int PER_LANE = HEAD_DIM ? HEAD_DIM / 32 : MAX_PER_LANE;
+    // Queries merged at once: as many as a warp's row of MAX_HEAD_DIM in warp_acc holds.
+    constexpr int MERGED = HEAD_DIM == 0 ? 1 : QG < MAX_HEAD_DIM / HEAD_DIM ? QG : MAX_HEAD_DIM / HEAD_DIM;
+    static_assert(QG % MERGED == 0, "whole rounds of merged queries");
+    const int D = HEAD_DIM ? HEAD_DIM : head_dim;
+    __shared__ float warp_max[QG][ATTN_WARPS], warp_sum_exp[QG][ATTN_WARPS];
     __shared__ float warp_acc[ATTN_WARPS][MAX_HEAD_DIM];
-    const auto r = kv.row(blockIdx.y, D);
-    const int h = blockIdx.x / Tq, i = blockIdx.x % Tq, kvh = h / (Hq / Hkv), split = blockIdx.z;
+    const int split = blockIdx.z;
+    const auto r = kv.row(blockIdx.y, D, split);
+    const int h = blockIdx.x / Tq * QG, i = blockIdx.x % Tq, kvh = h / (Hq / Hkv);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int len = r.len();
     const int pos = len - Tq + i, first = window > 0 ? max(0, pos + 1 - window) : 0;
     const int from = max(first, split * SPLIT_KEYS), to = min(pos, (split + 1) * SPLIT_KEYS - 1);
+    // The block's first query; query u of the group (head h + u) is Tq further per u.
     const long long query = ((long long)blockIdx.y * Hq + h) * Tq + i;
-    const T* qr = q + query * D;
     const T* kh = r.keys(kvh);
     const T* vh = r.values(kvh);
-    float qv[MAX_PER_LANE], acc[MAX_PER_LANE];
+    float qv[QG][PER_LANE], acc[QG][PER_LANE];
 #pragma unroll
-    for (int e = 0; e < MAX_PER_LANE; ++e) {
-        const int d = lane + 32 * e;
-        qv[e] = d < D ? to_f32(qr[d]) * scale : 0.0f;
-        acc[e] = 0.0f;
+    for (int u = 0; u < QG; ++u) {
+        const T* qr = q + (query + u * Tq) * D;
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) {
+            const int d = lane + 32 * e;
+            qv[u][e] = HEAD_DIM || d < D ? __fmul_rn(to_f32(qr[d]), scale) : 0.0f;
+            acc[u][e] = 0.0f;
+        }
     }
     // Each warp takes KEY_GROUP consecutive keys at a time (every ATTN_WARPS-th group of the
     // split): their dot products and reductions are independent, so their memory and shuffle
     // latencies overlap instead of adding up key after key.
-    float m = -INFINITY, l = 0.0f;
+    float m[QG], l[QG];
+#pragma unroll
+    for (int u = 0; u < QG; ++u) {
+        m[u] = -INFINITY;
+        l[u] = 0.0f;
+    }
     for (int j0 = from + warp * KEY_GROUP; j0 <= to; j0 += ATTN_WARPS * KEY_GROUP) {
-        // Each key's offset once: through a block table it is a load, which the value loop
+        // Each key's offset once: through a block table it is a lookup, which the value loop
         // below would otherwise repeat for every element a lane sums (measured on an H200 on
-        // 2026-12-03 under ncu: the paged kernel took 22.4 µs where the contiguous one took 12.5,
-        // for 8 rows of ~80 keys).
+        // 2026-12-03 under ncu, when the lookup was a global load: the paged kernel took 22.4 µs
+        // where the contiguous one took 12.5, for 8 rows of ~80 keys).
         long long offset[KEY_GROUP];
 #pragma unroll
         for (int g = 0; g < KEY_GROUP; ++g) offset[g] = r.at(min(j0 + g, to));
-        float s[KEY_GROUP];
+        float s[QG][KEY_GROUP];
 #pragma unroll
         for (int g = 0; g < KEY_GROUP; ++g) {
             const T* kj = kh + offset[g];
-            s[g] = 0.0f;
 #pragma unroll
-            for (int e = 0; e < MAX_PER_LANE; ++e) {
+            for (int u = 0; u < QG; ++u) s[u][g] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < PER_LANE; ++e) {
                 const int d = lane + 32 * e;
-                if (d < D) s[g] += qv[e] * to_f32(kj[d]);
+                if (HEAD_DIM || d < D) {
+                    const float k = to_f32(kj[d]);
+#pragma unroll
+                    for (int u = 0; u < QG; ++u) s[u][g] = __fmaf_rn(qv[u][e], k, s[u][g]);
+                }
             }
         }
-        float m_new = m;
+        float correction[QG], p[QG][KEY_GROUP];
 #pragma unroll
-        for (int g = 0; g < KEY_GROUP; ++g) {
-            s[g] = j0 + g <= to ? warp_sum(s[g]) : -INFINITY;
-            m_new = fmaxf(m_new, s[g]);
-        }
-        const float correction = expf(m - m_new);
-        float p[KEY_GROUP];
-        l *= correction;
-#pragma unroll
-        for (int g = 0; g < KEY_GROUP; ++g) {
-            p[g] = expf(s[g] - m_new);
-            l += p[g];
-        }
-#pragma unroll
-        for (int e = 0; e < MAX_PER_LANE; ++e) {
-            const int d = lane + 32 * e;
-            if (d >= D) continue;
-            float x = acc[e] * correction;
+        for (int u = 0; u < QG; ++u) {
+            float m_new = m[u];
 #pragma unroll
             for (int g = 0; g < KEY_GROUP; ++g) {
-                if (j0 + g <= to) x += p[g] * to_f32(vh[offset[g] + d]);
+                s[u][g] = j0 + g <= to ? warp_sum(s[u][g]) : -INFINITY;
+                m_new = fmaxf(m_new, s[u][g]);
             }
-            acc[e] = x;
+            correction[u] = expf(m[u] - m_new);
+            // l · correction + p[0] rounded once, then the other p in order.
+#pragma unroll
+            for (int g = 0; g < KEY_GROUP; ++g) {
+                p[u][g] = expf(s[u][g] - m_new);
+                l[u] = g == 0 ? __fmaf_rn(l[u], correction[u], p[u][g]) : __fadd_rn(l[u], p[u][g]);
+            }
+            m[u] = m_new;
         }
-        m = m_new;
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) {
+            const int d = lane + 32 * e;
+            if (!(HEAD_DIM || d < D)) continue;
+            float v[KEY_GROUP];
+#pragma unroll
+            for (int g = 0; g < KEY_GROUP; ++g) v[g] = j0 + g <= to ? to_f32(vh[offset[g] + d]) : 0.0f;
+#pragma unroll
+            for (int u = 0; u < QG; ++u) {
+                float x = __fmul_rn(acc[u][e], correction[u]);
+#pragma unroll
+                for (int g = 0; g < KEY_GROUP; ++g) {
+                    if (j0 + g <= to) x = __fmaf_rn(p[u][g], v[g], x);
+                }
+                acc[u][e] = x;
+            }
+        }
     }
     if (lane == 0) {
-        warp_max[warp] = m;
-        warp_sum_exp[warp] = l;
-    }
-    __syncthreads();
-    float block_max = -INFINITY;
-    for (int w = 0; w < ATTN_WARPS; ++w) block_max = fmaxf(block_max, warp_max[w]);
-    const float mine = m == -INFINITY ? 0.0f : expf(m - block_max);
 #pragma unroll
-    for (int e = 0; e < MAX_PER_LANE; ++e) {
-        const int d = lane + 32 * e;
-        if (d < D) warp_acc[warp][d] = acc[e] * mine;
+        for (int u = 0; u < QG; ++u) {
+            warp_max[u][warp] = m[u];
+            warp_sum_exp[u][warp] = l[u];
+        }
     }
     __syncthreads();
-    float* out = partial + (query * splits + split) * (D + 2);
-    if (threadIdx.x == 0) {
-        float block_sum = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; ++w) {
-            if (warp_max[w] != -INFINITY) block_sum += warp_sum_exp[w] * expf(warp_max[w] - block_max);
-        }
-        out[0] = block_max;
-        out[1] = block_sum;
+    float block_max[QG];
+#pragma unroll
+    for (int u = 0; u < QG; ++u) {
+        block_max[u] = -INFINITY;
+        for (int w = 0; w < ATTN_WARPS; ++w) block_max[u] = fmaxf(block_max[u], warp_max[u][w]);
     }
-    for (int d = threadIdx.x; d < D; d += ATTN_WARPS * 32) {
-        float x = 0.0f;
-        for (int w = 0; w < ATTN_WARPS; ++w) x += warp_acc[w][d];
-        out[2 + d] = x;
+    // MERGED queries at a time: each warp's weighted sums in warp_acc, then the warps' sums per
+    // element in warp order.
+#pragma unroll
+    for (int u0 = 0; u0 < QG; u0 += MERGED) {
+        if (u0 > 0) __syncthreads();  // the previous round's readers are done with warp_acc
+#pragma unroll
+        for (int u = u0; u < u0 + MERGED; ++u) {
+            const float mine = m[u] == -INFINITY ? 0.0f : expf(m[u] - block_max[u]);
+#pragma unroll
+            for (int e = 0; e < PER_LANE; ++e) {
+                const int d = lane + 32 * e;
+                if (HEAD_DIM || d < D) warp_acc[warp][(u - u0) * D + d] = __fmul_rn(acc[u][e], mine);
+            }
+        }
+        __syncthreads();
+#pragma unroll
+        for (int u = u0; u < u0 + MERGED; ++u) {
+            if (threadIdx.x == 32 * (u - u0)) {
+                float block_sum = 0.0f;
+                for (int w = 0; w < ATTN_WARPS; ++w) {
+                    if (warp_max[u][w] != -INFINITY) {
+                        block_sum = __fmaf_rn(warp_sum_exp[u][w], expf(warp_max[u][w] - block_max[u]), block_sum);
+                    }
+                }
+                float* out = partial + ((query + u * Tq) * splits + split) * (D + 2);
+                out[0] = block_max[u];
+                out[1] = block_sum;
+            }
+        }
+        for (int x = threadIdx.x; x < MERGED * D; x += ATTN_WARPS * 32) {
+            int u = 0, d = x;
+            if constexpr (MERGED > 1) {
+                u = x / HEAD_DIM;
+                d = x % HEAD_DIM;
+            }
+            float sum = 0.0f;
+            for (int w = 0; w < ATTN_WARPS; ++w) sum = __fadd_rn(sum, warp_acc[w][x]);
+            partial[((query + (u0 + u) * Tq) * splits + split) * (D + 2) + 2 + d] = sum;
+        }
     }
 }
 
@@ -336,21 +424,34 @@ __device__ void write_paged(const T* src, T* pool, const int* tables, const int*
     pool[(row * H + h) * D + d] = src[b * sb + h * sh + t * st + d];
 }
 
+// The split kernels over rows in their own buffers and over a paged pool, for QG query heads of
+// HEAD_DIM per block, named attention_split<SUFFIX>_NAME and attention_split_paged<SUFFIX>_NAME.
+#define SPLIT_KERNELS(T, NAME, QG, HEAD_DIM, SUFFIX)                                                              \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                                \
+        attention_split##SUFFIX##_##NAME(const T* q, const KvRow* rows, const int* lens, float* partial, int Hq,  \
+                                         int Hkv, int Tq, int D, int splits, float scale, int window) {           \
+        await_previous_kernel();                                                                                  \
+        attention_split<QG, HEAD_DIM, T>(q, ContiguousKv<T>{rows, lens}, partial, Hq, Hkv, Tq, D, splits, scale,  \
+                                         window);                                                                 \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_split_paged##SUFFIX##_##NAME(          \
+        const T* q, const T* k, const T* v, const int* tables, const int* lens, int max_blocks, int shift,        \
+        float* partial, int Hq, int Hkv, int Tq, int D, int splits, float scale, int window) {                    \
+        await_previous_kernel();                                                                                  \
+        attention_split<QG, HEAD_DIM, T>(q, PagedKv<T>{k, v, tables, lens, max_blocks, shift, Hkv}, partial, Hq,  \
+                                         Hkv, Tq, D, splits, scale, window);                                      \
+    }
+
+// The plain split kernels, and grouped ones for 2 and 4 query heads of 64, 128 or 256 per block
+// (attention.rs picks them).
 #define INSTANTIATE(T, NAME)                                                                                   \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
-        attention_split_##NAME(const T* q, const KvRow* rows, const int* lens, float* partial, int Hq, int Hkv, \
-                               int Tq, int D, int splits, float scale, int window) {                           \
-        await_previous_kernel();                                                                               \
-        attention_split<T>(q, ContiguousKv<T>{rows, lens}, partial, Hq, Hkv, Tq, D, splits, scale, window);    \
-    }                                                                                                          \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                                             \
-        attention_split_paged_##NAME(const T* q, const T* k, const T* v, const int* tables, const int* lens,   \
-                                     int max_blocks, int shift, float* partial, int Hq, int Hkv, int Tq, int D, \
-                                     int splits, float scale, int window) {                                    \
-        await_previous_kernel();                                                                               \
-        attention_split<T>(q, PagedKv<T>{k, v, tables, lens, max_blocks, shift, Hkv}, partial, Hq, Hkv, Tq, D, \
-                           splits, scale, window);                                                             \
-    }                                                                                                          \
+    SPLIT_KERNELS(T, NAME, 1, 0, )                                                                             \
+    SPLIT_KERNELS(T, NAME, 2, 64, _g2_d64)                                                                     \
+    SPLIT_KERNELS(T, NAME, 2, 128, _g2_d128)                                                                   \
+    SPLIT_KERNELS(T, NAME, 2, 256, _g2_d256)                                                                   \
+    SPLIT_KERNELS(T, NAME, 4, 64, _g4_d64)                                                                     \
+    SPLIT_KERNELS(T, NAME, 4, 128, _g4_d128)                                                                   \
+    SPLIT_KERNELS(T, NAME, 4, 256, _g4_d256)                                                                   \
     extern "C" __global__ void attention_combine_##NAME(const float* partial, T* out, int queries, int splits,  \
                                                         int D, const T* gate, long long gate_token_stride,     \
                                                         long long gate_head_stride, int Hq, int Tq) {          \

@@ -422,8 +422,9 @@ mod gpu {
         Ok(true)
     }
 
-    /// Flash-decoding: one block per (query head and query, row, split of `SPLIT_KEYS` keys)
-    /// writes a partial softmax, then one block per query merges its row's partials — with
+    /// Flash-decoding: one block per (query head, or group of heads sharing a KV head
+    /// ([`split_kernel`]), and query, row, split of `SPLIT_KEYS` keys) writes a partial softmax,
+    /// then one block per query merges its row's partials — with
     /// `gate`, times the output gate as [`attend_table`] applies it (`[B, T, Hq·D]`).
     pub(super) fn attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
         let longest = kv.iter().map(|(k, _)| k.dim(1)).collect::<Result<Vec<_>>>()?.into_iter().max().unwrap_or(1);
@@ -461,6 +462,52 @@ mod gpu {
         Paged { pool: &'a PagedDecodeRows, lens: &'a Tensor },
     }
 
+    /// The grouped split kernels (cuda/attention.cu) as (query heads per block, head dim, kernel
+    /// over rows, kernel over a pool); the first that fits a launch is taken.
+    const GROUPED: [(usize, usize, &str, &str); 6] = [
+        (4, 256, "attention_split_g4_d256", "attention_split_paged_g4_d256"),
+        (4, 128, "attention_split_g4_d128", "attention_split_paged_g4_d128"),
+        (4, 64, "attention_split_g4_d64", "attention_split_paged_g4_d64"),
+        (2, 256, "attention_split_g2_d256", "attention_split_paged_g2_d256"),
+        (2, 128, "attention_split_g2_d128", "attention_split_paged_g2_d128"),
+        (2, 64, "attention_split_g2_d64", "attention_split_paged_g2_d64"),
+    ];
+
+    /// The split kernel for `b` rows of `t_len` queries of `hq` heads over `hkv` KV heads of `d`
+    /// in `splits` splits, and the query heads each of its blocks takes. The plain kernel has a
+    /// block per query head (and query, row, split); a grouped one takes 2 or 4 heads that share
+    /// a KV head (where the group divides by them and `d` is one it is compiled for) and loads
+    /// each key and value once for them, the plain kernel's bits for each query (attention.cu).
+    /// Both run one block per multiprocessor (the grouped ones with 64 registers or fewer, two),
+    /// so the plain grid runs in waves of as many blocks; a grouped block does 2 or 4 plain blocks'
+    /// queries in less than as many of their times (it loads the keys and values once, and its
+    /// warps have more independent work between loads), but on 2 or 4 times fewer
+    /// multiprocessors. So the grouped kernel where the plain grid takes two full waves or more
+    /// (64 rows of the 4B shape's decode under 512 keys: 1024 plain blocks on 132 H200
+    /// multiprocessors; not a batch-1 step, 16 blocks, whose few blocks want all the parallelism
+    /// they can get). A judgement from that model, not a measured crossover. Captured steps count
+    /// the splits of their tables' width, at most twice their rows' lengths.
+    #[allow(clippy::too_many_arguments)]
+    fn split_kernel(
+        device: &candle_core::Device,
+        paged: bool,
+        b: usize,
+        hq: usize,
+        hkv: usize,
+        t_len: usize,
+        d: usize,
+        splits: usize,
+    ) -> Result<(&'static str, usize)> {
+        let group = hq / hkv;
+        let grouped = GROUPED.iter().find(|&&(heads, dim, ..)| group % heads == 0 && dim == d);
+        Ok(match grouped {
+            Some(&(heads, _, rows, pool)) if b * hq * t_len * splits >= 2 * cuda::multiprocessors(device)? => {
+                (if paged { pool } else { rows }, heads)
+            }
+            _ => (if paged { "attention_split_paged" } else { "attention_split" }, 1),
+        })
+    }
+
     /// [`attention_rows`] over the rows of `kv`; `splits` must cover the longest row.
     fn attend_table(
         q: &Tensor,
@@ -476,12 +523,14 @@ mod gpu {
         let queries = b * hq * t_len;
         let partial = cuda::output(queries * splits * (d + 2), DType::F32, q.device())?;
         let block = (32 * WARPS, 1, 1);
-        let cfg =
-            LaunchConfig { grid_dim: ((hq * t_len) as u32, b as u32, splits as u32), block_dim: block, shared_mem_bytes: 0 };
-        // The two kernels differ only in the KV arguments after q.
-        let (kernel, kv_args) = match kv {
-            KvSource::Rows { table, lens } => ("attention_split", vec![Arg::at(table)?, Arg::at_or_null(lens)?]),
-            KvSource::Paged { pool, lens } => ("attention_split_paged", pool.kernel_args(lens)?),
+        let paged = matches!(kv, KvSource::Paged { .. });
+        let (kernel, heads) = split_kernel(q.device(), paged, b, hq, hkv, t_len, d, splits)?;
+        let grid = ((hq / heads * t_len) as u32, b as u32, splits as u32);
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: 0 };
+        // The kernels over rows and over a pool differ only in the KV arguments after q.
+        let kv_args = match kv {
+            KvSource::Rows { table, lens } => vec![Arg::at(table)?, Arg::at_or_null(lens)?],
+            KvSource::Paged { pool, lens } => pool.kernel_args(lens)?,
         };
         let mut args = vec![Arg::at(&q)?];
         args.extend(kv_args);

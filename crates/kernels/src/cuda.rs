@@ -132,6 +132,14 @@ pub fn memory(dev: &CudaDevice) -> Result<(usize, usize)> {
     candle_core::cuda_backend::cudarc::driver::result::mem_get_info().map_err(candle_core::Error::wrap)
 }
 
+/// The device's streaming multiprocessors (132 on an H200), as many as the blocks of a kernel
+/// that fits one block per multiprocessor run at once.
+pub(crate) fn multiprocessors(device: &Device) -> Result<usize> {
+    let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
+    let count = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
+    Ok(count.map_err(candle_core::Error::wrap)?.max(1) as usize)
+}
+
 /// Whether the kernels have an instance for `dtype` (the float dtypes a model computes in).
 pub(crate) fn supports(dtype: DType) -> bool {
     matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
@@ -386,5 +394,38 @@ impl StepGraph {
     /// Runs the recorded launches once more, in order on the stream they were recorded on.
     pub fn replay(&self) -> Result<()> {
         self.graph.launch().map_err(candle_core::Error::wrap)
+    }
+}
+
+/// The GPU time of work queued on a device's stream between [`GpuSpan::start`] and
+/// [`GpuSpan::end`], read once that work is done (a step's time on the device, beside the wall
+/// time its caller sees: the difference is the host's).
+pub struct GpuSpan {
+    start: candle_core::cuda_backend::cudarc::driver::CudaEvent,
+    end: candle_core::cuda_backend::cudarc::driver::CudaEvent,
+    stream: Arc<candle_core::cuda_backend::cudarc::driver::CudaStream>,
+}
+
+impl GpuSpan {
+    pub fn new(device: &Device) -> Result<Self> {
+        use candle_core::cuda_backend::cudarc::driver::sys::CUevent_flags;
+        let Device::Cuda(dev) = device else { bail!("{device:?} is not a CUDA device") };
+        let stream = dev.cuda_stream();
+        let event = || stream.context().new_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(candle_core::Error::wrap);
+        Ok(Self { start: event()?, end: event()?, stream })
+    }
+
+    pub fn start(&self) -> Result<()> {
+        self.start.record(&self.stream).map_err(candle_core::Error::wrap)
+    }
+
+    pub fn end(&self) -> Result<()> {
+        self.end.record(&self.stream).map_err(candle_core::Error::wrap)
+    }
+
+    /// Nanoseconds from start to end; waits for the end to be reached.
+    pub fn elapsed_ns(&self) -> Result<u64> {
+        let ms = self.start.elapsed_ms(&self.end).map_err(candle_core::Error::wrap)?;
+        Ok((f64::from(ms) * 1e6) as u64)
     }
 }

@@ -27,7 +27,7 @@ pub mod sampling;
 
 pub use candle_core::{Error, Result};
 #[cfg(feature = "cuda")]
-pub use cuda::{address as device_address, prepare_device, upload, StepGraph};
+pub use cuda::{address as device_address, prepare_device, upload, GpuSpan, StepGraph};
 
 static DEVICE_USE: std::sync::RwLock<()> = std::sync::RwLock::new(());
 

@@ -602,3 +602,82 @@ fn paged_decode_attention_on_gpu_matches_contiguous() {
         assert!(paged.append_attend(&two(&q), &two(&new_k), &two(&new_v), &two(&lens_t), Scoring::scaled(0.125)).is_err());
     }
 }
+
+/// The grouped split kernels — a block for the query heads that share a KV head, which wide
+/// batches take — give each query the bits of the plain kernel, a block per head, which a row
+/// alone takes: over rows in their own buffers and over a paged pool (tables in shuffled order),
+/// for groups of 4 (the 4B shape), 2 and 8 heads (two blocks per KV head) at each head width they
+/// are compiled for, decode steps and verify blocks under a window, histories over up to three
+/// splits of 512 keys. The wide batches make at least 400 plain blocks, past the two waves of an
+/// H200's 132 multiprocessors from which the grouped kernels are taken; a row alone, at most 144.
+#[test]
+fn grouped_attention_on_gpu_gives_each_query_its_bits_alone() {
+    let gpu = gpu();
+    let f32 = |x: &Tensor| x.to_dtype(DType::F32).unwrap();
+    let (longest, block_size) = (1100usize, 16usize);
+    for ((hq, hkv, d), dtype) in [((16, 4, 256), DType::BF16), ((8, 4, 128), DType::F16), ((8, 1, 64), DType::F32)] {
+        for (t, scoring) in [(1, Scoring::scaled(0.1)), (3, Scoring { scale: 0.1, window: Some(300) })] {
+            let rows = 400usize.div_ceil(hq * t * longest.div_ceil(512)).max(3);
+            let lens: Vec<usize> = (0..rows).map(|r| longest - (r * 389) % 1000).collect();
+            let what = format!("{hq} heads over {hkv} of {d}, {dtype:?}, t={t}, {rows} rows, {scoring:?}");
+            // Every row's keys and values [Hkv, longest, D], its history the first lens[r].
+            let data = [41, 42].map(|seed| values(&[rows, hkv, longest, d], 1.0, seed));
+            let on_gpu = |x: &Tensor| x.to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+            let [keys, vals] = data.each_ref().map(on_gpu);
+            let history: Vec<(Tensor, Tensor)> = (0..rows)
+                .map(|r| {
+                    let side = |x: &Tensor| x.get(r).unwrap().narrow(1, 0, lens[r]).unwrap();
+                    (side(&keys), side(&vals))
+                })
+                .collect();
+            let q = on_gpu(&values(&[rows, hq, t, d], 1.0, 43));
+            let wide = causal_attention_rows(&q, &history, scoring).unwrap();
+            // The same rows in a paged pool: row r's blocks taken from the end of the pool
+            // backwards, its last t positions written by the step's append.
+            let blocks: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
+            let total: usize = blocks.iter().sum();
+            let mut next = total;
+            let tables: Vec<Vec<usize>> = blocks
+                .iter()
+                .map(|&n| {
+                    (0..n)
+                        .map(|_| {
+                            next -= 1;
+                            next
+                        })
+                        .collect()
+                })
+                .collect();
+            let flat = data.each_ref().map(|x| x.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+            let pools = flat.each_ref().map(|src| {
+                let mut pool = vec![0f32; total * block_size * hkv * d];
+                for (r, table) in tables.iter().enumerate() {
+                    for (p, h) in (0..lens[r] - t).flat_map(|p| (0..hkv).map(move |h| (p, h))) {
+                        let at = ((table[p / block_size] * block_size + p % block_size) * hkv + h) * d;
+                        pool[at..at + d].copy_from_slice(&src[((r * hkv + h) * longest + p) * d..][..d]);
+                    }
+                }
+                on_gpu(&Tensor::from_vec(pool, (total * block_size, hkv, d), &Device::Cpu).unwrap())
+            });
+            let max_blocks = longest.div_ceil(block_size);
+            let table_data: Vec<i32> =
+                tables.iter().flat_map(|row| (0..max_blocks).map(|i| row.get(i).map_or(0, |&id| id as i32))).collect();
+            let table = Tensor::from_vec(table_data, (rows, max_blocks), &gpu).unwrap();
+            let lens_t = Tensor::from_vec(lens.iter().map(|&l| l as i32).collect::<Vec<_>>(), rows, &gpu).unwrap();
+            // The rows' last t keys or values [B, Hkv, t, D], as the step appends them.
+            let last = |x: &Tensor| {
+                let rows: Vec<Tensor> =
+                    lens.iter().enumerate().map(|(r, &l)| x.get(r).unwrap().narrow(1, l - t, t).unwrap()).collect();
+                Tensor::stack(&rows, 0).unwrap()
+            };
+            let paged = PagedDecodeRows::new(&pools[0], &pools[1], block_size, &table).unwrap();
+            let paged = paged.append_attend(&q, &last(&keys), &last(&vals), &lens_t, scoring).unwrap();
+            for r in 0..rows {
+                let alone = causal_attention_rows(&q.narrow(0, r, 1).unwrap(), &history[r..=r], scoring).unwrap();
+                let row = |x: &Tensor| f32(&x.narrow(0, r, 1).unwrap());
+                assert_eq!(diff_bits(&row(&wide), &f32(&alone)), 0, "row {r} batched differs from alone, {what}");
+                assert_eq!(diff_bits(&row(&paged), &f32(&alone)), 0, "row {r} paged differs from alone, {what}");
+            }
+        }
+    }
+}

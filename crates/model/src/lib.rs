@@ -26,6 +26,6 @@ pub use error::{ModelError, Result};
 pub use folder::ModelFolder;
 pub use gemma3::{Gemma3, Gemma3Config};
 pub use generation_config::GenerationConfig;
-pub use model::{ArchConfig, Model, ModelConfig};
+pub use model::{ArchConfig, GraphStats, Model, ModelConfig};
 pub use qwen3_5::{Logits, MtpHead, Qwen35, Round};
 pub use tokenizer::Tokenizer;

@@ -68,6 +68,16 @@ impl From<ArchConfig> for ModelConfig {
     }
 }
 
+/// Decode steps recorded as CUDA graphs and replayed, and where the replayed steps' time went:
+/// on the host before each replay (checks, block tables, uploads), and on the GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GraphStats {
+    pub recordings: usize,
+    pub replays: usize,
+    pub prepare_ns: u64,
+    pub replay_gpu_ns: u64,
+}
+
 /// A loaded model of any supported family.
 pub enum Model {
     Qwen35(Qwen35),
@@ -138,12 +148,12 @@ impl Model {
         }
     }
 
-    /// Decode steps recorded as CUDA graphs and replayed from one so far: `(recordings,
-    /// replays)` (Qwen3.5 on CUDA; none elsewhere).
-    pub fn decode_graph_counts(&self) -> (usize, usize) {
+    /// Decode steps recorded as CUDA graphs and replayed from one so far (Qwen3.5 on CUDA; none
+    /// elsewhere).
+    pub fn decode_graph_stats(&self) -> GraphStats {
         match self {
-            Model::Qwen35(m) => m.decode_graph_counts(),
-            Model::Dense(_) | Model::Gemma3(_) => (0, 0),
+            Model::Qwen35(m) => m.decode_graph_stats(),
+            Model::Dense(_) | Model::Gemma3(_) => GraphStats::default(),
         }
     }
 

@@ -65,7 +65,7 @@ fn graph_replays_match_eager_steps_bit_for_bit() {
             let pool = StatePool::new(&model.state_spec(), 16, PoolSize::Fixed(64), PoolSize::Fixed(8), &device).unwrap();
             let lens = [3, 14, 30];
             let (mut graphed, mut eager) = (batch(&model, &pool, &lens), batch(&model, &pool, &lens));
-            let before = qwen.decode_graph_counts();
+            let before = qwen.decode_graph_stats();
             for step in 0..40u32 {
                 if step == 25 {
                     // The middle row leaves: a new layout, recorded again.
@@ -82,8 +82,9 @@ fn graph_replays_match_eager_steps_bit_for_bit() {
                 assert!(bits(&got) == bits(&want), "{what}: logits differ");
             }
             assert_same_state(&graphed, &eager, &format!("{} {dtype:?}", dir.display()));
-            let (recorded, replayed) = qwen.decode_graph_counts();
-            let (recorded, replayed) = (recorded - before.0, replayed - before.1);
+            let after = qwen.decode_graph_stats();
+            let (recorded, replayed) = (after.recordings - before.recordings, after.replays - before.replays);
+            assert!(after.replay_gpu_ns > before.replay_gpu_ns, "replays are timed on the GPU");
             // Two batch-size buckets (3 rows run as 4, then 2): each runs its first step eagerly,
             // records on its second and replays from then on, new blocks and all.
             assert_eq!(recorded, 2, "{}: recordings", dir.display());

@@ -16,12 +16,12 @@
 //! the same bits.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use candle_core::{DType, Tensor};
 use strata_kernels::attention::{lens_i32, PagedDecodeRows};
-use strata_kernels::{device_address, upload, StepGraph};
+use strata_kernels::{device_address, upload, GpuSpan, StepGraph};
 use strata_state::{BatchState, LayerState, PagedLayout, SlotLayout};
 
 use super::layers::Residual;
@@ -41,6 +41,10 @@ pub(super) struct DecodeGraphs {
     slot: Mutex<Recorded>,
     pub(super) recordings: AtomicUsize,
     pub(super) replays: AtomicUsize,
+    /// Host time of replayed steps before their replay (checks, block tables, uploads), and the
+    /// GPU time of the replays themselves.
+    pub(super) prepare_ns: AtomicU64,
+    pub(super) replay_gpu_ns: AtomicU64,
 }
 
 impl Default for DecodeGraphs {
@@ -50,6 +54,8 @@ impl Default for DecodeGraphs {
             slot: Mutex::default(),
             recordings: AtomicUsize::new(0),
             replays: AtomicUsize::new(0),
+            prepare_ns: AtomicU64::new(0),
+            replay_gpu_ns: AtomicU64::new(0),
         }
     }
 }
@@ -61,6 +67,8 @@ struct Recorded {
     seen: Vec<Shape>,
     /// Replays so far, to find the least recently used graph.
     clock: u64,
+    /// Around the latest replay; read (and cleared) at the next step, when it is surely done.
+    span: Option<(GpuSpan, bool)>,
 }
 
 /// What a recording is made for: a number of rows and a block-table width, each rounded up to a
@@ -235,6 +243,7 @@ impl DecodeGraphs {
         state: &mut BatchState,
         logits: Logits,
     ) -> Result<Option<Tensor>> {
+        let started = std::time::Instant::now();
         let rows = state.rows();
         if !self.enabled.load(Ordering::Relaxed)
             || !StepGraph::can_capture(&model.device)
@@ -260,11 +269,22 @@ impl DecodeGraphs {
         let Some(pooled) = Pooled::of(state)? else { return Ok(None) };
         let shape = pooled.shape(rows)?;
         let mut guard = self.slot.lock().unwrap_or_else(|e| e.into_inner());
-        let Recorded { graphs, seen, clock } = &mut *guard;
+        let Recorded { graphs, seen, clock, span } = &mut *guard;
         *clock += 1;
+        if span.is_none() {
+            *span = Some((GpuSpan::new(&model.device)?, false));
+        }
+        let (timer, timed) = span.as_mut().expect("set above");
+        if std::mem::take(timed) {
+            self.replay_gpu_ns.fetch_add(timer.elapsed_ns()?, Ordering::Relaxed);
+        }
         let logits = if let Some(graph) = graphs.get_mut(&shape) {
             graph.inputs.upload(model, &ids, &state.positions, &pooled, &shape)?;
+            self.prepare_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            timer.start()?;
             graph.graph.replay()?;
+            timer.end()?;
+            *timed = true;
             graph.last_used = *clock;
             self.replays.fetch_add(1, Ordering::Relaxed);
             graph.logits.narrow(0, 0, rows)?

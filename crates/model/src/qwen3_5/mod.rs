@@ -177,15 +177,21 @@ impl Qwen35 {
         let _ = on;
     }
 
-    /// Decode-step graphs recorded and replayed so far: `(recordings, replays)`.
-    pub fn decode_graph_counts(&self) -> (usize, usize) {
+    /// Decode steps recorded as CUDA graphs and replayed so far, and where replayed steps' time
+    /// went.
+    pub fn decode_graph_stats(&self) -> crate::GraphStats {
         #[cfg(feature = "cuda")]
-        return (
-            self.graphs.recordings.load(std::sync::atomic::Ordering::Relaxed),
-            self.graphs.replays.load(std::sync::atomic::Ordering::Relaxed),
-        );
+        {
+            let load = |n: &std::sync::atomic::AtomicU64| n.load(std::sync::atomic::Ordering::Relaxed);
+            crate::GraphStats {
+                recordings: self.graphs.recordings.load(std::sync::atomic::Ordering::Relaxed),
+                replays: self.graphs.replays.load(std::sync::atomic::Ordering::Relaxed),
+                prepare_ns: load(&self.graphs.prepare_ns),
+                replay_gpu_ns: load(&self.graphs.replay_gpu_ns),
+            }
+        }
         #[cfg(not(feature = "cuda"))]
-        (0, 0)
+        crate::GraphStats::default()
     }
 
     pub fn device(&self) -> &Device {
