@@ -4,8 +4,11 @@
 
 pub mod cache;
 pub mod generate;
+mod job;
+mod prefetch;
 pub mod sampler;
 mod scheduler;
+mod shared;
 pub mod speculative;
 pub mod worker;
 

@@ -6,168 +6,27 @@
 //! next, once that job fits the state budget: restored state never piles up on the device
 //! ahead of admission, however many jobs a burst queues.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use strata_model::Model;
-use strata_state::{BatchState, PoolSize, PoolStats, StateCost, StatePool};
+use strata_state::{PoolSize, PoolStats, StateCost, StatePool};
 
 use crate::cache::ssd::SsdError;
-use crate::cache::{
-    usable_prefix, CacheStats, Identity, RamCache, Recovery, Snapshot, SsdOptions, SsdStore, SsdWriter, PROMPT_NAMESPACE,
-};
-use crate::generate::{Generation, GenerationOptions, Sampled};
+use crate::cache::{CacheStats, RamCache, Recovery, SsdStore, SsdWriter};
+use crate::prefetch::spawn_prefetch;
 use crate::scheduler::Engine;
 use crate::speculative::{Drafter, Speculation};
 
-/// What a job reports, in order: `Started` once its prompt state is in place, tokens, then
-/// exactly one `Finished` or `Failed` (which may also come first).
-#[derive(Debug)]
-pub enum Event {
-    /// `cached_tokens` prompt tokens came from the prompt cache instead of a forward.
-    Started {
-        cached_tokens: usize,
-    },
-    Token(Sampled),
-    Finished(Generation),
-    Failed(String),
-}
-
-/// Where a job's events go. `send` returns false once nobody is listening.
-pub trait EventSink: Send {
-    fn send(&mut self, event: Event) -> bool;
-    fn is_closed(&self) -> bool;
-}
-
-pub struct Job {
-    pub prompt: Vec<u32>,
-    pub opts: GenerationOptions,
-    pub sink: Box<dyn EventSink>,
-    /// Prompt lengths at which the prompt cache should also keep a snapshot, e.g. where the
-    /// conversation so far ends in a chat prompt: the next turn re-renders the history and
-    /// shares exactly that prefix, while the tail after it (the generation prompt) may differ.
-    pub cache_points: Vec<usize>,
-}
-
-impl Job {
-    pub fn new(prompt: Vec<u32>, opts: GenerationOptions, sink: Box<dyn EventSink>) -> Self {
-        Self { prompt, opts, sink, cache_points: Vec::new() }
-    }
-}
-
-/// A job waiting for the engine thread, with the SSD read done for it.
-pub(crate) struct Queued {
-    pub job: Job,
-    pub fetch: Fetch,
-}
-
-/// Where the SSD read for a waiting job stands.
-pub(crate) enum Fetch {
-    /// Not asked for yet (the job is not next, or does not fit the budget yet).
-    Unasked,
-    /// Asked for under this request id.
-    Pending(u64),
-    /// Done: a prompt-cache entry read from SSD, a generation checkpoint to resume from, or
-    /// nothing usable.
-    Ready(Option<Snapshot>),
-}
-
-struct FetchRequest {
-    id: u64,
-    prompt: Vec<u32>,
-    /// The job's generation-checkpoint namespace, when it has one.
-    checkpoints: Option<u64>,
-}
-
-/// The engine thread's end of the prefetch thread: one request in flight at a time.
-pub(crate) struct Prefetcher {
-    requests: mpsc::Sender<FetchRequest>,
-    results: mpsc::Receiver<(u64, Option<Snapshot>)>,
-    next_id: u64,
-}
-
-impl Prefetcher {
-    /// Asks for the stored state `job` can use; the answer comes to [`Prefetcher::take`].
-    pub fn ask(&mut self, job: &Job, checkpoints: Option<u64>) -> Fetch {
-        self.next_id += 1;
-        let request = FetchRequest { id: self.next_id, prompt: job.prompt.clone(), checkpoints };
-        match self.requests.send(request) {
-            Ok(()) => Fetch::Pending(self.next_id),
-            // Without its thread there is no SSD tier to read: a miss.
-            Err(_) => Fetch::Ready(None),
-        }
-    }
-
-    /// The answer to request `id` once it is in (waiting for it with `block`); answers to
-    /// earlier requests, whose jobs went away meanwhile, are dropped.
-    pub fn take(&self, id: u64, block: bool, stats: &CacheStats) -> Option<Option<Snapshot>> {
-        loop {
-            let answer = match block {
-                true => self.results.recv().map_err(|_| mpsc::TryRecvError::Disconnected),
-                false => self.results.try_recv(),
-            };
-            match answer {
-                Ok((answered, snap)) if answered == id => return Some(snap),
-                Ok((_, stale)) => release_waiting(stats, stale.as_ref()),
-                Err(mpsc::TryRecvError::Empty) => return None,
-                // The thread is gone and will never answer: a miss.
-                Err(mpsc::TryRecvError::Disconnected) => return Some(None),
-            }
-        }
-    }
-}
-
-/// A restored snapshot stops waiting for admission: taken by its job, or dropped.
-pub(crate) fn release_waiting(stats: &CacheStats, snap: Option<&Snapshot>) {
-    if let Some(snap) = snap {
-        stats.ssd_restored_waiting_bytes.fetch_sub(snap.bytes(), Ordering::Relaxed);
-    }
-}
-
-#[derive(Clone, Copy, Debug)]
-pub struct EngineConfig {
-    /// Most rows decoded together (`--max-num-seqs`).
-    pub max_batch: usize,
-    /// Prompt tokens per prefill forward.
-    pub prefill_chunk: usize,
-    /// Admission by worst case (`--state-budget-bytes`): a job is admitted only while the
-    /// running rows' state at their full length (prompt + `max_tokens`) fits in these bytes,
-    /// and the pool is sized to hold them, so no row is ever preempted. `usize::MAX` (the
-    /// default): admission by the pool's free blocks instead, preempting rows when it runs short.
-    pub state_budget_bytes: usize,
-    /// Bytes of the state pool (`--kv-cache-memory`): its KV blocks and the rows' recurrent
-    /// slots. `None`: on a GPU sized from `gpu_memory_utilization`; else from
-    /// `state_budget_bytes` where that is bounded; else a pool that grows with the rows
-    /// (one-off runs).
-    pub kv_cache_bytes: Option<usize>,
-    /// Positions per KV block of the pool (`--kv-block-size`).
-    pub kv_block_size: usize,
-    /// On a GPU, the share of its memory for weights, activations and the state pool
-    /// (`--gpu-memory-utilization`, vLLM's meaning): the pool gets what the loaded weights and
-    /// the activations' reserve leave of it, and the state budget is what the pool holds.
-    pub gpu_memory_utilization: Option<f64>,
-}
+pub use crate::job::{Event, EventSink, Job};
+use crate::job::{Fetch, Queued};
+use crate::shared::SharedCache;
+pub use crate::shared::{
+    CacheConfig, EngineConfig, SsdConfig, WorkerStats, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_BLOCK_SIZE,
+};
 
 impl EngineConfig {
-    /// Defaults for a device: CPU decode gains little past 16 rows; GPUs batch wider (256 rows,
-    /// vLLM's default), size the pool from their memory, and take prompts in longer chunks (a
-    /// GPU forward of 512 tokens leaves its matmuls and the chunked DeltaNet kernels short of
-    /// work; 2048 prefilled an 8K prompt of the 4B shape ~20% faster on an H200, for a longer
-    /// pause of running streams while a prompt joins).
-    pub fn for_device(device: &candle_core::Device) -> Self {
-        let cpu = device.is_cpu();
-        let (max_batch, prefill_chunk) = if cpu { (16, 512) } else { (256, 2048) };
-        Self {
-            max_batch,
-            prefill_chunk,
-            state_budget_bytes: usize::MAX,
-            kv_cache_bytes: None,
-            kv_block_size: DEFAULT_KV_BLOCK_SIZE,
-            gpu_memory_utilization: (!cpu).then_some(DEFAULT_GPU_MEMORY_UTILIZATION),
-        }
-    }
-
     /// The state pool the running batch keeps its rows in (see `kv_cache_bytes`).
     fn state_pool(&self, model: &Model, cache: &CacheConfig) -> Result<StatePool, SpawnError> {
         let spec = model.state_spec();
@@ -261,120 +120,6 @@ impl MemoryPlan {
             return Err(too_small(format!("{:.1} GiB, not a block past every row's partly filled ones", gib(for_state))));
         }
         Ok(blocks)
-    }
-}
-
-/// vLLM's default block size.
-pub const DEFAULT_KV_BLOCK_SIZE: usize = 16;
-
-/// vLLM's default share of a GPU's memory.
-pub const DEFAULT_GPU_MEMORY_UTILIZATION: f64 = 0.9;
-
-/// The prompt cache's settings.
-#[derive(Clone, Debug)]
-pub struct CacheConfig {
-    /// Bytes of snapshots the RAM tier (memory of the model's device) may hold; 0 turns it off.
-    pub ram_bytes: usize,
-    /// During a long prefill, snapshot every `stride` prompt tokens (0: only at the prompt end).
-    pub stride: usize,
-    pub ssd: Option<SsdConfig>,
-    /// Persist each deterministic generation's state every this many output tokens (0: off);
-    /// needs the SSD tier.
-    pub checkpoint_every: usize,
-}
-
-#[derive(Clone, Debug)]
-pub struct SsdConfig {
-    pub options: SsdOptions,
-    pub identity: Identity,
-    /// Snapshots waiting to be written; when full, new ones are dropped (and counted).
-    pub queue: usize,
-}
-
-impl CacheConfig {
-    /// RAM tier only, sized for a device: host memory on CPU, device memory on GPU. The stride
-    /// follows the device's prefill chunk (chunks end at stride points).
-    pub fn for_device(device: &candle_core::Device) -> Self {
-        let gib = if device.is_cpu() { 4 } else { 8 };
-        Self { ram_bytes: gib << 30, stride: EngineConfig::for_device(device).prefill_chunk, ssd: None, checkpoint_every: 0 }
-    }
-
-    pub fn off() -> Self {
-        Self { ram_bytes: 0, stride: 0, ssd: None, checkpoint_every: 0 }
-    }
-}
-
-/// Counters read by `/stats` and `/metrics`.
-#[derive(Debug, Default)]
-pub struct WorkerStats {
-    pub queued: AtomicUsize,
-    pub active: AtomicUsize,
-    pub requests: AtomicU64,
-    pub cancelled: AtomicU64,
-    pub prompt_tokens: AtomicU64,
-    pub generated_tokens: AtomicU64,
-    pub state_bytes_reserved: AtomicUsize,
-    pub decode_steps: AtomicU64,
-    pub prefill_chunks: AtomicU64,
-    /// Speculative decoding: tokens drafted, and how many the target accepted.
-    pub draft_rounds: AtomicU64,
-    pub drafted_tokens: AtomicU64,
-    pub accepted_tokens: AtomicU64,
-    /// Decode steps recorded as CUDA graphs, and replayed from one.
-    pub graph_recordings: AtomicUsize,
-    pub graph_replays: AtomicUsize,
-    /// Of the replayed steps: host time before each replay, and the replays' GPU time.
-    pub graph_prepare_ns: AtomicU64,
-    pub graph_replay_gpu_ns: AtomicU64,
-    /// Time spent in decode steps, and the part of it in the target's forward (to its logits
-    /// on the host): the rest is the scheduler's own work (drafting, sampling, bookkeeping).
-    pub decode_ns: AtomicU64,
-    pub decode_forward_ns: AtomicU64,
-    /// Running rows taken out of the batch (their state moved to host memory) because the
-    /// pool ran short of KV blocks; each resumed later, bit for bit where it stopped.
-    pub preemptions: AtomicU64,
-}
-
-/// The cache parts shared by the handle, the prefetch thread and the engine thread.
-pub(crate) struct SharedCache {
-    pub config: CacheConfig,
-    pub stats: Arc<CacheStats>,
-    pub ram: Mutex<RamCache>,
-    pub writer: Option<SsdWriter>,
-    /// The model's device, where the cached states live.
-    pub device: candle_core::Device,
-}
-
-impl SharedCache {
-    /// The namespace of `opts`' generation checkpoints, or None when the generation is not
-    /// reproducible (unseeded sampling, or logprobs that a resume could not replay).
-    /// Every checkpoint of one namespace belongs to the same prompt and settings, so the
-    /// longest one is the one to resume from.
-    pub fn checkpoint_namespace(&self, prompt: &[u32], opts: &GenerationOptions) -> Option<u64> {
-        let deterministic = opts.sampling.is_greedy() || opts.sampling.seed.is_some();
-        if self.config.checkpoint_every == 0 || self.writer.is_none() || !deterministic || opts.logprobs.is_some() {
-            return None;
-        }
-        let mut key = xxhash_rust::xxh3::Xxh3::new();
-        prompt.iter().for_each(|t| key.update(&t.to_le_bytes()));
-        key.update(format!("{:?} {:?} {}", opts.sampling, opts.stop_tokens, opts.max_tokens).as_bytes());
-        // Never 0, the prompt cache's namespace.
-        Some(key.digest() | 1)
-    }
-
-    pub fn ram(&self) -> std::sync::MutexGuard<'_, RamCache> {
-        self.ram.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// The result of copying state into or out of the cache, or `None` (counted and logged)
-    /// when the copy failed, e.g. the device was out of memory: the cache is then a miss, or
-    /// keeps nothing, and the batch carries on.
-    pub fn copied<T>(&self, what: &str, copy: strata_state::Result<T>) -> Option<T> {
-        copy.inspect_err(|e| {
-            self.stats.copy_failures.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %e, "prompt cache: could not copy {what}; going on without it");
-        })
-        .ok()
     }
 }
 
@@ -551,66 +296,6 @@ impl Worker {
     }
 }
 
-/// Starts the thread that reads usable SSD state for the jobs the engine asks about. It reads
-/// only when the SSD holds more of the prompt than the RAM tier does.
-fn spawn_prefetch(cache: Arc<SharedCache>, template: BatchState) -> Prefetcher {
-    let (requests, incoming) = mpsc::channel::<FetchRequest>();
-    let (answers, results) = mpsc::channel();
-    std::thread::Builder::new()
-        .name("strata-prefetch".into())
-        .spawn(move || {
-            for request in incoming {
-                let snap = prefetch(&cache, &template, &request);
-                if let Some(snap) = &snap {
-                    cache.stats.ssd_restored_waiting_bytes.fetch_add(snap.bytes(), Ordering::Relaxed);
-                }
-                if let Err(unsent) = answers.send((request.id, snap)) {
-                    let _device = strata_kernels::device_use(&cache.device);
-                    drop(unsent);
-                    break;
-                }
-            }
-            // The template's device tensors are freed on this thread, which may never have
-            // touched the device (nothing was restored).
-            let _device = strata_kernels::device_use(&cache.device);
-            drop(template);
-        })
-        .expect("the OS can start a thread");
-    Prefetcher { requests, results, next_id: 0 }
-}
-
-fn prefetch(cache: &SharedCache, template: &BatchState, request: &FetchRequest) -> Option<Snapshot> {
-    let store = cache.writer.as_ref()?.store();
-    let prompt = &request.prompt;
-    let hit = match request.checkpoints.and_then(|ns| {
-        store.lookup(ns, |tokens, _| if tokens.len() >= prompt.len() && tokens.starts_with(prompt) { tokens.len() } else { 0 })
-    }) {
-        Some(checkpoint) => checkpoint,
-        None => {
-            let limit = prompt.len().saturating_sub(1);
-            let score = |tokens: &[u32], trim: bool| usable_prefix(tokens, trim, prompt, limit);
-            let hit = store.lookup(PROMPT_NAMESPACE, score)?;
-            if hit.usable <= cache.ram().best(PROMPT_NAMESPACE, score) {
-                return None;
-            }
-            hit
-        }
-    };
-    let started = Instant::now();
-    // Creating the state on the device must not land in a decode step being recorded.
-    let _device = strata_kernels::device_use(&cache.device);
-    match store.load(&hit, template) {
-        Ok(snap) => {
-            tracing::debug!(tokens = hit.usable, micros = started.elapsed().as_micros() as u64, "restored from SSD");
-            Some(snap)
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "dropped an unreadable SSD cache entry; the prompt is prefilled instead");
-            None
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::path::PathBuf;
@@ -618,8 +303,11 @@ mod tests {
     use candle_core::{DType, Device};
     use strata_model::ModelFolder;
 
+    use strata_state::BatchState;
+
     use super::*;
-    use crate::SamplingParams;
+    use crate::cache::{Snapshot, PROMPT_NAMESPACE};
+    use crate::{GenerationOptions, SamplingParams};
 
     struct Events(mpsc::Sender<Event>);
 

@@ -1,0 +1,56 @@
+//! A job and what it reports: what requesters hand the engine thread, and how it answers.
+
+use crate::cache::Snapshot;
+use crate::generate::{Generation, GenerationOptions, Sampled};
+
+/// What a job reports, in order: `Started` once its prompt state is in place, tokens, then
+/// exactly one `Finished` or `Failed` (which may also come first).
+#[derive(Debug)]
+pub enum Event {
+    /// `cached_tokens` prompt tokens came from the prompt cache instead of a forward.
+    Started {
+        cached_tokens: usize,
+    },
+    Token(Sampled),
+    Finished(Generation),
+    Failed(String),
+}
+
+/// Where a job's events go. `send` returns false once nobody is listening.
+pub trait EventSink: Send {
+    fn send(&mut self, event: Event) -> bool;
+    fn is_closed(&self) -> bool;
+}
+
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub opts: GenerationOptions,
+    pub sink: Box<dyn EventSink>,
+    /// Prompt lengths at which the prompt cache should also keep a snapshot, e.g. where the
+    /// conversation so far ends in a chat prompt: the next turn re-renders the history and
+    /// shares exactly that prefix, while the tail after it (the generation prompt) may differ.
+    pub cache_points: Vec<usize>,
+}
+
+impl Job {
+    pub fn new(prompt: Vec<u32>, opts: GenerationOptions, sink: Box<dyn EventSink>) -> Self {
+        Self { prompt, opts, sink, cache_points: Vec::new() }
+    }
+}
+
+/// A job waiting for the engine thread, with the SSD read done for it.
+pub(crate) struct Queued {
+    pub job: Job,
+    pub fetch: Fetch,
+}
+
+/// Where the SSD read for a waiting job stands.
+pub(crate) enum Fetch {
+    /// Not asked for yet (the job is not next, or does not fit the budget yet).
+    Unasked,
+    /// Asked for under this request id.
+    Pending(u64),
+    /// Done: a prompt-cache entry read from SSD, a generation checkpoint to resume from, or
+    /// nothing usable.
+    Ready(Option<Snapshot>),
+}

@@ -1,0 +1,368 @@
+//! The engine thread's policy: which rows run, from plain bookkeeping alone (no model, no
+//! tensors), so that it can be tested without either.
+//!
+//! Every action changes the pool's free blocks by an amount only the state knows (a restored
+//! row's blocks, copies of shared blocks, what a preempted row's shared prefix gives back), so
+//! the policy plans one decision at a time against the blocks measured after the last one: the
+//! engine asks, the runner acts, and the engine asks again.
+
+use crate::shared::EngineConfig;
+
+/// The pool's KV blocks as the policy sees them.
+pub(crate) trait Blocks {
+    /// Positions per block.
+    fn block_size(&self) -> usize;
+    /// Free blocks once the prompt cache has given up entries until `need` are free (or it
+    /// holds no more): its entries come after the running requests. `None`: a pool that grows.
+    fn free_toward(&mut self, need: usize) -> Option<usize>;
+}
+
+/// The jobs in flight.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Load {
+    /// Rows in the running batch.
+    pub running: usize,
+    /// The job being prefilled: prompt tokens fed so far.
+    pub joiner: Option<usize>,
+    /// Worst-case state bytes of the running, preempted and prefilling jobs.
+    pub reserved_bytes: usize,
+}
+
+/// The oldest waiting job.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Waiting {
+    pub prompt_len: usize,
+    /// Worst-case state bytes (prompt + `max_tokens`).
+    pub bytes: usize,
+    /// Whether its stored-state read is done.
+    pub fetched: bool,
+}
+
+/// What admission does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Admission {
+    /// The first preempted row comes back into the batch.
+    Resume,
+    /// The oldest waiting job fits the budget: ask for its read, then ask again.
+    Fetch,
+    /// The oldest waiting job starts.
+    Start,
+    /// Nothing more this step.
+    Wait,
+}
+
+/// The joiner's next prefill chunk: its prompt as far as the policy needs it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Prompt<'a> {
+    pub fed: usize,
+    pub len: usize,
+    /// Prompt lengths where the job asks for snapshots too.
+    pub cache_points: &'a [usize],
+    /// `Some(stride)` when the prompt cache keeps snapshots (0: only at the prompt's end).
+    pub snapshots: Option<usize>,
+}
+
+/// A prefill chunk: it feeds the prompt up to `end`, and takes a snapshot there when `snapshot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Chunk {
+    pub end: usize,
+    pub snapshot: bool,
+}
+
+/// A measure that frees blocks for a decode step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Measure {
+    /// The prefilling job starts over; its prompt is fed again later.
+    RestartJoiner,
+    /// Running row `i` goes to host memory until it resumes.
+    Preempt(usize),
+}
+
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Policy {
+    pub max_seqs: usize,
+    pub prefill_chunk: usize,
+    pub state_budget_bytes: usize,
+}
+
+impl Policy {
+    pub fn new(config: &EngineConfig) -> Self {
+        Self { max_seqs: config.max_batch, prefill_chunk: config.prefill_chunk, state_budget_bytes: config.state_budget_bytes }
+    }
+
+    /// Preempted rows come back first, the first preempted first, and no job starts while one
+    /// waits. Jobs start strictly in arrival order, so none starves: only the oldest is ever
+    /// considered. Its read is asked for once it fits the budget, even while the batch is full
+    /// or another job prefills, so that the read overlaps their work.
+    pub fn admission(
+        &self,
+        load: &Load,
+        preempted: Option<usize>,
+        waiting: Option<Waiting>,
+        blocks: &mut impl Blocks,
+    ) -> Admission {
+        if let Some(position) = preempted {
+            let batch_full = load.running + load.joiner.is_some() as usize >= self.max_seqs;
+            return match !batch_full && Self::has_room(load, position, blocks) {
+                true => Admission::Resume,
+                false => Admission::Wait,
+            };
+        }
+        let Some(job) = waiting else { return Admission::Wait };
+        if load.reserved_bytes.checked_add(job.bytes).is_none_or(|total| total > self.state_budget_bytes) {
+            return Admission::Wait;
+        }
+        if !job.fetched {
+            return Admission::Fetch;
+        }
+        if load.joiner.is_some() || load.running >= self.max_seqs || !Self::has_room(load, job.prompt_len, blocks) {
+            return Admission::Wait;
+        }
+        Admission::Start
+    }
+
+    /// Whether the pool's free blocks hold `tokens` positions of one more row besides a block
+    /// for each running row's next step.
+    fn has_room(load: &Load, tokens: usize, blocks: &mut impl Blocks) -> bool {
+        let need = tokens.div_ceil(blocks.block_size()) + 1 + load.running;
+        blocks.free_toward(need).is_none_or(|free| free >= need)
+    }
+
+    /// The joiner's next chunk: at most `prefill_chunk` tokens, ending where a snapshot is due
+    /// (every `stride` tokens, at the job's cache points, one token before the prompt's end);
+    /// without a cache, chunking is left alone.
+    pub fn chunk(&self, prompt: &Prompt) -> Chunk {
+        let Prompt { fed, len, cache_points, snapshots } = *prompt;
+        let mut end = (fed + self.prefill_chunk.max(1)).min(len);
+        let stride = snapshots.unwrap_or(0);
+        let next_point = cache_points.iter().copied().filter(|&p| p > fed && p < len).min();
+        if snapshots.is_some() && fed + 1 < len {
+            end = end.min(len - 1).min(next_point.unwrap_or(len));
+        }
+        if stride > 0 {
+            end = end.min((fed / stride + 1) * stride);
+        }
+        let point = end + 1 == len || (stride > 0 && end % stride == 0) || next_point == Some(end);
+        Chunk { end, snapshot: snapshots.is_some() && end < len && point }
+    }
+
+    /// Whether a chunk that takes `blocks_to_grow` blocks runs now. The running rows come
+    /// first: a block each stays free for their next step, and the chunk waits while that would
+    /// not leave it room.
+    pub fn chunk_runs(&self, load: &Load, blocks_to_grow: usize, blocks: &mut impl Blocks) -> bool {
+        let need = blocks_to_grow + load.running;
+        let free = blocks.free_toward(need);
+        load.running == 0 || free.is_none_or(|free| free >= need)
+    }
+
+    /// Whether a decode step that takes `need` blocks fits the pool.
+    pub fn step_fits(&self, need: usize, blocks: &mut impl Blocks) -> bool {
+        blocks.free_toward(need).is_none_or(|free| free >= need)
+    }
+
+    /// The measures that free blocks for a decode step that does not fit, in the order they
+    /// are taken until it does (the prompt cache gives up entries before each check): the
+    /// prefilling job starts over, then the youngest rows are preempted. One row always fits
+    /// alone (admission checked that its longest state fits the pool), so the oldest row is
+    /// never preempted.
+    pub fn relief(&self, load: &Load) -> Vec<Measure> {
+        let restart = load.joiner.is_some_and(|fed| fed > 0).then_some(Measure::RestartJoiner);
+        restart.into_iter().chain((1..load.running).rev().map(Measure::Preempt)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool of `free` blocks and a prompt cache holding `evictable` more, given up one at a
+    /// time as the runner's does; `asked` records every need it was asked to meet.
+    struct FakeBlocks {
+        block_size: usize,
+        free: Option<usize>,
+        evictable: usize,
+        asked: Vec<usize>,
+    }
+
+    impl FakeBlocks {
+        fn new(free: usize) -> Self {
+            Self { block_size: 16, free: Some(free), evictable: 0, asked: Vec::new() }
+        }
+
+        fn growing() -> Self {
+            Self { free: None, ..Self::new(0) }
+        }
+    }
+
+    impl Blocks for FakeBlocks {
+        fn block_size(&self) -> usize {
+            self.block_size
+        }
+
+        fn free_toward(&mut self, need: usize) -> Option<usize> {
+            self.asked.push(need);
+            let free = self.free.as_mut()?;
+            while *free < need && self.evictable > 0 {
+                (*free, self.evictable) = (*free + 1, self.evictable - 1);
+            }
+            Some(*free)
+        }
+    }
+
+    fn policy(max_seqs: usize) -> Policy {
+        Policy { max_seqs, prefill_chunk: 64, state_budget_bytes: usize::MAX }
+    }
+
+    fn job(prompt_len: usize) -> Waiting {
+        Waiting { prompt_len, bytes: 0, fetched: true }
+    }
+
+    fn load(running: usize) -> Load {
+        Load { running, ..Load::default() }
+    }
+
+    #[test]
+    fn the_oldest_job_starts_when_it_fits() {
+        let mut blocks = FakeBlocks::new(100);
+        assert_eq!(policy(4).admission(&load(0), None, Some(job(32)), &mut blocks), Admission::Start);
+        assert_eq!(policy(4).admission(&load(0), None, None, &mut blocks), Admission::Wait);
+    }
+
+    /// First come, first served: a job that does not fit holds back every job behind it, even
+    /// one that would.
+    #[test]
+    fn admission_is_first_come_first_served() {
+        let (oldest, small) = (job(16 * 9), job(1));
+        let mut blocks = FakeBlocks::new(10);
+        assert_eq!(policy(4).admission(&load(1), None, Some(small), &mut blocks), Admission::Start);
+        assert_eq!(policy(4).admission(&load(1), None, Some(oldest), &mut blocks), Admission::Wait, "9 + 1 + 1 blocks of 10");
+        blocks.free = Some(11);
+        assert_eq!(policy(4).admission(&load(1), None, Some(oldest), &mut blocks), Admission::Start);
+    }
+
+    #[test]
+    fn max_num_seqs_caps_the_batch() {
+        let mut blocks = FakeBlocks::growing();
+        assert_eq!(policy(2).admission(&load(1), None, Some(job(8)), &mut blocks), Admission::Start);
+        assert_eq!(policy(2).admission(&load(2), None, Some(job(8)), &mut blocks), Admission::Wait);
+        // A preempted row counts the prefilling job against the cap too.
+        let prefilling = Load { running: 1, joiner: Some(0), ..Load::default() };
+        assert_eq!(policy(2).admission(&prefilling, Some(8), None, &mut blocks), Admission::Wait);
+        assert_eq!(policy(3).admission(&prefilling, Some(8), None, &mut blocks), Admission::Resume);
+    }
+
+    #[test]
+    fn one_job_prefills_at_a_time() {
+        let prefilling = Load { running: 0, joiner: Some(5), ..Load::default() };
+        assert_eq!(policy(4).admission(&prefilling, None, Some(job(8)), &mut FakeBlocks::growing()), Admission::Wait);
+    }
+
+    /// A job starts only while the free blocks cover its prompt (rounded up to blocks) and one
+    /// block more, besides a block for every running row's next step.
+    #[test]
+    fn a_job_waits_for_blocks_for_its_prompt_and_each_running_row() {
+        let tokens = 16 * 5 + 1; // 6 blocks
+        for (running, free, admitted) in [(0, 7, true), (0, 6, false), (3, 10, true), (3, 9, false)] {
+            let mut blocks = FakeBlocks::new(free);
+            let next = policy(8).admission(&load(running), None, Some(job(tokens)), &mut blocks);
+            assert_eq!(next == Admission::Start, admitted, "{running} running, {free} free");
+            assert_eq!(blocks.asked, [6 + 1 + running]);
+        }
+    }
+
+    /// The prompt cache gives up what admission needs, and no more.
+    #[test]
+    fn the_prompt_cache_gives_up_blocks_for_a_job() {
+        let mut blocks = FakeBlocks { evictable: 5, ..FakeBlocks::new(4) };
+        assert_eq!(policy(4).admission(&load(1), None, Some(job(64)), &mut blocks), Admission::Start);
+        assert_eq!((blocks.free, blocks.evictable), (Some(4 + 1 + 1), 3));
+    }
+
+    #[test]
+    fn preempted_rows_resume_before_any_job_starts() {
+        let mut blocks = FakeBlocks::new(100);
+        assert_eq!(policy(4).admission(&load(1), Some(40), Some(job(1)), &mut blocks), Admission::Resume);
+        // One that has no room yet holds back every job, however small.
+        let mut blocks = FakeBlocks::new(4);
+        assert_eq!(policy(4).admission(&load(1), Some(40), Some(job(1)), &mut blocks), Admission::Wait);
+        assert_eq!(blocks.asked, [3 + 1 + 1], "only the preempted row's room is measured");
+    }
+
+    /// With a budget, a job starts only while every job in flight fits it at its worst case,
+    /// however many blocks are free; its read is not even asked for before.
+    #[test]
+    fn the_state_budget_caps_admission() {
+        let capped = Policy { state_budget_bytes: 1000, ..policy(8) };
+        let busy = Load { running: 1, reserved_bytes: 600, ..Load::default() };
+        let mut blocks = FakeBlocks::growing();
+        let next = |bytes, fetched, blocks: &mut FakeBlocks| {
+            capped.admission(&busy, None, Some(Waiting { prompt_len: 8, bytes, fetched }), blocks)
+        };
+        assert_eq!(next(401, false, &mut blocks), Admission::Wait);
+        assert_eq!(next(400, false, &mut blocks), Admission::Fetch);
+        assert_eq!(next(400, true, &mut blocks), Admission::Start);
+        assert_eq!(next(usize::MAX, true, &mut blocks), Admission::Wait, "an overflow is over the budget");
+    }
+
+    /// A job's read is asked for while the batch is full, so that it overlaps the running work.
+    #[test]
+    fn the_read_is_asked_for_while_the_batch_is_full() {
+        let mut blocks = FakeBlocks::new(0);
+        let unread = Waiting { fetched: false, ..job(8) };
+        assert_eq!(policy(1).admission(&load(1), None, Some(unread), &mut blocks), Admission::Fetch);
+        assert!(blocks.asked.is_empty(), "no blocks are freed for a job that cannot start");
+    }
+
+    #[test]
+    fn the_joiner_restarts_before_the_youngest_rows_are_preempted() {
+        let load = Load { running: 4, joiner: Some(30), ..Load::default() };
+        let expected = [Measure::RestartJoiner, Measure::Preempt(3), Measure::Preempt(2), Measure::Preempt(1)];
+        assert_eq!(policy(8).relief(&load), expected);
+        // A joiner that has fed nothing holds no blocks worth freeing.
+        let fresh = Load { joiner: Some(0), ..load };
+        assert_eq!(policy(8).relief(&fresh), [Measure::Preempt(3), Measure::Preempt(2), Measure::Preempt(1)]);
+    }
+
+    #[test]
+    fn a_single_row_is_never_preempted() {
+        assert_eq!(policy(8).relief(&load(1)), []);
+        assert_eq!(policy(8).relief(&Load { joiner: Some(1), ..load(1) }), [Measure::RestartJoiner]);
+    }
+
+    #[test]
+    fn a_decode_step_fits_after_the_cache_gives_up_blocks() {
+        let mut blocks = FakeBlocks { evictable: 2, ..FakeBlocks::new(3) };
+        assert!(policy(8).step_fits(5, &mut blocks));
+        assert!(!policy(8).step_fits(6, &mut blocks));
+        assert!(policy(8).step_fits(usize::MAX, &mut FakeBlocks::growing()));
+    }
+
+    /// A chunk leaves a block free for each running row; with no row running it never waits.
+    #[test]
+    fn a_chunk_waits_for_the_running_rows() {
+        assert!(policy(8).chunk_runs(&load(3), 2, &mut FakeBlocks::new(5)));
+        assert!(!policy(8).chunk_runs(&load(3), 2, &mut FakeBlocks::new(4)));
+        let mut blocks = FakeBlocks::new(0);
+        assert!(policy(8).chunk_runs(&load(0), 2, &mut blocks));
+        assert_eq!(blocks.asked, [2], "the cache still gives up what the chunk takes");
+    }
+
+    #[test]
+    fn chunks_end_where_snapshots_are_due() {
+        let prompt = |fed, len, snapshots| Prompt { fed, len, cache_points: &[], snapshots };
+        let chunk = |end, snapshot| Chunk { end, snapshot };
+        let p = policy(8); // chunks of 64
+                           // Without a cache, only the chunk size cuts the prompt.
+        assert_eq!(p.chunk(&prompt(0, 100, None)), chunk(64, false));
+        assert_eq!(p.chunk(&prompt(64, 100, None)), chunk(100, false));
+        // With one: one token before the end, and at every stride.
+        assert_eq!(p.chunk(&prompt(0, 50, Some(0))), chunk(49, true));
+        assert_eq!(p.chunk(&prompt(49, 50, Some(0))), chunk(50, false));
+        assert_eq!(p.chunk(&prompt(0, 100, Some(24))), chunk(24, true));
+        assert_eq!(p.chunk(&prompt(24, 100, Some(24))), chunk(48, true));
+        // And at the job's cache points.
+        let points = Prompt { cache_points: &[10, 70, 200], ..prompt(0, 100, Some(0)) };
+        assert_eq!(p.chunk(&points), chunk(10, true));
+        assert_eq!(p.chunk(&Prompt { fed: 10, ..points }), chunk(70, true));
+    }
+}

@@ -1,0 +1,317 @@
+//! Running what the policy planned: the model's forwards (and their CUDA graphs, inside the
+//! model), the state pool, the running batch's state and the drafter. Moves state between the
+//! pool, the prompt cache and host memory; samples nothing.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use candle_core::{Device, Tensor};
+use strata_model::{Logits, Model, Round};
+use strata_state::{BatchState, StatePool};
+
+use super::apply::{Row, Scores};
+use super::policy::Blocks;
+use crate::cache::{usable_prefix, Snapshot, PROMPT_NAMESPACE};
+use crate::shared::SharedCache;
+use crate::speculative::{Drafter, JoinerDraft};
+use strata_kernels::matmul::MAX_EXACT_ROWS;
+
+pub(super) struct Runner {
+    model: Model,
+    /// Where the rows' state lives (see [`crate::EngineConfig`]).
+    pool: StatePool,
+    drafter: Option<Drafter>,
+    /// State of the running rows, in the engine's row order.
+    batch: Option<BatchState>,
+}
+
+/// A decode forward's output, before its rows are sampled.
+pub(super) struct Decoded {
+    /// Per row, per fed position.
+    pub scores: Vec<Vec<Scores>>,
+    /// Per row, the drafts fed after its last token.
+    pub drafts: Vec<Vec<u32>>,
+    round: Option<Round>,
+    hidden: Option<Tensor>,
+}
+
+/// The pool's blocks, with the prompt cache giving up entries on demand.
+pub(super) struct PoolBlocks<'a> {
+    pool: &'a StatePool,
+    cache: &'a SharedCache,
+}
+
+impl Blocks for PoolBlocks<'_> {
+    fn block_size(&self) -> usize {
+        self.pool.block_size()
+    }
+
+    fn free_toward(&mut self, need: usize) -> Option<usize> {
+        let mut free = self.pool.blocks_free()?;
+        if free < need {
+            let mut ram = self.cache.ram();
+            while free < need && ram.evict_oldest() {
+                free = self.pool.blocks_free().unwrap_or(usize::MAX);
+            }
+        }
+        Some(free)
+    }
+}
+
+impl Runner {
+    pub fn new(model: Model, pool: StatePool, drafter: Option<Drafter>) -> Self {
+        Self { model, pool, drafter, batch: None }
+    }
+
+    pub fn blocks<'a>(&'a self, cache: &'a SharedCache) -> PoolBlocks<'a> {
+        PoolBlocks { pool: &self.pool, cache }
+    }
+
+    /// The running batch's state, while a row runs.
+    pub fn batch(&self) -> Option<&BatchState> {
+        self.batch.as_ref()
+    }
+
+    /// Tokens the drafter drafts per row at most (0 without one).
+    pub fn max_draft(&self) -> usize {
+        self.drafter.as_ref().map_or(0, |d| d.tokens)
+    }
+
+    /// CUDA graphs recorded and replayed for decode steps.
+    pub fn graph_stats(&self) -> strata_model::GraphStats {
+        self.model.decode_graph_stats()
+    }
+
+    /// Fresh state for `rows` sequences, in the pool.
+    fn new_state(&self, rows: usize) -> strata_model::Result<BatchState> {
+        Ok(self.pool.new_state(rows)?)
+    }
+
+    /// A copy of `state` in the pool.
+    fn into_pool(&self, state: &BatchState) -> strata_state::Result<BatchState> {
+        let mut pooled = self.pool.new_state(0)?;
+        pooled.merge(state)?;
+        Ok(pooled)
+    }
+
+    /// Moves a row's state into the running batch (and the draft model's); `context` is the
+    /// row's tokens so far.
+    pub fn join(
+        &mut self,
+        context: &[u32],
+        state: BatchState,
+        draft: JoinerDraft,
+        prefill_chunk: usize,
+    ) -> strata_model::Result<()> {
+        if let Some(drafter) = &mut self.drafter {
+            drafter.join(&context[..context.len() - 1], prefill_chunk, draft)?;
+        }
+        match &mut self.batch {
+            Some(batch) => batch.merge(&state)?,
+            // A restored state owns its tensors: the batch starts in the pool and copies it in.
+            None if !self.pool.holds(&state) => {
+                let mut batch = self.new_state(0)?;
+                batch.merge(&state)?;
+                self.batch = Some(batch);
+            }
+            None => self.batch = Some(state),
+        }
+        Ok(())
+    }
+
+    /// Takes running row `i` of `rows` out of the batch: returns its state as host tensors
+    /// named as [`BatchState::parts`] names them, and its position; its blocks and slot go
+    /// back to the pool.
+    pub fn preempt(&mut self, i: usize, rows: usize) -> strata_model::Result<(Vec<(String, Tensor)>, usize)> {
+        let batch = self.batch.as_mut().expect("a row runs");
+        let position = batch.positions[i];
+        let parts = batch.extract(i)?.parts()?;
+        let parts =
+            parts.into_iter().map(|(name, t)| Ok((name, t.to_device(&Device::Cpu)?))).collect::<strata_model::Result<_>>()?;
+        let keep: Vec<usize> = (0..rows).filter(|&r| r != i).collect();
+        self.filter(&keep)?;
+        Ok((parts, position))
+    }
+
+    /// A preempted row's state, from its host tensors back into the pool.
+    pub fn restore(&self, parts: &[(String, Tensor)], position: usize) -> strata_model::Result<BatchState> {
+        let device = self.model.device().clone();
+        Ok(BatchState::from_parts(&self.new_state(0)?, position, |name| {
+            let (_, part) = parts.iter().find(|(n, _)| n == name).expect("parts() named every part from_parts asks for");
+            Ok(part.to_device(&device)?)
+        })?)
+    }
+
+    /// Gives a prefilling job's blocks and slot back to the pool, then fresh state for it.
+    pub fn restart(&self, state: &mut BatchState) -> strata_model::Result<()> {
+        state.filter(&[])?; // its blocks and slot back to the pool first
+        *state = self.new_state(1)?;
+        Ok(())
+    }
+
+    /// The state to prefill `prompt` from: a copy of the longest usable cached prefix (the SSD
+    /// entry read ahead, or the RAM tier's best), else a fresh state; and the tokens it covers.
+    /// At least the last prompt token is always computed, since its logits choose the first
+    /// output token. A copy that fails is a miss.
+    pub fn restore_prompt(
+        &self,
+        cache: &SharedCache,
+        prompt: &[u32],
+        from_ssd: Option<Snapshot>,
+    ) -> strata_model::Result<(BatchState, usize)> {
+        let limit = prompt.len().saturating_sub(1);
+        let score = |tokens: &[u32], trim: bool| usable_prefix(tokens, trim, prompt, limit);
+        let stats = &cache.stats;
+        let mut ram = cache.ram();
+        let ssd = from_ssd.map(|snap| (score(&snap.tokens, snap.can_trim()), snap)).filter(|(usable, _)| *usable > 0);
+        let restored = match ssd {
+            Some((usable, snap)) if usable > ram.best(PROMPT_NAMESPACE, score) => {
+                // Into the pool once: the request starts from the copy, and the RAM tier's entry
+                // shares its KV blocks.
+                let copy = self.into_pool(&snap.state).and_then(|mut state| {
+                    let entry = state.share(0)?;
+                    if usable < snap.tokens.len() {
+                        state.trim(0, usable)?;
+                    }
+                    Ok((state, entry))
+                });
+                let restored = cache.copied("an SSD entry", copy).map(|(state, entry)| {
+                    stats.ssd_hits.fetch_add(1, Ordering::Relaxed);
+                    ram.insert(Snapshot { state: entry, ..snap.clone() });
+                    (state, usable)
+                });
+                if restored.is_none() {
+                    ram.insert(snap);
+                }
+                restored
+            }
+            _ => cache.copied("a RAM entry", ram.restore(PROMPT_NAMESPACE, score)).flatten().map(|r| {
+                stats.ram_hits.fetch_add(1, Ordering::Relaxed);
+                (r.state, r.tokens)
+            }),
+        };
+        Ok(match restored {
+            Some((state, tokens)) => {
+                stats.hit_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+                (state, tokens)
+            }
+            None => {
+                stats.misses.fetch_add(1, Ordering::Relaxed);
+                (self.new_state(1)?, 0)
+            }
+        })
+    }
+
+    /// Feeds `prompt[fed..end]` into a prefilling job's `state`; returns the last position's
+    /// logits `[1, vocab]`.
+    pub fn prefill(
+        &self,
+        prompt: &[u32],
+        fed: usize,
+        end: usize,
+        state: &mut BatchState,
+        draft: &mut JoinerDraft,
+    ) -> strata_model::Result<Tensor> {
+        let input = Tensor::new(&prompt[fed..end], self.model.device())?.unsqueeze(0)?;
+        let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
+        let (logits, hidden) = forward(&self.model, &input, state, Logits::Last, hidden)?;
+        if let (Some(drafter), Some(hidden)) = (&self.drafter, hidden) {
+            drafter.prefilled(draft, prompt, fed, &hidden.squeeze(0)?)?;
+        }
+        Ok(logits)
+    }
+
+    /// Blocks a decode step of `width` positions per row would take from the pool.
+    pub fn blocks_to_grow(&self, width: usize) -> usize {
+        self.batch.as_ref().map_or(0, |batch| batch.blocks_to_grow(width))
+    }
+
+    /// One forward for every running row: each row's last token, and with speculation its
+    /// drafts in the same forward (`[last, d1..dk]`). Returns the forward's time too.
+    pub fn decode(&mut self, rows: &[Row]) -> strata_model::Result<(Decoded, std::time::Duration)> {
+        let batch = self.batch.as_mut().expect("a row runs");
+        let drafts = match &mut self.drafter {
+            Some(drafter) => {
+                let contexts: Vec<&[u32]> = rows.iter().map(|r| r.context.as_slice()).collect();
+                // No point drafting past a row's budget (the last token it may emit is
+                // verified), and the verify forward stays within the rows the kernels compute
+                // exactly (each position as if alone).
+                let width_cap = (MAX_EXACT_ROWS / rows.len()).saturating_sub(1);
+                let limits: Vec<usize> = rows
+                    .iter()
+                    .map(|r| r.job.opts.max_tokens.saturating_sub(r.generated.len() + 1).min(width_cap).min(r.draft_len))
+                    .collect();
+                drafter.propose(&contexts, &limits)?
+            }
+            None => vec![Vec::new(); rows.len()],
+        };
+        let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
+        let input: Vec<Vec<u32>> = rows
+            .iter()
+            .zip(&drafts)
+            .map(|(r, d)| {
+                let last = *r.context.last().expect("a running row has a token");
+                let mut fed = vec![last];
+                fed.extend(d);
+                fed.resize(width, last); // padding past a short draft is never kept
+                fed
+            })
+            .collect();
+        let round = if width > 1 { Some(self.model.open_round(batch)?) } else { None };
+        let which = if width > 1 { Logits::All } else { Logits::Last };
+        let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
+        let started = Instant::now();
+        let (logits, hidden) = forward(&self.model, &Tensor::new(input, self.model.device())?, batch, which, hidden)?;
+        let scores = Scores::of_step(&logits, rows)?;
+        Ok((Decoded { scores, drafts, round, hidden }, started.elapsed()))
+    }
+
+    /// After a decode step's rows were verified: the state (and the drafter's) keeps `kept[i]`
+    /// of the positions fed for row `i`.
+    pub fn settle(&mut self, decoded: Decoded, kept: &[usize]) -> strata_model::Result<()> {
+        if let Some(round) = decoded.round {
+            self.model.close_round(self.batch.as_mut().expect("a row runs"), round, kept)?;
+        }
+        if let Some(drafter) = &mut self.drafter {
+            drafter.settle(kept, decoded.hidden.as_ref())?;
+        }
+        Ok(())
+    }
+
+    /// Keeps only the running rows `keep` (indices into the batch), in that order.
+    pub fn filter(&mut self, keep: &[usize]) -> strata_model::Result<()> {
+        if let Some(drafter) = &mut self.drafter {
+            drafter.filter(keep)?;
+        }
+        match keep.is_empty() {
+            true => self.batch = None,
+            false => self.batch.as_mut().expect("a row runs").filter(keep)?,
+        }
+        Ok(())
+    }
+
+    /// Drops the running batch's state (it can no longer be trusted after a failed forward).
+    pub fn clear(&mut self) {
+        self.batch = None;
+        if let Some(drafter) = &mut self.drafter {
+            drafter.clear();
+        }
+    }
+}
+
+/// The target's forward, also returning every position's hidden state when `hidden` (for an
+/// MTP drafter).
+fn forward(
+    model: &Model,
+    tokens: &Tensor,
+    state: &mut BatchState,
+    logits: Logits,
+    hidden: bool,
+) -> strata_model::Result<(Tensor, Option<Tensor>)> {
+    if hidden {
+        let (logits, hidden) = model.forward_with_hidden(tokens, state, logits)?;
+        Ok((logits, Some(hidden)))
+    } else {
+        Ok((model.forward(tokens, state, logits)?, None))
+    }
+}
