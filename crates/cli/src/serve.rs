@@ -63,8 +63,8 @@ pub struct Args {
     kv_cache_memory: Option<usize>,
     /// Admit a request only while every running request's state at its full length (prompt +
     /// max_tokens) fits in these bytes, and size the pool for that worst case (unless
-    /// --kv-cache-memory or --gpu-memory-utilization is given): nothing is ever preempted, at
-    /// the cost of fewer requests at once. Default: no cap.
+    /// --kv-cache-memory sizes it; on GPU too, in place of --gpu-memory-utilization): nothing is
+    /// ever preempted, at the cost of fewer requests at once. Default: no cap.
     #[arg(long)]
     state_budget_bytes: Option<usize>,
     /// GPU only: the share of the GPU's memory for the weights, the activations and the state
