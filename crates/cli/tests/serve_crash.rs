@@ -54,6 +54,12 @@ impl Drop for Server {
     }
 }
 
+/// Every file under `dir`, recursively.
+fn walk(dir: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir(dir) else { return Vec::new() };
+    entries.flatten().map(|e| e.path()).flat_map(|p| if p.is_dir() { walk(&p) } else { vec![p] }).collect()
+}
+
 fn completion(prompt: &[u32], max_tokens: usize) -> Value {
     json!({"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 }
@@ -66,6 +72,14 @@ fn killed_server_restarts_and_serves_the_right_state() {
     let server = Server::start(ssd.path());
     let cold = server.post("/v1/completions", &completion(&prompt, 12));
     assert_eq!(cold["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+    // The cold run's entries reach the disk behind its answer (the write-behind queue): what the
+    // restarted server must find is on disk before the kill, however slow this machine is.
+    let written = |dir: &Path| walk(dir).iter().any(|p| p.extension().is_some_and(|e| e == "entry"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !written(ssd.path()) {
+        assert!(std::time::Instant::now() < deadline, "the cold run's entries were never written");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // Requests in flight (each writing snapshots and checkpoints) when the kill comes.
     let url = server.url.clone();
     let busy: Vec<_> = (0..4)
