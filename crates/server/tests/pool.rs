@@ -22,6 +22,23 @@ fn completion(prompt: &[u32], max_tokens: usize) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
 }
 
+/// Sends every completion request at once and returns their answers in order, each a 200.
+async fn complete_at_once(app: &axum::Router, bodies: impl Iterator<Item = Value>) -> Vec<Value> {
+    let tasks: Vec<_> = bodies
+        .map(|body| {
+            let app = app.clone();
+            tokio::spawn(async move { post(&app, "/v1/completions", body).await })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        let (s, r) = task.await.unwrap();
+        assert_eq!(s, StatusCode::OK, "{r}");
+        answers.push(r);
+    }
+    answers
+}
+
 async fn stats(app: &axum::Router) -> Value {
     let (_, body) = call(app, "GET", "/stats", Value::Null, &[]).await;
     serde_json::from_slice(&body).unwrap()
@@ -41,17 +58,9 @@ async fn requests_extending_a_cached_prefix_share_its_blocks() {
     assert_eq!(s, StatusCode::OK, "{r}");
 
     let requests: Vec<(Vec<u32>, usize)> = (0..32).map(|i| (extend(&prefix, 1 + i % 32, i as u32), 32 - (i * 7) % 32)).collect();
-    let tasks: Vec<_> = requests
-        .iter()
-        .map(|(prompt, max_tokens)| {
-            let (app, body) = (shared.clone(), completion(prompt, *max_tokens));
-            tokio::spawn(async move { post(&app, "/v1/completions", body).await })
-        })
-        .collect();
+    let bodies = requests.iter().map(|(prompt, max_tokens)| completion(prompt, *max_tokens));
     let mut answers = Vec::new();
-    for task in tasks {
-        let (s, r) = task.await.unwrap();
-        assert_eq!(s, StatusCode::OK, "{r}");
+    for r in complete_at_once(&shared, bodies).await {
         // The prefix's snapshot at its last token but one, or the first request's own state at
         // its end where it stopped at once.
         let cached = r["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap();
@@ -107,18 +116,11 @@ async fn requests_outgrowing_the_pool_are_preempted_and_resume_exactly() {
         }
         body
     };
-    let tasks: Vec<_> = (0..rows as u32)
-        .map(|i| {
-            let (app, body) = (small.clone(), body(i));
-            tokio::spawn(async move { post(&app, "/v1/completions", body).await })
-        })
+    let answers: Vec<String> = complete_at_once(&small, (0..rows as u32).map(body))
+        .await
+        .iter()
+        .map(|r| r["choices"][0]["text"].as_str().unwrap().to_string())
         .collect();
-    let mut answers = Vec::new();
-    for task in tasks {
-        let (s, r) = task.await.unwrap();
-        assert_eq!(s, StatusCode::OK, "{r}");
-        answers.push(r["choices"][0]["text"].as_str().unwrap().to_string());
-    }
     let preemptions = stats(&small).await["kv_pool"]["preemptions"].as_u64().unwrap();
     assert!(preemptions > 0, "six rows growing to 15 blocks each in a pool of {blocks} were preempted");
     let (_, metrics) = call(&small, "GET", "/metrics", Value::Null, &[]).await;
