@@ -2,14 +2,16 @@
 //!
 //! Each step it admits waiting jobs (first come, first admitted, while the batch has room, the
 //! pool has free KV blocks for the prompt, and a `--state-budget-bytes` cap, where set, covers
-//! the job's whole prompt + output), feeds one prefill chunk of the oldest joiner, then runs
-//! one batched decode forward for every running row — each row at its own position — and
-//! samples each row with its own parameters. A long prompt therefore holds the running streams
-//! up for at most one chunk per step. A finished row (end token, length, or a requester that
-//! went away) leaves the batch without disturbing the others.
+//! the job's whole prompt + output), runs one prefill forward for the prefilling jobs (the
+//! joiners: several prompts that arrived together feed equal chunks as rows of one forward,
+//! within the prefill chunk's tokens), then one batched decode forward for every running row —
+//! each row at its own position — and samples each row with its own parameters. Prompts
+//! therefore hold the running streams up for at most one chunk's forward per step. A finished
+//! row (end token, length, or a requester that went away) leaves the batch without disturbing
+//! the others.
 //!
 //! When the pool runs short of blocks for a decode step, the prompt cache gives up entries
-//! first, then the prefilling job starts over, then the youngest running rows are preempted:
+//! first, then the prefilling jobs start over, then the youngest running rows are preempted:
 //! their state is copied to host memory and their blocks freed. Preempted rows come back, the
 //! oldest first and before any new job, once their blocks are free again, and go on exactly
 //! where they stopped (the copy is bit for bit; the sampler travels with the row).
@@ -23,8 +25,8 @@
 
 //!
 //! The work splits three ways. The [`policy`] decides from plain bookkeeping (no model, no
-//! tensors) what the step does: which row resumes or job starts, where the joiner's chunk ends
-//! and whether it waits, which measures free blocks for a decode step. The [`runner`] does it:
+//! tensors) what the step does: which row resumes or job starts, which joiners' chunks run
+//! together and where they end, which measures free blocks for a decode step. The [`runner`] does it:
 //! forwards, the pool, the batch's state, the drafter. [`apply`] turns a forward's logits into
 //! tokens and events, finishes rows, and feeds the prompt cache. This module holds the rows'
 //! bookkeeping and asks each in turn.
@@ -43,8 +45,8 @@ use strata_model::Model;
 use strata_state::{BatchState, StateCost, StatePool};
 
 use self::apply::{Row, Scores, Step};
-use self::policy::{Admission, Load, Measure, Policy, Prompt, Waiting};
-use self::runner::Runner;
+use self::policy::{Admission, Fed, Load, Measure, Policy, Prompt, Waiting};
+use self::runner::{Feed, Runner};
 use crate::cache::{Snapshot, PROMPT_NAMESPACE};
 use crate::generate::FinishReason;
 use crate::job::{Event, Fetch, Job, Queued};
@@ -61,7 +63,7 @@ struct Preempted {
     position: usize,
 }
 
-/// The job being prefilled, in its own single-row state until it joins the batch.
+/// A job being prefilled, in its own single-row state until it joins the batch.
 struct Joiner {
     job: Job,
     state: BatchState,
@@ -79,7 +81,8 @@ pub(crate) struct Engine<'a> {
     stats: &'a WorkerStats,
     cache: &'a SharedCache,
     waiting: VecDeque<Queued>,
-    joiner: Option<Joiner>,
+    /// The jobs being prefilled, oldest first.
+    joiners: Vec<Joiner>,
     /// The running rows, in the batch state's order.
     rows: Vec<Row>,
     /// Rows waiting to resume, the first to resume first.
@@ -100,13 +103,13 @@ impl<'a> Engine<'a> {
         pool: StatePool,
     ) -> Self {
         let (policy, runner) = (Policy::new(&config), Runner::new(model, pool, drafter));
-        let (waiting, joiner, rows, preempted) = (VecDeque::new(), None, Vec::new(), VecDeque::new());
-        Self { policy, runner, cost, stats, cache, waiting, joiner, rows, preempted, prefetch }
+        let (waiting, joiners, rows, preempted) = (VecDeque::new(), Vec::new(), Vec::new(), VecDeque::new());
+        Self { policy, runner, cost, stats, cache, waiting, joiners, rows, preempted, prefetch }
     }
 
     pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
         loop {
-            let idle = self.rows.is_empty() && self.joiner.is_none() && self.preempted.is_empty();
+            let idle = self.rows.is_empty() && self.joiners.is_empty() && self.preempted.is_empty();
             if idle && self.waiting.is_empty() {
                 match queue.recv() {
                     Ok(job) => self.waiting.push_back(job),
@@ -127,20 +130,21 @@ impl<'a> Engine<'a> {
 
     fn reserved(&self) -> usize {
         let rows = self.rows.iter().chain(self.preempted.iter().map(|p| &p.row));
-        rows.map(|r| r.reserved).sum::<usize>() + self.joiner.as_ref().map_or(0, |j| j.reserved)
+        rows.map(|r| r.reserved).sum::<usize>() + self.joiners.iter().map(|j| j.reserved).sum::<usize>()
     }
 
     /// The jobs in flight, as the policy sees them.
     fn load(&self) -> Load {
-        Load { running: self.rows.len(), joiner: self.joiner.as_ref().map(|j| j.fed), reserved_bytes: self.reserved() }
+        let joiners = self.joiners.iter().map(|j| Fed { fed: j.fed, len: j.job.prompt.len() }).collect();
+        Load { running: self.rows.len(), joiners, reserved_bytes: self.reserved() }
     }
 
-    /// Admission, one prefill chunk, one decode step.
+    /// Admission, one prefill forward, one decode step.
     fn step(&mut self) -> strata_model::Result<()> {
         self.admit()?;
-        self.prefill_chunk()?;
+        self.prefill()?;
         self.decode()?;
-        let active = self.rows.len() + self.preempted.len() + self.joiner.is_some() as usize;
+        let active = self.rows.len() + self.preempted.len() + self.joiners.len();
         self.stats.active.store(active, Ordering::Relaxed);
         self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
         let graphs = self.runner.graph_stats();
@@ -210,7 +214,7 @@ impl<'a> Engine<'a> {
         self.join_batch(row, state, JoinerDraft::default())
     }
 
-    /// Starts the oldest waiting job: from its generation checkpoint, or as the joiner.
+    /// Starts the oldest waiting job: from its generation checkpoint, or as a joiner.
     fn start(&mut self) -> strata_model::Result<()> {
         let Some(Queued { job, fetch: Fetch::Ready(restored) }) = self.waiting.pop_front() else {
             unreachable!("the policy starts a job whose read is done")
@@ -227,7 +231,7 @@ impl<'a> Engine<'a> {
                 let mut job = job;
                 job.sink.send(Event::Started { cached_tokens: cached });
                 let (draft, started) = (JoinerDraft::default(), Instant::now());
-                self.joiner = Some(Joiner { job, state, draft, fed: cached, reserved: need, started });
+                self.joiners.push(Joiner { job, state, draft, fed: cached, reserved: need, started });
                 Ok(())
             }
         }
@@ -240,8 +244,8 @@ impl<'a> Engine<'a> {
         let mut relief = self.policy.relief(&self.load()).into_iter();
         while !self.policy.step_fits(self.runner.blocks_to_grow(width), &mut self.runner.blocks(self.cache)) {
             match relief.next() {
-                Some(Measure::RestartJoiner) => {
-                    let joiner = self.joiner.as_mut().expect("the policy restarts a joiner");
+                Some(Measure::RestartJoiner(i)) => {
+                    let joiner = &mut self.joiners[i];
                     self.runner.restart(&mut joiner.state)?;
                     (joiner.fed, joiner.draft) = (0, JoinerDraft::default());
                 }
@@ -323,41 +327,84 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    /// Feeds the joiner one chunk; when its prompt is done, samples its first token and moves
-    /// its state into the batch.
-    fn prefill_chunk(&mut self) -> strata_model::Result<()> {
+    /// Feeds the joiners' next chunks in one forward (the policy's cohort); each whose prompt
+    /// is done samples its first token and moves its state into the batch.
+    fn prefill(&mut self) -> strata_model::Result<()> {
+        self.drop_gone_joiners();
         let (caching, cache, load) = (apply::caching(self.cache), self.cache, self.load());
-        let Some(joiner) = self.joiner.as_mut() else { return Ok(()) };
-        if joiner.job.sink.is_closed() {
-            self.stats.cancelled.fetch_add(1, Ordering::Relaxed);
-            self.joiner = None;
-            return Ok(());
-        }
-        let prompt = &joiner.job.prompt;
-        if prompt.is_empty() {
-            let mut j = self.joiner.take().expect("checked above");
-            j.job.sink.send(Event::Failed("the prompt is empty".into()));
-            return Ok(());
-        }
         let snapshots = caching.then_some(cache.config.stride);
-        let chunk =
-            self.policy.chunk(&Prompt { fed: joiner.fed, len: prompt.len(), cache_points: &joiner.job.cache_points, snapshots });
-        let grow = joiner.state.blocks_to_grow(chunk.end - joiner.fed);
-        if !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
+        let chunks: Vec<_> = self
+            .joiners
+            .iter()
+            .map(|j| {
+                let (fed, cache_points) = (j.fed, &j.job.cache_points[..]);
+                self.policy.chunk(&Prompt { fed, len: j.job.prompt.len(), cache_points, snapshots })
+            })
+            .collect();
+        let lens: Vec<usize> = chunks.iter().zip(&self.joiners).map(|(c, j)| c.end - j.fed).collect();
+        let (len, members) = self.policy.cohort(&lens);
+        // A state outside the pool would be copied in by the merge, taking blocks no check
+        // counted: such a job prefills alone, when it is the oldest.
+        let members: Vec<usize> = members.into_iter().filter(|&i| i == 0 || self.joiners[i].state.is_pooled()).collect();
+        let grow = members.iter().map(|&i| self.joiners[i].state.blocks_to_grow(len)).sum();
+        if members.is_empty() || !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
             return Ok(());
         }
-        let logits = self.runner.prefill(prompt, joiner.fed, chunk.end, &mut joiner.state, &mut joiner.draft)?;
-        joiner.fed = chunk.end;
-        self.stats.prefill_chunks.fetch_add(1, Ordering::Relaxed);
-        if chunk.end < prompt.len() {
-            let copy = chunk.snapshot.then(|| cache.copied("a prefill snapshot", joiner.state.share(0))).flatten();
-            if let Some(state) = copy {
-                let tokens = prompt[..chunk.end].to_vec();
-                apply::publish(cache, Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
+        let mut feeds: Vec<Feed> = Vec::with_capacity(members.len());
+        let mut member = members.iter().copied().peekable();
+        for (i, j) in self.joiners.iter_mut().enumerate() {
+            if member.next_if_eq(&i).is_some() {
+                let state = std::mem::take(&mut j.state);
+                feeds.push(Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft });
             }
-            return Ok(());
         }
-        let j = self.joiner.take().expect("checked above");
+        let logits = self.runner.prefill(&mut feeds, len)?;
+        let states: Vec<BatchState> = feeds.into_iter().map(|f| f.state).collect();
+        self.stats.prefill_forwards.fetch_add(1, Ordering::Relaxed);
+        self.stats.prefill_chunks.fetch_add(members.len() as u64, Ordering::Relaxed);
+        let mut done = Vec::new();
+        for (k, (&i, state)) in members.iter().zip(states).enumerate() {
+            let joiner = &mut self.joiners[i];
+            (joiner.state, joiner.fed) = (state, joiner.fed + len);
+            if joiner.fed == joiner.job.prompt.len() {
+                done.push((i, k));
+            } else if chunks[i].snapshot && chunks[i].end == joiner.fed {
+                if let Some(state) = cache.copied("a prefill snapshot", joiner.state.share(0)) {
+                    let tokens = joiner.job.prompt[..joiner.fed].to_vec();
+                    apply::publish(cache, Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
+                }
+            }
+        }
+        // Only the finished jobs' logits cross to the host.
+        let rows: Vec<u32> = done.iter().map(|&(_, k)| k as u32).collect();
+        let firsts = logits.index_select(&Tensor::new(rows, logits.device())?, 0)?.to_vec2::<f32>()?;
+        let finished: Vec<Joiner> = done.iter().rev().map(|&(i, _)| self.joiners.remove(i)).collect();
+        for (j, first) in finished.into_iter().rev().zip(firsts) {
+            self.first_token(j, first)?;
+        }
+        Ok(())
+    }
+
+    /// Joiners whose requester went away leave; an empty prompt fails.
+    fn drop_gone_joiners(&mut self) {
+        let stats = self.stats;
+        self.joiners.retain_mut(|j| {
+            if j.job.sink.is_closed() {
+                stats.cancelled.fetch_add(1, Ordering::Relaxed);
+                return false;
+            }
+            if j.job.prompt.is_empty() {
+                j.job.sink.send(Event::Failed("the prompt is empty".into()));
+                return false;
+            }
+            true
+        });
+    }
+
+    /// A joiner whose prompt is done: its first token from the last position's `logits`, then
+    /// it joins the batch (or finishes, publishing its prompt's state).
+    fn first_token(&mut self, j: Joiner, logits: Vec<f32>) -> strata_model::Result<()> {
+        let (caching, cache) = (apply::caching(self.cache), self.cache);
         let mut row = Row {
             sampler: Sampler::new(j.job.opts.sampling.clone()),
             context: j.job.prompt.clone(),
@@ -373,8 +420,7 @@ impl<'a> Engine<'a> {
             decode_start: Instant::now(),
             job: j.job,
         };
-        let logits = Scores::Logits(logits.squeeze(0)?.to_vec1::<f32>()?);
-        match apply::sample_and_send(self.stats, &mut row, &logits) {
+        match apply::sample_and_send(self.stats, &mut row, &Scores::Logits(logits)) {
             Step::Done(reason) => {
                 if let Some(state) = caching.then(|| cache.copied("a prompt snapshot", j.state.share(0))).flatten() {
                     let tokens = row.job.prompt.clone();
@@ -450,7 +496,7 @@ impl<'a> Engine<'a> {
         for mut row in self.rows.drain(..) {
             row.job.sink.send(Event::Failed(message.to_string()));
         }
-        if let Some(mut j) = self.joiner.take() {
+        for mut j in self.joiners.drain(..) {
             j.job.sink.send(Event::Failed(message.to_string()));
         }
         self.runner.clear();

@@ -101,6 +101,9 @@ pub struct WorkerStats {
     pub generated_tokens: AtomicU64,
     pub state_bytes_reserved: AtomicUsize,
     pub decode_steps: AtomicU64,
+    /// Prefill forwards, and the prompt chunks they fed: several per forward when prompts
+    /// that arrived together prefill as one cohort.
+    pub prefill_forwards: AtomicU64,
     pub prefill_chunks: AtomicU64,
     /// Speculative decoding: tokens drafted, and how many the target accepted.
     pub draft_rounds: AtomicU64,

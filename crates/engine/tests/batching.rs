@@ -3,6 +3,7 @@
 //! one chunk per step while the running streams keep flowing.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -208,4 +209,51 @@ fn admission_respects_the_state_budget_and_arrival_order() {
         })
         .collect();
     assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0), "requests overlapped despite the budget");
+}
+
+/// Prompts that arrive together prefill as rows of shared forwards — fewer forwards than
+/// chunks — and each request gets the tokens it gets alone, under greedy and seeded sampling:
+/// chunks short enough for the batch-invariant kernels keep every row's bits.
+#[test]
+fn prompts_arriving_together_prefill_together_and_match_solo_runs() {
+    for dir in fixtures() {
+        let (model, tokens) = load(&dir);
+        let text: Vec<u32> = tokens.iter().cycle().take(400).copied().collect();
+        let chunk = 48;
+        let jobs: Vec<(Vec<u32>, GenerationOptions)> = [20, 20, 33, 7, 20, 45, 12, 20]
+            .iter()
+            .enumerate()
+            .map(|(i, &len)| {
+                let sampling = match i % 2 {
+                    0 => SamplingParams::greedy(),
+                    _ => SamplingParams { temperature: 0.8, top_k: 20, seed: Some(7 + i as u64), ..SamplingParams::greedy() },
+                };
+                (text[30 * i..30 * i + len].to_vec(), opts(10, sampling))
+            })
+            .collect();
+        let solo: Vec<Vec<u32>> = jobs
+            .iter()
+            .map(|(p, o)| generate(&model, p, &GenerationOptions { prefill_chunk: chunk, ..o.clone() }, |_| true).unwrap().tokens)
+            .collect();
+        let config = EngineConfig {
+            max_batch: 8,
+            prefill_chunk: chunk,
+            state_budget_bytes: 1 << 30,
+            kv_cache_bytes: None,
+            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+            gpu_memory_utilization: None,
+        };
+        let worker = Worker::spawn(model, config, CacheConfig::off(), None).unwrap();
+        let recorders: Vec<Recorder> = (0..jobs.len()).map(|_| Recorder::default()).collect();
+        for ((prompt, o), r) in jobs.iter().zip(&recorders) {
+            worker.submit(Job::new(prompt.clone(), o.clone(), Box::new(r.clone()))).unwrap();
+        }
+        for (i, r) in recorders.iter().enumerate() {
+            r.wait(Recorder::finished);
+            assert_eq!(r.tokens(), solo[i], "{} request {i}", dir.display());
+        }
+        let stats = worker.stats();
+        let (forwards, chunks) = (stats.prefill_forwards.load(Ordering::Relaxed), stats.prefill_chunks.load(Ordering::Relaxed));
+        assert!(forwards < chunks && chunks >= jobs.len() as u64, "{forwards} prefill forwards for {chunks} chunks");
+    }
 }

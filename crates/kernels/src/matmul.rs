@@ -41,6 +41,23 @@ pub fn matmul_t(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.matmul(&w.t()?)
 }
 
+/// [`matmul_t`] with every row computed as it is among at most [`MAX_EXACT_ROWS`] rows: past
+/// them on CPU, the streaming kernel runs over slices of rows, where each output is one [`dot`]
+/// whatever the slice. A forward of many sequences, each a few positions long (a decode batch
+/// of hundreds of rows, prompts prefilled together), so gives each sequence the bits it gets
+/// alone.
+pub fn matmul_t_rowwise(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (m, _) = x.dims2()?;
+    if m <= MAX_EXACT_ROWS || !matches!(x.device(), Device::Cpu) {
+        return matmul_t(x, w);
+    }
+    let slices = (0..m)
+        .step_by(MAX_EXACT_ROWS)
+        .map(|at| matmul_t(&x.narrow(0, at, MAX_EXACT_ROWS.min(m - at))?, w))
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Tensor::cat(&slices, 0)?)
+}
+
 #[cfg(feature = "cuda")]
 mod gpu {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;

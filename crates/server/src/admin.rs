@@ -47,6 +47,10 @@ fn all_stats(state: &AppState) -> Value {
         "prompt_tokens": w.prompt_tokens.load(Ordering::Relaxed),
         "generated_tokens": w.generated_tokens.load(Ordering::Relaxed),
         "max_context": c.max_context,
+        "prefill": {
+            "forwards": w.prefill_forwards.load(Ordering::Relaxed),
+            "chunks": w.prefill_chunks.load(Ordering::Relaxed),
+        },
         "prompt_cache": cache_stats(state),
         "kv_pool": {
             "block_size": pool.block_size,
@@ -143,7 +147,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let w = state.worker.stats();
     let s = state.worker.cache_stats();
     let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
-    let rows: [(&str, &str, &str, f64); 30] = [
+    let rows: [(&str, &str, &str, f64); 32] = [
         ("strata_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
         ("strata_http_requests_total", "counter", "HTTP requests received.", state.http_requests.load(Ordering::Relaxed) as f64),
         (
@@ -163,6 +167,13 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         ("strata_requests_queued", "gauge", "Generations waiting for the engine.", w.queued.load(Ordering::Relaxed) as f64),
         ("strata_prompt_tokens_total", "counter", "Prompt tokens processed.", w.prompt_tokens.load(Ordering::Relaxed) as f64),
         ("strata_generated_tokens_total", "counter", "Tokens generated.", w.generated_tokens.load(Ordering::Relaxed) as f64),
+        ("strata_prefill_forwards_total", "counter", "Prefill forwards run.", n(&w.prefill_forwards)),
+        (
+            "strata_prefill_chunks_total",
+            "counter",
+            "Prompt chunks fed by prefill forwards (several per forward for prompts prefilled together).",
+            n(&w.prefill_chunks),
+        ),
         ("strata_cache_ram_entries", "gauge", "Prompt-cache entries in RAM.", s.ram_entries.load(Ordering::Relaxed) as f64),
         ("strata_cache_ram_bytes", "gauge", "Prompt-cache bytes in RAM.", s.ram_bytes.load(Ordering::Relaxed) as f64),
         ("strata_cache_ram_hits_total", "counter", "Prompts served from the RAM tier.", n(&s.ram_hits)),

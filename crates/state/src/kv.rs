@@ -338,6 +338,15 @@ impl KvStore {
         Ok(())
     }
 
+    /// One single-row store per row, each keeping its row's buffers or blocks.
+    pub fn split(self) -> Vec<KvStore> {
+        let one = |rows| KvStore { rows, ..self.clone_empty() };
+        match &self.rows {
+            Rows::Owned(rows) => rows.iter().map(|r| one(Rows::Owned(vec![r.clone()]))).collect(),
+            Rows::Paged(paged) => paged.split().into_iter().map(|p| one(Rows::Paged(p))).collect(),
+        }
+    }
+
     /// An owned single-row copy of `row`, in buffers of its own (a paged row's blocks are
     /// copied out: snapshots and cache entries never hold pool blocks).
     pub fn extract(&self, row: usize) -> Result<KvStore> {

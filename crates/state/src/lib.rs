@@ -150,6 +150,16 @@ impl LayerState {
         }
     }
 
+    /// One single-row layer per row, in order, each holding what its row held (nothing is
+    /// copied out of a pool).
+    pub fn split(self) -> Result<Vec<LayerState>> {
+        Ok(match self {
+            LayerState::Attention(s) => s.split().into_iter().map(LayerState::Attention).collect(),
+            LayerState::Recurrent(s) => s.split()?.into_iter().map(LayerState::Recurrent).collect(),
+            LayerState::Window(s) => s.split().into_iter().map(LayerState::Window).collect(),
+        })
+    }
+
     /// An owned single-row copy of `row` (never a view into the batch buffers).
     pub fn extract(&self, row: usize) -> Result<LayerState> {
         Ok(match self {
@@ -239,7 +249,8 @@ fn select_rows(t: &Tensor, rows: &[usize]) -> Result<Tensor> {
 }
 
 /// The state of every layer for a batch of rows, with each row's position (tokens consumed).
-#[derive(Clone, Debug)]
+/// The default holds no rows and no layers (a placeholder while a row's state is lent out).
+#[derive(Clone, Debug, Default)]
 pub struct BatchState {
     pub layers: Vec<LayerState>,
     pub positions: Vec<usize>,
@@ -275,6 +286,23 @@ impl BatchState {
         }
         self.positions = keep.iter().map(|&r| self.positions[r]).collect();
         Ok(())
+    }
+
+    /// One single-row state per row, in order: the inverse of merging them. Each keeps what its
+    /// row held — a pooled row its blocks and slot — so a batch formed for one forward (a
+    /// cohort of prompts) hands its rows back without a copy.
+    pub fn split(self) -> Result<Vec<BatchState>> {
+        let mut rows: Vec<BatchState> = self
+            .positions
+            .iter()
+            .map(|&p| BatchState { layers: Vec::with_capacity(self.layers.len()), positions: vec![p] })
+            .collect();
+        for layer in self.layers {
+            for (row, layer) in rows.iter_mut().zip(layer.split()?) {
+                row.layers.push(layer);
+            }
+        }
+        Ok(rows)
     }
 
     /// Whether the layers keep their rows in a [`StatePool`].

@@ -281,6 +281,11 @@ impl PagedRows {
         self.rows = keep.iter().map(|&r| self.rows[r].clone()).collect();
     }
 
+    /// One single-row set per row, each with its row's blocks.
+    pub(crate) fn split(&self) -> Vec<PagedRows> {
+        (0..self.rows.len()).map(|r| self.row(r)).collect()
+    }
+
     /// Row `row` alone, sharing its blocks.
     pub(crate) fn row(&self, row: usize) -> PagedRows {
         PagedRows { pool: self.pool.clone(), layer: self.layer, rows: vec![self.rows[row].clone()] }
@@ -367,6 +372,34 @@ mod tests {
 
     /// A cloned row shares its blocks; writing to either copies the partly filled last block,
     /// and neither sees the other's writes.
+    /// Merging single-row states into one batch and splitting it back moves every row's
+    /// blocks and slot: nothing is copied or left shared, and each row reads what it held, in
+    /// the pool as in buffers of its own.
+    #[test]
+    fn a_merged_batch_splits_back_into_its_rows_without_copies() {
+        let pool = StatePool::new(&spec(), 16, PoolSize::Fixed(64), PoolSize::Fixed(3), &Device::Cpu).unwrap();
+        for pooled in [true, false] {
+            let fresh = || if pooled { pool.new_state(1).unwrap() } else { spec().new_state(1, &Device::Cpu).unwrap() };
+            let mut batch = if pooled { pool.new_state(0).unwrap() } else { spec().new_state(0, &Device::Cpu).unwrap() };
+            for (row, len) in [20, 1, 40].into_iter().enumerate() {
+                let mut one = fresh();
+                attention(&mut one, 2).append(0, &values(len, row), &values(len, row + 9)).unwrap();
+                one.positions = vec![len];
+                batch.merge(&one).unwrap();
+            }
+            let before: Vec<Tensor> = (0..3).map(|r| attention(&mut batch, 2).history(r).unwrap().0).collect();
+            let used = pool.stats();
+            let rows = batch.split().unwrap();
+            assert_eq!(rows.iter().map(|r| r.positions.clone()).collect::<Vec<_>>(), [[20], [1], [40]]);
+            assert_eq!(pool.stats(), PoolStats { blocks_shared: 0, ..used }, "nothing copied, nothing left shared");
+            for (mut row, want) in rows.into_iter().zip(&before) {
+                assert_eq!(row.rows(), 1);
+                assert!(same(&attention(&mut row, 2).history(0).unwrap().0, want));
+            }
+            assert_eq!(pool.stats().blocks_used, 0, "every block came back with its row");
+        }
+    }
+
     #[test]
     fn shared_blocks_are_copied_on_write() {
         let pool = StatePool::new(&spec(), 16, PoolSize::Fixed(8), PoolSize::Fixed(2), &Device::Cpu).unwrap();

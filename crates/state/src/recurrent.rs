@@ -174,6 +174,18 @@ impl RecurrentState {
         Ok(())
     }
 
+    /// One single-row state per row: a slotted row keeps its slot, rows in batch tensors become
+    /// views of their row.
+    pub fn split(self) -> Result<Vec<RecurrentState>> {
+        self.no_open_round()?;
+        match self.rows {
+            Rows::Slotted(s) => Ok(s.split().into_iter().map(Self::slotted).collect()),
+            Rows::Owned { conv, ssm } => {
+                (0..conv.dim(0)?).map(|r| Ok(Self::owned(conv.narrow(0, r, 1)?, ssm.narrow(0, r, 1)?))).collect()
+            }
+        }
+    }
+
     /// A single-row state from `conv` and `ssm`, shaped like one row of this state; the error
     /// names what does not match.
     pub fn single_row(&self, conv: Tensor, ssm: Tensor) -> Result<RecurrentState> {

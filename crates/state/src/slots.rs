@@ -220,6 +220,12 @@ impl SlottedRows {
     pub(crate) fn filter(&mut self, keep: &[usize]) {
         self.slots = keep.iter().map(|&r| self.slots[r].clone()).collect();
     }
+
+    /// One single-row set per row, each with its row's slot.
+    pub(crate) fn split(self) -> Vec<SlottedRows> {
+        let (pool, layer) = (self.pool, self.layer);
+        self.slots.into_iter().map(|slot| SlottedRows { pool: pool.clone(), layer, slots: vec![slot] }).collect()
+    }
 }
 
 #[cfg(test)]

@@ -237,6 +237,12 @@ impl WindowKvStore {
         Ok(())
     }
 
+    /// One single-row store per row, each keeping its row's buffers.
+    pub fn split(self) -> Vec<WindowKvStore> {
+        let one = |row| WindowKvStore { rows: vec![row], shape: self.shape, dtype: self.dtype, device: self.device.clone() };
+        self.rows.iter().cloned().map(one).collect()
+    }
+
     /// An owned single-row copy of `row`, in a buffer sized for its held positions (not the
     /// batch row's whole buffer).
     pub fn extract(&self, row: usize) -> Result<WindowKvStore> {

@@ -18,14 +18,33 @@ pub(crate) trait Blocks {
 }
 
 /// The jobs in flight.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub(crate) struct Load {
     /// Rows in the running batch.
     pub running: usize,
-    /// The job being prefilled: prompt tokens fed so far.
-    pub joiner: Option<usize>,
+    /// The jobs being prefilled, oldest first.
+    pub joiners: Vec<Fed>,
     /// Worst-case state bytes of the running, preempted and prefilling jobs.
     pub reserved_bytes: usize,
+}
+
+/// A job being prefilled: prompt tokens fed so far, of its prompt's `len`.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Fed {
+    pub fed: usize,
+    pub len: usize,
+}
+
+impl Load {
+    /// Rows the running and prefilling jobs take in the batch.
+    fn rows(&self) -> usize {
+        self.running + self.joiners.len()
+    }
+
+    /// Prompt tokens the prefilling jobs have yet to feed.
+    fn unfed(&self) -> usize {
+        self.joiners.iter().map(|j| j.len - j.fed).sum()
+    }
 }
 
 /// The oldest waiting job.
@@ -72,8 +91,8 @@ pub(crate) struct Chunk {
 /// A measure that frees blocks for a decode step.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Measure {
-    /// The prefilling job starts over; its prompt is fed again later.
-    RestartJoiner,
+    /// Prefilling job `i` starts over; its prompt is fed again later.
+    RestartJoiner(usize),
     /// Running row `i` goes to host memory until it resumes.
     Preempt(usize),
 }
@@ -93,7 +112,9 @@ impl Policy {
     /// Preempted rows come back first, the first preempted first, and no job starts while one
     /// waits. Jobs start strictly in arrival order, so none starves: only the oldest is ever
     /// considered. Its read is asked for once it fits the budget, even while the batch is full
-    /// or another job prefills, so that the read overlaps their work.
+    /// or other jobs prefill, so that the read overlaps their work. Jobs start prefilling while
+    /// the prompt tokens the prefilling jobs have yet to feed fall short of one prefill
+    /// forward, so that prompts arriving together prefill together (see [`Policy::cohort`]).
     pub fn admission(
         &self,
         load: &Load,
@@ -102,7 +123,7 @@ impl Policy {
         blocks: &mut impl Blocks,
     ) -> Admission {
         if let Some(position) = preempted {
-            let batch_full = load.running + load.joiner.is_some() as usize >= self.max_seqs;
+            let batch_full = load.rows() >= self.max_seqs;
             return match !batch_full && Self::has_room(load, position, blocks) {
                 true => Admission::Resume,
                 false => Admission::Wait,
@@ -115,16 +136,19 @@ impl Policy {
         if !job.fetched {
             return Admission::Fetch;
         }
-        if load.joiner.is_some() || load.running >= self.max_seqs || !Self::has_room(load, job.prompt_len, blocks) {
+        let forward_full = load.unfed() >= self.prefill_chunk;
+        if forward_full || load.rows() >= self.max_seqs || !Self::has_room(load, job.prompt_len, blocks) {
             return Admission::Wait;
         }
         Admission::Start
     }
 
     /// Whether the pool's free blocks hold `tokens` positions of one more row besides a block
-    /// for each running row's next step.
+    /// for each running row's next step and the prompts the prefilling jobs have yet to feed.
     fn has_room(load: &Load, tokens: usize, blocks: &mut impl Blocks) -> bool {
-        let need = tokens.div_ceil(blocks.block_size()) + 1 + load.running;
+        let bs = blocks.block_size();
+        let unfed: usize = load.joiners.iter().map(|j| (j.len - j.fed).div_ceil(bs)).sum();
+        let need = tokens.div_ceil(bs) + 1 + load.running + unfed;
         blocks.free_toward(need).is_none_or(|free| free >= need)
     }
 
@@ -146,6 +170,18 @@ impl Policy {
         Chunk { end, snapshot: snapshots.is_some() && end < len && point }
     }
 
+    /// Which prefilling jobs feed their next chunk in this step's prefill forward, given each
+    /// one's next chunk length (oldest first); returns the tokens each feeds and the members.
+    /// The forward takes a rectangle of rows × tokens, so members feed equally many: the
+    /// oldest job's chunk, cut by nobody, and each younger job whose chunk is at least as long
+    /// (cut to it, chunks may end anywhere) while the forward stays within `prefill_chunk`
+    /// tokens. A job left out is never starved: the oldest always runs.
+    pub fn cohort(&self, chunks: &[usize]) -> (usize, Vec<usize>) {
+        let Some(&len) = chunks.first() else { return (0, Vec::new()) };
+        let room = (self.prefill_chunk / len.max(1)).max(1);
+        (len, chunks.iter().enumerate().filter(|&(_, &c)| c >= len).map(|(i, _)| i).take(room).collect())
+    }
+
     /// Whether a chunk that takes `blocks_to_grow` blocks runs now. The running rows come
     /// first: a block each stays free for their next step, and the chunk waits while that would
     /// not leave it room.
@@ -162,12 +198,13 @@ impl Policy {
 
     /// The measures that free blocks for a decode step that does not fit, in the order they
     /// are taken until it does (the prompt cache gives up entries before each check): the
-    /// prefilling job starts over, then the youngest rows are preempted. One row always fits
-    /// alone (admission checked that its longest state fits the pool), so the oldest row is
-    /// never preempted.
+    /// prefilling jobs start over, the youngest first, then the youngest rows are preempted.
+    /// One row always fits alone (admission checked that its longest state fits the pool), so
+    /// the oldest row is never preempted.
     pub fn relief(&self, load: &Load) -> Vec<Measure> {
-        let restart = load.joiner.is_some_and(|fed| fed > 0).then_some(Measure::RestartJoiner);
-        restart.into_iter().chain((1..load.running).rev().map(Measure::Preempt)).collect()
+        let holding = load.joiners.iter().enumerate().rev().filter(|(_, j)| j.fed > 0);
+        let restarts = holding.map(|(i, _)| Measure::RestartJoiner(i));
+        restarts.chain((1..load.running).rev().map(Measure::Preempt)).collect()
     }
 }
 
@@ -245,16 +282,49 @@ mod tests {
         let mut blocks = FakeBlocks::growing();
         assert_eq!(policy(2).admission(&load(1), None, Some(job(8)), &mut blocks), Admission::Start);
         assert_eq!(policy(2).admission(&load(2), None, Some(job(8)), &mut blocks), Admission::Wait);
-        // A preempted row counts the prefilling job against the cap too.
-        let prefilling = Load { running: 1, joiner: Some(0), ..Load::default() };
+        // Prefilling jobs count against the cap too, for a preempted row as for a new job.
+        let prefilling = Load { running: 1, joiners: vec![Fed { fed: 0, len: 8 }], ..Load::default() };
         assert_eq!(policy(2).admission(&prefilling, Some(8), None, &mut blocks), Admission::Wait);
+        assert_eq!(policy(2).admission(&prefilling, None, Some(job(8)), &mut blocks), Admission::Wait);
         assert_eq!(policy(3).admission(&prefilling, Some(8), None, &mut blocks), Admission::Resume);
+        assert_eq!(policy(3).admission(&prefilling, None, Some(job(8)), &mut blocks), Admission::Start);
     }
 
+    /// Jobs join the prefill while what the prefilling jobs have yet to feed falls short of
+    /// one prefill forward (64 tokens here), however much each has fed.
     #[test]
-    fn one_job_prefills_at_a_time() {
-        let prefilling = Load { running: 0, joiner: Some(5), ..Load::default() };
-        assert_eq!(policy(4).admission(&prefilling, None, Some(job(8)), &mut FakeBlocks::growing()), Admission::Wait);
+    fn jobs_prefill_together_while_their_prompts_fill_less_than_a_forward() {
+        let joiners =
+            |unfed: &[usize]| Load { joiners: unfed.iter().map(|&u| Fed { fed: 100, len: 100 + u }).collect(), ..load(0) };
+        let mut blocks = FakeBlocks::growing();
+        for (unfed, next) in
+            [(&[63][..], Admission::Start), (&[30, 33], Admission::Start), (&[64], Admission::Wait), (&[1, 63], Admission::Wait)]
+        {
+            assert_eq!(policy(8).admission(&joiners(unfed), None, Some(job(500)), &mut blocks), next, "{unfed:?} unfed");
+        }
+    }
+
+    /// The prompts the prefilling jobs have yet to feed take blocks too: a job starts only
+    /// with room for them besides its own.
+    #[test]
+    fn a_job_leaves_room_for_the_prompts_being_prefilled() {
+        let load = Load { joiners: vec![Fed { fed: 16, len: 48 }, Fed { fed: 0, len: 1 }], ..load(1) };
+        for (free, admitted) in [(6, true), (5, false)] {
+            let mut blocks = FakeBlocks::new(free);
+            assert_eq!(policy(8).admission(&load, None, Some(job(16)), &mut blocks) == Admission::Start, admitted, "{free} free");
+            assert_eq!(blocks.asked, [1 + 1 + 1 + (2 + 1)], "its block, one spare, the running row's, the joiners' 2 + 1");
+        }
+    }
+
+    /// A prefill forward feeds the oldest job's chunk and, cut to it, the chunks of younger
+    /// jobs at least as long, within the forward's tokens (64 here).
+    #[test]
+    fn a_cohort_feeds_equal_chunks_within_the_forward() {
+        assert_eq!(policy(8).cohort(&[]), (0, vec![]));
+        assert_eq!(policy(8).cohort(&[64, 64]), (64, vec![0]), "a full chunk runs alone");
+        assert_eq!(policy(8).cohort(&[16, 8, 20, 16, 30, 16]), (16, vec![0, 2, 3, 4]), "four of 16 fill the forward");
+        assert_eq!(policy(8).cohort(&[40, 8]), (40, vec![0]), "the oldest is never cut");
+        assert_eq!(policy(8).cohort(&[1, 50, 50]), (1, vec![0, 1, 2]));
     }
 
     /// A job starts only while the free blocks cover its prompt (rounded up to blocks) and one
@@ -313,20 +383,22 @@ mod tests {
         assert!(blocks.asked.is_empty(), "no blocks are freed for a job that cannot start");
     }
 
+    /// Prefilling jobs start over, the youngest first, before the youngest rows are
+    /// preempted; one that has fed nothing holds no blocks worth freeing.
     #[test]
-    fn the_joiner_restarts_before_the_youngest_rows_are_preempted() {
-        let load = Load { running: 4, joiner: Some(30), ..Load::default() };
-        let expected = [Measure::RestartJoiner, Measure::Preempt(3), Measure::Preempt(2), Measure::Preempt(1)];
+    fn joiners_restart_before_the_youngest_rows_are_preempted() {
+        let fed = |fed| Fed { fed, len: 40 };
+        let load = Load { running: 4, joiners: vec![fed(30), fed(0), fed(5)], ..Load::default() };
+        let expected =
+            [Measure::RestartJoiner(2), Measure::RestartJoiner(0), Measure::Preempt(3), Measure::Preempt(2), Measure::Preempt(1)];
         assert_eq!(policy(8).relief(&load), expected);
-        // A joiner that has fed nothing holds no blocks worth freeing.
-        let fresh = Load { joiner: Some(0), ..load };
-        assert_eq!(policy(8).relief(&fresh), [Measure::Preempt(3), Measure::Preempt(2), Measure::Preempt(1)]);
     }
 
     #[test]
     fn a_single_row_is_never_preempted() {
         assert_eq!(policy(8).relief(&load(1)), []);
-        assert_eq!(policy(8).relief(&Load { joiner: Some(1), ..load(1) }), [Measure::RestartJoiner]);
+        let prefilling = Load { joiners: vec![Fed { fed: 1, len: 2 }], ..load(1) };
+        assert_eq!(policy(8).relief(&prefilling), [Measure::RestartJoiner(0)]);
     }
 
     #[test]

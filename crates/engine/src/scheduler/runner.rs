@@ -35,6 +35,15 @@ pub(super) struct Decoded {
     hidden: Option<Tensor>,
 }
 
+/// A prefilling job's next chunk: its prompt from `fed` on, into its single-row `state` (lent
+/// to the forward) and its drafter's record.
+pub(super) struct Feed<'a> {
+    pub prompt: &'a [u32],
+    pub fed: usize,
+    pub state: BatchState,
+    pub draft: &'a mut JoinerDraft,
+}
+
 /// The pool's blocks, with the prompt cache giving up entries on demand.
 pub(super) struct PoolBlocks<'a> {
     pool: &'a StatePool,
@@ -202,21 +211,33 @@ impl Runner {
         })
     }
 
-    /// Feeds `prompt[fed..end]` into a prefilling job's `state`; returns the last position's
-    /// logits `[1, vocab]`.
-    pub fn prefill(
-        &self,
-        prompt: &[u32],
-        fed: usize,
-        end: usize,
-        state: &mut BatchState,
-        draft: &mut JoinerDraft,
-    ) -> strata_model::Result<Tensor> {
-        let input = Tensor::new(&prompt[fed..end], self.model.device())?.unsqueeze(0)?;
+    /// One prefill forward: each job feeds `len` more prompt tokens into its state, every job
+    /// a row of the same forward. Returns the last position's logits per job, `[jobs, vocab]`.
+    /// Jobs prefilled together are merged into one batch for the forward and split back after
+    /// it, each keeping its own blocks and slot; no padding enters any state.
+    pub fn prefill(&self, feeds: &mut [Feed<'_>], len: usize) -> strata_model::Result<Tensor> {
+        let tokens: Vec<u32> = feeds.iter().flat_map(|f| &f.prompt[f.fed..f.fed + len]).copied().collect();
+        let input = Tensor::from_vec(tokens, (feeds.len(), len), self.model.device())?;
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
-        let (logits, hidden) = forward(&self.model, &input, state, Logits::Last, hidden)?;
+        let (logits, hidden) = match feeds {
+            [one] => forward(&self.model, &input, &mut one.state, Logits::Last, hidden)?,
+            _ => {
+                let mut cohort = self.new_state(0)?;
+                for feed in feeds.iter_mut() {
+                    // Taken, not shared: a block or slot two states hold is copied when written.
+                    cohort.merge(&std::mem::take(&mut feed.state))?;
+                }
+                let out = forward(&self.model, &input, &mut cohort, Logits::Last, hidden)?;
+                for (feed, state) in feeds.iter_mut().zip(cohort.split()?) {
+                    feed.state = state;
+                }
+                out
+            }
+        };
         if let (Some(drafter), Some(hidden)) = (&self.drafter, hidden) {
-            drafter.prefilled(draft, prompt, fed, &hidden.squeeze(0)?)?;
+            for (i, feed) in feeds.iter_mut().enumerate() {
+                drafter.prefilled(feed.draft, feed.prompt, feed.fed, &hidden.get(i)?)?;
+            }
         }
         Ok(logits)
     }

@@ -29,8 +29,11 @@ impl Matrix {
     }
 
     /// `x W^T` for `x` `[rows, in]`, in `x`'s dtype.
-    fn multiply(&self, x: &Tensor) -> Result<Tensor> {
+    /// `x W^T`; `rowwise`: each row computed as among a few rows (see
+    /// [`strata_kernels::matmul::matmul_t_rowwise`]).
+    fn multiply(&self, x: &Tensor, rowwise: bool) -> Result<Tensor> {
         match self {
+            Matrix::Dense(w) if rowwise => Ok(strata_kernels::matmul::matmul_t_rowwise(x, w)?),
             Matrix::Dense(w) => Ok(strata_kernels::matmul::matmul_t(x, w)?),
             Matrix::Packed(w) => Ok(w.matmul_t(x)?.to_dtype(x.dtype())?),
             // The quantized kernels take f32 activations and give f32.
@@ -69,9 +72,14 @@ impl Linear {
         Self { weight, bias: None }
     }
 
+    /// `x` `[B, T, in]` (or `[B, in]`, one position per row). Where each row's positions are
+    /// few enough for the batch-invariant kernel, every position stays in it however many rows
+    /// the forward has, so a row gets the bits it gets alone.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let (rows, in_dim) = Self::rows_of(x);
-        self.finish(self.weight.multiply(&x.reshape((rows, in_dim))?)?, x.dims())
+        let positions = if x.rank() == 3 { x.dims()[1] } else { 1 };
+        let rowwise = positions <= strata_kernels::matmul::MAX_EXACT_ROWS;
+        self.finish(self.weight.multiply(&x.reshape((rows, in_dim))?, rowwise)?, x.dims())
     }
 
     /// `forward` of several projections of one input. Block-quantized weights share one pass
