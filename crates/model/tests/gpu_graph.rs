@@ -10,7 +10,7 @@ use strata_model::{Logits, Model, ModelFolder};
 use strata_state::{BatchState, LayerState, PoolSize, StatePool};
 
 mod common;
-use common::fixtures;
+use common::{assert_cohorts_match_alone, fixtures};
 
 /// Single-row states of `pool` after prompts of different lengths, merged into one batch.
 fn batch(model: &Model, pool: &StatePool, lens: &[usize]) -> BatchState {
@@ -90,5 +90,18 @@ fn graph_replays_match_eager_steps_bit_for_bit() {
             assert_eq!(recorded, 2, "{}: recordings", dir.display());
             assert_eq!(replayed, 36, "{}: replays of 40 steps", dir.display());
         }
+    }
+}
+
+/// Prompts prefilled together on the GPU (f32 fixtures): each row's logits within 1e-4 of its
+/// chunk fed alone, and the same greedy tokens (the CPU twin is cohort_prefill.rs).
+#[test]
+fn a_row_prefilled_in_a_cohort_on_gpu_has_the_logits_it_has_alone() {
+    let device = Device::new_cuda(0).expect("a CUDA GPU");
+    let Device::Cuda(gpu) = &device else { unreachable!("asked for CUDA") };
+    strata_kernels::prepare_device(gpu).unwrap();
+    for dir in fixtures() {
+        let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &device).unwrap();
+        assert_cohorts_match_alone(&model, 1e-4, &dir.display().to_string());
     }
 }

@@ -11,3 +11,60 @@ pub fn fixtures() -> Vec<PathBuf> {
     assert!(dirs.len() >= 3, "fixtures missing under {}", root.display());
     dirs
 }
+
+/// Rows at different positions (fresh, or after prefixes of different lengths, in a state
+/// pool as the engine keeps them) feed equal chunks as rows of one forward: each row's logits
+/// at every position are within `tolerance` of feeding its chunk alone, with the same greedy
+/// token, and on CPU bit for bit where the chunk is short enough for the batch-invariant
+/// kernels. Chunks short enough for the step-by-step recurrence and long enough for the chunked
+/// one; cohorts past the batch-invariant matmul's rows.
+#[allow(dead_code)] // not every test file prefills cohorts
+pub fn assert_cohorts_match_alone(model: &strata_model::Model, tolerance: f32, what: &str) {
+    use candle_core::{DType, Tensor};
+    use strata_model::Logits;
+    use strata_state::{PoolSize, StatePool};
+
+    let device = model.device();
+    let pool = StatePool::new(&model.state_spec(), 16, PoolSize::Growing, PoolSize::Growing, device).unwrap();
+    let ids = |rows: &[Vec<u32>]| Tensor::new(rows.to_vec(), device).unwrap();
+    let rows = |t: &Tensor| -> Vec<Vec<f32>> {
+        let t = t.to_dtype(DType::F32).unwrap();
+        let vocab = *t.dims().last().unwrap();
+        t.flatten_all().unwrap().to_vec1::<f32>().unwrap().chunks(vocab).map(<[f32]>::to_vec).collect()
+    };
+    let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |best, (i, x)| if *x > v[best] { i } else { best });
+    let vocab = model.vocab_size() as u32;
+    let text: Vec<u32> = (0..400u32).map(|i| (i * 7919 + 13) % vocab).collect();
+    for (prefixes, chunk) in [(&[0usize, 5, 13][..], 24usize), (&[0, 40][..], 70), (&[3, 3, 0, 17][..], 9)] {
+        let states: Vec<_> = prefixes
+            .iter()
+            .enumerate()
+            .map(|(r, &p)| {
+                let mut state = pool.new_state(1).unwrap();
+                if p > 0 {
+                    model.forward(&ids(&[text[50 * r..50 * r + p].to_vec()]), &mut state, Logits::Last).unwrap();
+                }
+                state
+            })
+            .collect();
+        let feeds: Vec<Vec<u32>> =
+            prefixes.iter().enumerate().map(|(r, &p)| text[50 * r + p..50 * r + p + chunk].to_vec()).collect();
+        let mut cohort = pool.new_state(0).unwrap();
+        states.iter().for_each(|s| cohort.merge(s).unwrap());
+        let together = model.forward(&ids(&feeds), &mut cohort, Logits::All).unwrap();
+        assert_eq!(cohort.positions, prefixes.iter().map(|p| p + chunk).collect::<Vec<_>>());
+        for (r, (feed, mut alone)) in feeds.iter().zip(states).enumerate() {
+            let solo = model.forward(&ids(&[feed.clone()]), &mut alone, Logits::All).unwrap();
+            let (got, want) = (rows(&together.get(r).unwrap()), rows(&solo.get(0).unwrap()));
+            for (t, (g, w)) in got.iter().zip(&want).enumerate() {
+                let diff = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                let what = format!("{what}: row {r} of {prefixes:?}, position {t} of {chunk}");
+                assert!(diff <= tolerance, "{what}: logits differ by {diff}");
+                assert_eq!(argmax(g), argmax(w), "{what}: greedy token");
+                if device.is_cpu() && chunk <= strata_kernels::matmul::MAX_EXACT_ROWS {
+                    assert_eq!(diff, 0.0, "{what}: positions the batch-invariant kernels take keep their bits");
+                }
+            }
+        }
+    }
+}
