@@ -30,7 +30,7 @@ impl EngineConfig {
     /// The state pool the running batch keeps its rows in (see `kv_cache_bytes`).
     fn state_pool(&self, model: &Model, cache: &CacheConfig) -> Result<StatePool, SpawnError> {
         let spec = model.state_spec();
-        let rows = self.max_batch + 1; // the running rows and the one prefilling
+        let rows = self.max_batch + 1; // the running and prefilling rows (at most max_batch), and a spare
         let device = model.device();
         let memory = strata_kernels::device_memory(device).map_err(strata_model::ModelError::from)?;
         let blocks = match (self.kv_cache_bytes, self.gpu_memory_utilization, memory) {
