@@ -358,7 +358,11 @@ impl<'a> Engine<'a> {
                 feeds.push(Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft });
             }
         }
+        let started = Instant::now();
         let logits = self.runner.prefill(&mut feeds, len)?;
+        // Waits for the device, so that the time counts its work (the logits are read next).
+        logits.device().synchronize()?;
+        self.stats.prefill_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let states: Vec<BatchState> = feeds.into_iter().map(|f| f.state).collect();
         self.stats.prefill_forwards.fetch_add(1, Ordering::Relaxed);
         self.stats.prefill_chunks.fetch_add(members.len() as u64, Ordering::Relaxed);
@@ -374,6 +378,9 @@ impl<'a> Engine<'a> {
                     apply::publish(cache, Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
                 }
             }
+        }
+        if done.is_empty() {
+            return Ok(());
         }
         // Only the finished jobs' logits cross to the host.
         let rows: Vec<u32> = done.iter().map(|&(_, k)| k as u32).collect();

@@ -105,6 +105,8 @@ pub struct WorkerStats {
     /// that arrived together prefill as one cohort.
     pub prefill_forwards: AtomicU64,
     pub prefill_chunks: AtomicU64,
+    /// Time in prefill forwards, the device's work included.
+    pub prefill_ns: AtomicU64,
     /// Speculative decoding: tokens drafted, and how many the target accepted.
     pub draft_rounds: AtomicU64,
     pub drafted_tokens: AtomicU64,
