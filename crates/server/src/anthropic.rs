@@ -175,7 +175,7 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), Value::Bool(thinking_on));
     let (opens_thinking, prompt) = render_chat(&state, messages, tools.clone(), kwargs).await?;
-    let opts = generation_options(&state, (prompt.tokens.len(), "messages"), Some(req.max_tokens), 0, sampling, None)?;
+    let opts = generation_options(&state, (prompt.tokens.len(), "messages"), Some(req.max_tokens), 0, sampling, None, false)?;
     let output = OutputOptions { stop: req.stop_sequences.unwrap_or_default(), thinking: Some(opens_thinking), tools };
     let model = req.model.unwrap_or_else(|| state.config.model_name.clone());
     let id = new_id("msg_");

@@ -43,6 +43,8 @@ pub(crate) struct ChatRequest {
     tool_choice: Option<Value>,
     chat_template_kwargs: Option<Map<String, Value>>,
     reasoning_effort: Option<String>,
+    #[serde(default, deserialize_with = "null_as_default")]
+    ignore_eos: bool,
 }
 
 impl ChatRequest {
@@ -259,6 +261,7 @@ pub(crate) async fn prepare_chat(state: &AppState, req: ChatRequest, sampling: &
         4096,
         sampling,
         top,
+        req.ignore_eos,
     )?;
     let output =
         OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: Some(opens_thinking), tools };
@@ -388,6 +391,8 @@ struct CompletionRequest {
     #[serde(default, deserialize_with = "null_as_default")]
     echo: bool,
     logprobs: Option<usize>,
+    #[serde(default, deserialize_with = "null_as_default")]
+    ignore_eos: bool,
 }
 
 pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
@@ -431,7 +436,7 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
         ));
     }
     let sampling = sampling.resolve(&state)?;
-    let opts = generation_options(&state, (prompt.len(), "prompt"), req.max_tokens, 16, sampling, req.logprobs)?;
+    let opts = generation_options(&state, (prompt.len(), "prompt"), req.max_tokens, 16, sampling, req.logprobs, req.ignore_eos)?;
     let output = OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: None, tools: None };
     let echo = if req.echo {
         state.tokenizer.decode(&prompt, false).map_err(|e| ApiError::internal(e.to_string()))?

@@ -77,7 +77,9 @@ impl SamplingFields {
     }
 }
 
-/// Checks the output budget and the context limit; returns the options for the engine.
+/// Checks the output budget and the context limit; returns the options for the engine. With
+/// `ignore_eos` (vLLM's extension), the model's end tokens do not end the generation: only
+/// `max_tokens` and stop strings do.
 pub fn generation_options(
     state: &AppState,
     (prompt_len, prompt_field): (usize, &'static str),
@@ -85,6 +87,7 @@ pub fn generation_options(
     default_max: usize,
     sampling: SamplingParams,
     logprobs: Option<usize>,
+    ignore_eos: bool,
 ) -> ApiResult<GenerationOptions> {
     let limit = state.context();
     if prompt_len == 0 {
@@ -112,7 +115,7 @@ pub fn generation_options(
     Ok(GenerationOptions {
         max_tokens,
         sampling,
-        stop_tokens: state.eos_token_ids.clone(),
+        stop_tokens: if ignore_eos { Vec::new() } else { state.eos_token_ids.clone() },
         prefill_chunk: state.worker.config().prefill_chunk,
         logprobs,
     })

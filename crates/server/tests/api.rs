@@ -509,6 +509,29 @@ async fn a_request_past_the_models_positions_is_a_400_naming_max_tokens() {
     assert_eq!(s, StatusCode::OK, "{r}");
 }
 
+/// `ignore_eos` (vLLM's extension): end tokens no longer end the answer, `max_tokens` does. The
+/// bias makes the fixture's end token every step's greedy choice, so without the flag both
+/// endpoints stop at once.
+#[tokio::test(flavor = "multi_thread")]
+async fn ignore_eos_generates_past_end_tokens_up_to_max_tokens() {
+    let state = state("qwen3_5-tiny-a", 4096, None);
+    let app = router(state.clone());
+    let always_end: serde_json::Map<String, Value> = state.eos_token_ids.iter().map(|id| (id.to_string(), json!(100))).collect();
+    let completion = json!({"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "logit_bias": always_end});
+    for (path, body) in
+        [("/v1/completions", completion), ("/v1/chat/completions", chat(json!({"max_tokens": 6, "logit_bias": always_end})))]
+    {
+        for (ignore_eos, finish, tokens) in [(false, "stop", 0), (true, "length", 6)] {
+            let mut body = body.clone();
+            body["ignore_eos"] = json!(ignore_eos);
+            let (status, r) = post(&app, path, body).await;
+            assert_eq!(status, StatusCode::OK, "{path}: {r}");
+            let got = (r["choices"][0]["finish_reason"].as_str(), r["usage"]["completion_tokens"].as_u64());
+            assert_eq!(got, (Some(finish), Some(tokens)), "{path} ignore_eos {ignore_eos}");
+        }
+    }
+}
+
 /// `null` for a flag the APIs mark nullable reads as leaving it out (SDKs send explicit nulls).
 #[tokio::test(flavor = "multi_thread")]
 async fn nullable_flags_accept_null() {
