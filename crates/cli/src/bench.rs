@@ -1,17 +1,24 @@
-//! `strata bench`: a fixed workload through the batched engine at one or more concurrencies.
+//! `strata bench`: a fixed workload through the batched engine at one or more concurrencies,
+//! or with `--request-rate`, a serving benchmark over HTTP (see [`crate::serving`]).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use candle_core::Device;
 use strata_engine::cache::{Identity, SsdOptions};
-use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, SsdConfig, Worker};
-use strata_model::{synthetic, Model};
+use strata_engine::{
+    CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Speculation, SsdConfig, Worker,
+};
+use strata_model::{synthetic, GenerationConfig, Model, ModelFolder, Tokenizer};
+use strata_server::{HttpLimits, ResponseStore, ServerConfig};
 
 use crate::common::{machine, open_model, parse_device, DTypeArg};
 use crate::draft::DraftArgs;
+use crate::serve::{PoolArgs, ServedText};
+use crate::serving::{LocalServer, ServingArgs, Target};
 
 #[derive(Clone, clap::Args)]
 pub struct Args {
@@ -60,9 +67,14 @@ pub struct Args {
     prompt_cycle: Option<usize>,
     #[command(flatten)]
     draft: DraftArgs,
+    #[command(flatten)]
+    serving: ServingArgs,
+    /// With --request-rate, these size the engine of the server started in process, as they
+    /// do `strata serve`'s.
+    #[command(flatten)]
+    pool: PoolArgs,
 }
 
-/// Timestamps of one request's tokens.
 /// What a measured request reports, with when and which request.
 enum Progress {
     Token,
@@ -215,13 +227,24 @@ impl Args {
 }
 
 pub fn run(mut a: Args) -> Result<()> {
+    if a.prompt_len == 0 || a.gen_len < 2 {
+        bail!("--prompt-len must be at least 1 and --gen-len at least 2");
+    }
+    if let Some(url) = &a.serving.url {
+        let target = a.serving.remote_target(url)?;
+        let sweep = a.serving.sweep(&target, (a.prompt_len, a.gen_len), a.json)?;
+        return a.serving.plot(&target.model, (a.prompt_len, a.gen_len), &[sweep]);
+    }
+    if !a.serving.is_on() && a.pool != PoolArgs::default() {
+        bail!(
+            "--max-num-seqs, --kv-cache-memory, --state-budget-bytes, --gpu-memory-utilization and --kv-block-size \
+             size the server of --request-rate runs"
+        );
+    }
     let device = parse_device(&a.device)?;
     a.prefill_chunk = Some(a.prefill_chunk.unwrap_or(EngineConfig::for_device(&device).prefill_chunk).max(1));
     if a.dtype.is_empty() {
         a.dtype.push(DTypeArg::or_default_for(None, &device));
-    }
-    if a.prompt_len == 0 || a.gen_len < 2 {
-        bail!("--prompt-len must be at least 1 and --gen-len at least 2");
     }
     if a.gen_len_min.is_some_and(|min| min < 2 || min > a.gen_len) {
         bail!("--gen-len-min must be at least 2 and at most --gen-len");
@@ -229,29 +252,15 @@ pub fn run(mut a: Args) -> Result<()> {
     if a.concurrency.contains(&0) {
         bail!("--concurrency values must be at least 1");
     }
-    let (name, folder) = match (&a.model, &a.synthetic) {
-        (Some(dir), _) => (dir.display().to_string(), Some(open_model(dir)?)),
-        (_, Some(name)) => {
-            synthetic::config(name)?;
-            (format!("{name} (synthetic)"), None)
-        }
-        _ => bail!("give --model DIR or --synthetic NAME"),
-    };
+    let (name, source) = Source::open(&a)?;
     let machine = machine();
-    let load = |dtype: DTypeArg| -> Result<Model> {
-        let model = match &folder {
-            Some(f) => f.load(dtype.dtype(), &device)?,
-            None => synthetic::build(a.synthetic.as_deref().expect("checked above"), dtype.dtype(), &device)?,
-        };
-        model.set_decode_graphs(!a.no_cuda_graphs);
-        Ok(model)
-    };
+    let cuda_graphs = !a.no_cuda_graphs;
+    let load = |dtype: DTypeArg| source.load(dtype, &device, cuda_graphs);
     if a.cache_ttft {
-        let identity = |dtype: DTypeArg| match &folder {
-            Some(f) => crate::cache::folder_identity(&f.path, dtype.name()),
-            None => Ok(crate::cache::synthetic_identity(a.synthetic.as_deref().unwrap_or_default(), dtype.name())),
-        };
-        return cache_ttft(&a, &name, &machine, load, identity);
+        return cache_ttft(&a, &name, &machine, load, |dtype| source.identity(dtype));
+    }
+    if a.serving.is_on() {
+        return serve_and_measure(&a, &name, &source, &device, &machine);
     }
     if !a.json {
         let draft = a.draft.describe();
@@ -266,16 +275,7 @@ pub fn run(mut a: Args) -> Result<()> {
     for dtype in &a.dtype {
         let model = load(*dtype)?;
         let vocab = model.vocab_size() as u64;
-        // A synthetic draft (`model:synthetic:NAME`) needs no folder either.
-        let load_draft = |path: &std::path::Path| match path.to_str().and_then(|p| p.strip_prefix("synthetic:")) {
-            Some(name) => Ok(synthetic::build(name, dtype.dtype(), &device)?),
-            None => Ok(open_model(path)?.load(dtype.dtype(), &device)?),
-        };
-        let load_mtp = || match &folder {
-            Some(f) => Ok(f.load_mtp(&model)?),
-            None => Ok(synthetic::build_mtp(&model)?),
-        };
-        let speculation = a.draft.speculation(vocab as usize, || load(*dtype), load_draft, load_mtp)?;
+        let speculation = source.speculation(&a.draft, &model, *dtype, &device, cuda_graphs)?;
         let worker = Worker::spawn(
             model,
             EngineConfig {
@@ -330,6 +330,129 @@ pub fn run(mut a: Args) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The measured model: a folder, or random weights with a public release's shapes.
+enum Source {
+    Folder(Box<ModelFolder>),
+    Synthetic(String),
+}
+
+impl Source {
+    /// The model `--model` or `--synthetic` names, and its name for reports.
+    fn open(a: &Args) -> Result<(String, Self)> {
+        match (&a.model, &a.synthetic) {
+            (Some(dir), _) => Ok((dir.display().to_string(), Source::Folder(Box::new(open_model(dir)?)))),
+            (_, Some(name)) => {
+                synthetic::config(name)?;
+                Ok((format!("{name} (synthetic)"), Source::Synthetic(name.clone())))
+            }
+            _ => bail!("give --model DIR or --synthetic NAME (or --url with --request-rate)"),
+        }
+    }
+
+    fn load(&self, dtype: DTypeArg, device: &Device, cuda_graphs: bool) -> Result<Model> {
+        let model = match self {
+            Source::Folder(f) => f.load(dtype.dtype(), device)?,
+            Source::Synthetic(name) => synthetic::build(name, dtype.dtype(), device)?,
+        };
+        model.set_decode_graphs(cuda_graphs);
+        Ok(model)
+    }
+
+    /// `--draft`'s speculation for `model`, loaded from this source at `dtype`.
+    fn speculation(
+        &self,
+        draft: &DraftArgs,
+        model: &Model,
+        dtype: DTypeArg,
+        device: &Device,
+        cuda_graphs: bool,
+    ) -> Result<Option<Speculation>> {
+        // A synthetic draft (`model:synthetic:NAME`) needs no folder either.
+        let load_draft = |path: &Path| match path.to_str().and_then(|p| p.strip_prefix("synthetic:")) {
+            Some(name) => Ok(synthetic::build(name, dtype.dtype(), device)?),
+            None => Ok(open_model(path)?.load(dtype.dtype(), device)?),
+        };
+        let load_mtp = || match self {
+            Source::Folder(f) => Ok(f.load_mtp(model)?),
+            Source::Synthetic(_) => Ok(synthetic::build_mtp(model)?),
+        };
+        draft.speculation(model.vocab_size(), || self.load(dtype, device, cuda_graphs), load_draft, load_mtp)
+    }
+
+    /// The SSD tier's key for this model at `dtype`.
+    fn identity(&self, dtype: DTypeArg) -> Result<Identity> {
+        match self {
+            Source::Folder(f) => crate::cache::folder_identity(&f.path, dtype.name()),
+            Source::Synthetic(name) => Ok(crate::cache::synthetic_identity(name, dtype.name())),
+        }
+    }
+
+    /// What a server of this model needs besides its weights. Random weights have no
+    /// vocabulary: their tokens read as numbered words.
+    fn text(&self) -> Result<ServedText> {
+        match self {
+            // Read again: the folder read first stays with the loader, for the other dtypes.
+            Source::Folder(f) => Ok(ServedText::of(open_model(&f.path)?)),
+            Source::Synthetic(name) => {
+                let config = synthetic::config(name)?;
+                Ok(ServedText {
+                    tokenizer: Tokenizer::numbered(u32::try_from(config.vocab_size)?)?,
+                    template: None,
+                    generation: GenerationConfig::default(),
+                    eos_token_ids: config.eos_token_ids,
+                    vocab_size: config.vocab_size,
+                })
+            }
+        }
+    }
+}
+
+/// `--request-rate`: the model at each dtype served in process, as `strata serve` would serve
+/// it (with the prompt cache off, as in the other runs: the sweep sends the same prompts at
+/// every rate), and measured over HTTP as any server is.
+fn serve_and_measure(a: &Args, name: &str, source: &Source, device: &Device, machine: &str) -> Result<()> {
+    let open_files = strata_server::raise_open_files_limit();
+    let mut sweeps = Vec::new();
+    for &dtype in &a.dtype {
+        let model = source.load(dtype, device, !a.no_cuda_graphs)?;
+        let speculation = source.speculation(&a.draft, &model, dtype, device, !a.no_cuda_graphs)?;
+        let config = ServerConfig {
+            model_name: name.to_string(),
+            dtype: dtype.name().into(),
+            device: a.device.clone(),
+            max_context: model.max_position_embeddings(),
+            api_key: None,
+            special_tokens_in_content: false,
+            http: HttpLimits { max_connections: strata_server::default_max_connections(open_files), ..HttpLimits::default() },
+        };
+        let engine = a.pool.engine_config(device, a.prefill_chunk)?;
+        let state = crate::serve::start(
+            model,
+            source.text()?,
+            engine,
+            CacheConfig::off(),
+            speculation,
+            config,
+            ResponseStore::default(),
+        )?;
+        let vocab_size = state.vocab_size;
+        let max_num_seqs = state.worker.config().max_batch;
+        let server = LocalServer::start(state)?;
+        let target = Target {
+            endpoint: crate::serving::Endpoint::new(server.url(), None)?,
+            model: name.to_string(),
+            vocab_size,
+            title: format!("{name} on {} ({machine}), {}{}, served in process", a.device, dtype.name(), a.draft.describe()),
+            label: dtype.name().to_string(),
+            facts: serde_json::json!({
+                "model": name, "device": a.device, "machine": machine, "dtype": dtype.name(), "max_num_seqs": max_num_seqs,
+            }),
+        };
+        sweeps.push(a.serving.sweep(&target, (a.prompt_len, a.gen_len), a.json)?);
+    }
+    a.serving.plot(name, (a.prompt_len, a.gen_len), &sweeps)
 }
 
 /// Time to the first token of `prompt`, and how many prompt tokens came from the cache.

@@ -10,6 +10,7 @@ mod hub;
 mod logits;
 mod perplexity;
 mod serve;
+mod serving;
 
 use clap::{Parser, Subcommand};
 
@@ -30,7 +31,7 @@ enum Command {
     Generate(generate::Args),
     /// Write the logits of a token sequence to a safetensors file.
     Logits(logits::Args),
-    /// Measure prefill and decode tokens/s.
+    /// Measure prefill and decode tokens/s, or (--request-rate) a server under load over HTTP.
     Bench(bench::Args),
     /// Serve the OpenAI- and Anthropic-compatible HTTP API.
     Serve(serve::Args),

@@ -5,9 +5,11 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result};
-use strata_engine::{EngineConfig, Worker};
-use strata_server::{Cutoff, HttpLimits, ResponseStore, ServerConfig, Shared};
+use anyhow::{bail, Context, Result};
+use candle_core::Device;
+use strata_engine::{CacheConfig, EngineConfig, Speculation, Worker};
+use strata_model::{ChatTemplate, GenerationConfig, Model, ModelFolder, Tokenizer};
+use strata_server::{AppState, Cutoff, HttpLimits, ResponseStore, ServerConfig, Shared};
 
 use crate::cache::{folder_identity, CacheArgs};
 use crate::common::{parse_device, DTypeArg};
@@ -52,28 +54,8 @@ pub struct Args {
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
     #[arg(long)]
     no_cuda_graphs: bool,
-    /// Most requests decoded together (vLLM's name; default: 16 on CPU, 256 on GPU).
-    #[arg(long, visible_alias = "max-batch")]
-    max_num_seqs: Option<usize>,
-    /// Bytes of the state pool: the attention KV blocks and the running requests' recurrent
-    /// state (default on CPU: 8 GiB; on GPU, --gpu-memory-utilization sizes it instead). Allocated
-    /// at start. Requests are admitted while free blocks hold their prompt; when the running
-    /// ones outgrow the pool, the youngest are preempted and resume later where they stopped.
-    #[arg(long)]
-    kv_cache_memory: Option<usize>,
-    /// Admit a request only while every running request's state at its full length (prompt +
-    /// max_tokens) fits in these bytes, and size the pool for that worst case (unless
-    /// --kv-cache-memory sizes it; on GPU too, in place of --gpu-memory-utilization): nothing is
-    /// ever preempted, at the cost of fewer requests at once. Default: no cap.
-    #[arg(long)]
-    state_budget_bytes: Option<usize>,
-    /// GPU only: the share of the GPU's memory for the weights, the activations and the state
-    /// pool, which gets what the other two leave (vLLM's meaning; default 0.9).
-    #[arg(long, conflicts_with = "kv_cache_memory", value_parser = share)]
-    gpu_memory_utilization: Option<f64>,
-    /// Positions per block of the state pool's attention KV (a power of two on GPU).
-    #[arg(long, default_value_t = strata_engine::DEFAULT_KV_BLOCK_SIZE as u16, value_parser = clap::value_parser!(u16).range(1..=1024))]
-    kv_block_size: u16,
+    #[command(flatten)]
+    pool: PoolArgs,
     #[arg(long, value_enum, default_value = "text")]
     log_format: LogFormat,
     /// After Ctrl-C / SIGTERM, seconds the requests still running (streams included) may take
@@ -146,40 +128,16 @@ pub fn run(a: Args) -> Result<()> {
     let model_max = folder.config.max_position_embeddings;
     let max_context = a.max_context.unwrap_or(model_max);
     if max_context == 0 {
-        anyhow::bail!("--max-context must be at least 1");
+        bail!("--max-context must be at least 1");
     }
     if max_context > model_max {
-        anyhow::bail!("--max-context {max_context} is more than the model's {model_max} positions (max_position_embeddings)");
+        bail!("--max-context {max_context} is more than the model's {model_max} positions (max_position_embeddings)");
     }
-    let defaults = EngineConfig::for_device(&device);
-    if device.is_cpu() && a.gpu_memory_utilization.is_some() {
-        anyhow::bail!("--gpu-memory-utilization is for GPUs; on the CPU --kv-cache-memory sizes the state pool");
-    }
-    if !device.is_cpu() && !a.kv_block_size.is_power_of_two() {
-        anyhow::bail!(
-            "--kv-block-size {} must be a power of two on GPU (the paged kernels find blocks by a shift)",
-            a.kv_block_size
-        );
-    }
-    let engine = EngineConfig {
-        max_batch: a.max_num_seqs.unwrap_or(defaults.max_batch).max(1),
-        prefill_chunk: a.prefill_chunk.unwrap_or(defaults.prefill_chunk).max(1),
-        state_budget_bytes: a.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
-        // The CPU's pool has a size of its own unless a budget cap sizes it; a GPU's comes from
-        // its memory.
-        kv_cache_bytes: a
-            .kv_cache_memory
-            .or((device.is_cpu() && a.state_budget_bytes.is_none()).then_some(DEFAULT_CPU_KV_CACHE_BYTES)),
-        kv_block_size: a.kv_block_size.into(),
-        gpu_memory_utilization: match a.kv_cache_memory {
-            Some(_) => None,
-            None => a.gpu_memory_utilization.or(defaults.gpu_memory_utilization),
-        },
-    };
+    let engine = a.pool.engine_config(&device, a.prefill_chunk)?;
     let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, dtype.name()))?;
     let model = folder.load(dtype.dtype(), &device)?;
     if model.state_cost().bytes(max_context).is_none() {
-        anyhow::bail!(
+        bail!(
             "--max-context {max_context} (by default the model's max_position_embeddings): the state of that many tokens \
              would be more bytes than this machine can count"
         );
@@ -191,29 +149,6 @@ pub fn run(a: Args) -> Result<()> {
         |path| Ok(crate::common::open_model(path)?.load(dtype.dtype(), &device)?),
         || Ok(folder.load_mtp(&model)?),
     )?;
-    let worker = Worker::spawn(model, engine, cache, speculation).context("cannot start the engine")?;
-    let pool = worker.pool_stats();
-    tracing::info!(
-        kv_block_size = pool.block_size,
-        kv_blocks = pool.blocks_total,
-        kv_tokens = pool.blocks_total * pool.block_size,
-        rows = pool.slots_total,
-        max_num_seqs = engine.max_batch,
-        pool_bytes = worker.pool_bytes(),
-        state_budget_bytes = (engine.state_budget_bytes != usize::MAX).then_some(engine.state_budget_bytes),
-        "state pool allocated"
-    );
-    if let Some(r) = worker.recovery() {
-        tracing::info!(
-            entries = r.entries,
-            bytes = r.bytes,
-            reaped_tmp = r.reaped_tmp,
-            removed_corrupt = r.removed_corrupt,
-            skipped_foreign = r.skipped_foreign,
-            skipped_unsafe = r.skipped_unsafe,
-            "SSD cache opened"
-        );
-    }
     let (entries, bytes) = (a.response_store_entries, a.response_store_bytes);
     let responses = match a.cache.ssd_dir() {
         Some(dir) => {
@@ -227,30 +162,28 @@ pub fn run(a: Args) -> Result<()> {
     };
     let model_name =
         a.model.clone().unwrap_or_else(|| dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
-    let vocab_size = folder.config.vocab_size;
-    let eos_token_ids = folder.eos_token_ids();
-    let state = Arc::new(Shared {
-        config: ServerConfig {
-            model_name,
-            dtype: dtype.name().into(),
-            device: a.device.clone(),
-            max_context,
-            api_key: a.api_key.clone(),
-            special_tokens_in_content: a.special_tokens_in_content,
-            http,
-        },
-        worker: worker.clone(),
-        tokenizer: folder.tokenizer,
-        template: folder.chat_template,
-        generation: folder.generation,
-        eos_token_ids,
-        vocab_size,
-        started: Instant::now(),
-        http_requests: AtomicU64::new(0),
-        http_errors: AtomicU64::new(0),
-        cutoff: Cutoff::default(),
-        responses,
-    });
+    let config = ServerConfig {
+        model_name,
+        dtype: dtype.name().into(),
+        device: a.device.clone(),
+        max_context,
+        api_key: a.api_key.clone(),
+        special_tokens_in_content: a.special_tokens_in_content,
+        http,
+    };
+    let state = start(model, ServedText::of(folder), engine, cache, speculation, config, responses)?;
+    let worker = state.worker.clone();
+    if let Some(r) = worker.recovery() {
+        tracing::info!(
+            entries = r.entries,
+            bytes = r.bytes,
+            reaped_tmp = r.reaped_tmp,
+            removed_corrupt = r.removed_corrupt,
+            skipped_foreign = r.skipped_foreign,
+            skipped_unsafe = r.skipped_unsafe,
+            "SSD cache opened"
+        );
+    }
     let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().context("cannot start the async runtime")?;
     runtime.block_on(async move {
         let addr = format!("{}:{}", a.host, a.port);
@@ -265,6 +198,125 @@ pub fn run(a: Args) -> Result<()> {
         tracing::warn!(unwritten, "SSD cache writes still queued at shutdown were dropped");
     }
     Ok(())
+}
+
+/// The flags that size the engine's batch and state pool: `serve`'s, and those of the server
+/// that `bench --request-rate` starts in process.
+#[derive(Clone, Debug, Default, PartialEq, clap::Args)]
+pub struct PoolArgs {
+    /// Most requests decoded together (vLLM's name; default: 16 on CPU, 256 on GPU).
+    #[arg(long, visible_alias = "max-batch")]
+    max_num_seqs: Option<usize>,
+    /// Bytes of the state pool: the attention KV blocks and the running requests' recurrent
+    /// state (default on CPU: 8 GiB; on GPU, --gpu-memory-utilization sizes it instead). Allocated
+    /// at start. Requests are admitted while free blocks hold their prompt; when the running
+    /// ones outgrow the pool, the youngest are preempted and resume later where they stopped.
+    #[arg(long)]
+    kv_cache_memory: Option<usize>,
+    /// Admit a request only while every running request's state at its full length (prompt +
+    /// max_tokens) fits in these bytes, and size the pool for that worst case (unless
+    /// --kv-cache-memory sizes it; on GPU too, in place of --gpu-memory-utilization): nothing is
+    /// ever preempted, at the cost of fewer requests at once. Default: no cap.
+    #[arg(long)]
+    state_budget_bytes: Option<usize>,
+    /// GPU only: the share of the GPU's memory for the weights, the activations and the state
+    /// pool, which gets what the other two leave (vLLM's meaning; default 0.9).
+    #[arg(long, conflicts_with = "kv_cache_memory", value_parser = share)]
+    gpu_memory_utilization: Option<f64>,
+    /// Positions per block of the state pool's attention KV (a power of two on GPU; default 16).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    kv_block_size: Option<u16>,
+}
+
+impl PoolArgs {
+    /// The engine's settings on `device`, prefilling `prefill_chunk` prompt tokens a forward
+    /// (default: the device's).
+    pub fn engine_config(&self, device: &Device, prefill_chunk: Option<usize>) -> Result<EngineConfig> {
+        let defaults = EngineConfig::for_device(device);
+        if device.is_cpu() && self.gpu_memory_utilization.is_some() {
+            bail!("--gpu-memory-utilization is for GPUs; on the CPU --kv-cache-memory sizes the state pool");
+        }
+        let kv_block_size = self.kv_block_size.map_or(defaults.kv_block_size, usize::from);
+        if !device.is_cpu() && !kv_block_size.is_power_of_two() {
+            bail!("--kv-block-size {kv_block_size} must be a power of two on GPU (the paged kernels find blocks by a shift)");
+        }
+        Ok(EngineConfig {
+            max_batch: self.max_num_seqs.unwrap_or(defaults.max_batch).max(1),
+            prefill_chunk: prefill_chunk.unwrap_or(defaults.prefill_chunk).max(1),
+            state_budget_bytes: self.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
+            // The CPU's pool has a size of its own unless a budget cap sizes it; a GPU's comes
+            // from its memory.
+            kv_cache_bytes: self
+                .kv_cache_memory
+                .or((device.is_cpu() && self.state_budget_bytes.is_none()).then_some(DEFAULT_CPU_KV_CACHE_BYTES)),
+            kv_block_size,
+            gpu_memory_utilization: match self.kv_cache_memory {
+                Some(_) => None,
+                None => self.gpu_memory_utilization.or(defaults.gpu_memory_utilization),
+            },
+        })
+    }
+}
+
+/// What a server needs of its model besides the weights: the tokenizer, chat template,
+/// sampling defaults and end tokens.
+pub struct ServedText {
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    pub generation: GenerationConfig,
+    pub eos_token_ids: Vec<u32>,
+    pub vocab_size: usize,
+}
+
+impl ServedText {
+    pub fn of(folder: ModelFolder) -> Self {
+        Self {
+            eos_token_ids: folder.eos_token_ids(),
+            vocab_size: folder.config.vocab_size,
+            tokenizer: folder.tokenizer,
+            template: folder.chat_template,
+            generation: folder.generation,
+        }
+    }
+}
+
+/// Starts the engine on `model` and makes the state the HTTP handlers share: `strata serve`'s,
+/// and that of the server `strata bench --request-rate` measures in process.
+pub fn start(
+    model: Model,
+    text: ServedText,
+    engine: EngineConfig,
+    cache: CacheConfig,
+    speculation: Option<Speculation>,
+    config: ServerConfig,
+    responses: ResponseStore,
+) -> Result<AppState> {
+    let worker = Worker::spawn(model, engine, cache, speculation).context("cannot start the engine")?;
+    let pool = worker.pool_stats();
+    tracing::info!(
+        kv_block_size = pool.block_size,
+        kv_blocks = pool.blocks_total,
+        kv_tokens = pool.blocks_total * pool.block_size,
+        rows = pool.slots_total,
+        max_num_seqs = engine.max_batch,
+        pool_bytes = worker.pool_bytes(),
+        state_budget_bytes = (engine.state_budget_bytes != usize::MAX).then_some(engine.state_budget_bytes),
+        "state pool allocated"
+    );
+    Ok(Arc::new(Shared {
+        config,
+        worker,
+        tokenizer: text.tokenizer,
+        template: text.template,
+        generation: text.generation,
+        eos_token_ids: text.eos_token_ids,
+        vocab_size: text.vocab_size,
+        started: Instant::now(),
+        http_requests: AtomicU64::new(0),
+        http_errors: AtomicU64::new(0),
+        cutoff: Cutoff::default(),
+        responses,
+    }))
 }
 
 /// How long a graceful shutdown waits for queued SSD cache writes.

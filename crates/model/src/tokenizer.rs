@@ -75,6 +75,18 @@ impl Tokenizer {
         Ok(Self::new(built.tokenizer, bos, eos))
     }
 
+    /// A tokenizer for random weights with no vocabulary of their own (`--synthetic` shapes):
+    /// token `i` is the word `<i>`, and a text is such words separated by spaces.
+    pub fn numbered(vocab_size: u32) -> Result<Self> {
+        let model = tokenizers::models::wordlevel::WordLevel::builder()
+            .vocab((0..vocab_size).map(|id| (format!("<{id}>"), id)).collect())
+            .build()
+            .map_err(|e| ModelError::Tokenizer(e.to_string()))?;
+        let mut inner = tokenizers::Tokenizer::new(model);
+        inner.with_pre_tokenizer(Some(tokenizers::pre_tokenizers::whitespace::WhitespaceSplit));
+        Ok(Self::new(inner, None, None))
+    }
+
     fn new(inner: tokenizers::Tokenizer, bos: Option<String>, eos: Option<String>) -> Self {
         Self { inner, bos, eos, as_text: OnceLock::new(), literal: OnceLock::new() }
     }
@@ -320,6 +332,19 @@ mod tests {
         assert_eq!(joined, tokenizer.decode(&ids, true).unwrap());
         assert_eq!(joined, text);
         assert!(widest <= 8, "the stream held {widest} ids");
+    }
+
+    /// A numbered tokenizer's text names each id, streamed a token at a time, and reads back
+    /// as the same ids.
+    #[test]
+    fn numbered_tokens_read_back_as_their_ids() {
+        let tokenizer = Tokenizer::numbered(1000).unwrap();
+        assert_eq!(tokenizer.vocab_size(), 1000);
+        let ids = [7, 0, 999, 42];
+        let mut stream = tokenizer.stream(true);
+        let pieces: Vec<String> = ids.iter().map(|&id| stream.push(id).unwrap()).collect();
+        assert_eq!(pieces, ["<7>", " <0>", " <999>", " <42>"]);
+        assert_eq!(tokenizer.encode(&pieces.concat()).unwrap(), ids);
     }
 
     /// A long text is tokenized piece by piece into the whole text's ids, typed added-token
