@@ -38,7 +38,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) ->
     if q.device().is_cuda() && gpu::takes(q, k, v)? {
         return match few_rows {
             true => gpu::attention_rows(&q.unsqueeze(0)?, &[(k.clone(), v.clone())], scoring, None)?.squeeze(0),
-            false => gpu::prefill(q, k, v, scoring),
+            false => gpu::prefill(&q.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, scoring)?.squeeze(0),
         };
     }
     let few = few_rows && q.device().is_cpu() && k.dtype() == v.dtype();
@@ -63,6 +63,31 @@ pub fn causal_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scori
         .map(|(r, (k, v))| causal_attention(&q.get(r)?.contiguous()?, k, v, scoring))
         .collect::<Result<Vec<_>>>()?;
     Tensor::stack(&rows, 0)
+}
+
+/// [`causal_attention_rows`] for rows whose histories are equally long, given as one batch:
+/// `k`, `v` `[B, Hkv, L, D]` (a cohort of prompts prefilled together). On CUDA, rows of many
+/// queries (past the decode kernels' few) run as one batched prefill instead of one per row.
+pub fn causal_attention_batch(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if gpu::takes_batch(q, k, v)? {
+        return gpu::prefill(q, k, v, scoring);
+    }
+    causal_attention_rows(q, &batch_rows(k, v)?, scoring)
+}
+
+/// [`causal_attention_batch`] gated as [`gated_attention_rows`] gates it.
+pub fn gated_attention_batch(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, gate: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if gpu::takes_batch(q, k, v)? {
+        return sigmoid_gate(&gpu::prefill(q, k, v, scoring)?, gate);
+    }
+    gated_attention_rows(q, &batch_rows(k, v)?, scoring, gate)
+}
+
+/// Each row's keys and values of a batch `[B, Hkv, L, D]`.
+fn batch_rows(k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+    (0..k.dim(0)?).map(|r| Ok((k.get(r)?, v.get(r)?))).collect()
 }
 
 /// The output of a gated attention (Qwen3.5's full-attention layers): [`causal_attention_rows`]
@@ -371,12 +396,23 @@ mod gpu {
         Ok((x.contiguous()?, l * d))
     }
 
-    /// A prompt block: the scores and the weighted values as (tensor-core) matmuls, the causal
-    /// mask and softmax between them as one kernel, without a mask tensor.
+    /// Whether [`prefill`] takes a batch: on CUDA, more queries per row than the decode kernels
+    /// take, heads the kernels support.
+    pub(super) fn takes_batch(q: &Tensor, k: &Tensor, v: &Tensor) -> Result<bool> {
+        Ok(q.device().is_cuda() && q.dim(2)? > crate::matmul::MAX_EXACT_ROWS && takes(&q.get(0)?, &k.get(0)?, &v.get(0)?)?)
+    }
+
+    /// Prompt blocks of a batch of rows, `q` `[B, Hq, T, D]` over `k`, `v` `[B, Hkv, L, D]`
+    /// (every row's history equally long): the scores and the weighted values as (tensor-core)
+    /// matmuls batched over rows and KV heads, the causal mask and softmax between them as one
+    /// kernel, without a mask tensor.
     pub(super) fn prefill(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
-        let (hq, t_len, d) = q.dims3()?;
-        let (hkv, l_len, _) = k.dims3()?;
-        let qg = q.contiguous()?.reshape((hkv, hq / hkv * t_len, d))?;
+        let (b, hq, t_len, d) = q.dims4()?;
+        let (_, hkv, l_len, _) = k.dims4()?;
+        let qg = q.contiguous()?.reshape((b * hkv, hq / hkv * t_len, d))?;
+        // One row keeps its KV views as they are (strided positions are fine for the matmul).
+        let heads = |x: &Tensor| if b == 1 { x.squeeze(0) } else { x.reshape((b * hkv, l_len, d)) };
+        let (k, v) = (heads(k)?, heads(v)?);
         let scores = qg.matmul(&k.t()?)?.contiguous()?;
         let probs = cuda::output(scores.shape(), scores.dtype(), q.device())?;
         let rows = scores.elem_count() / l_len;
@@ -390,7 +426,7 @@ mod gpu {
             Arg::dim(scoring.window.unwrap_or(0))?,
         ];
         cuda::launch(q.device(), &cuda::ATTENTION, "causal_softmax", q.dtype(), cfg, &args)?;
-        probs.matmul(&v.contiguous()?)?.reshape((hq, t_len, d))
+        probs.matmul(&v.contiguous()?)?.reshape((b, hq, t_len, d))
     }
 
     /// Per row of a batch: its keys' and values' addresses, head strides and length, as the

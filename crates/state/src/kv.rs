@@ -155,17 +155,7 @@ impl KvStore {
     /// row's whole history; one write for all rows where the device allows.
     pub fn append_rows(&mut self, k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
         if let Rows::Paged(paged) = &mut self.rows {
-            let t = k.dim(2)?;
-            paged.reserve_rows(t)?;
-            let layout = paged.layout();
-            let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
-            if attention::write_paged(k, v, &kernel_view(&layout, &lens))? {
-                paged.commit_written(t)?;
-            } else {
-                for row in 0..paged.rows() {
-                    paged.append(row, &k.get(row)?, &v.get(row)?)?;
-                }
-            }
+            Self::append_paged(paged, k, v)?;
             return (0..self.rows()).map(|row| self.history(row)).collect();
         }
         let t = k.dim(2)?;
@@ -224,11 +214,44 @@ impl KvStore {
                 return Ok(out);
             }
         }
+        if let Rows::Paged(paged) = &mut self.rows {
+            if paged.rows() > 1 {
+                Self::append_paged(paged, k, v)?;
+                // Rows equally long (prompts prefilled together) attend as one batch.
+                if let Some((keys, values)) = paged.stacked_history()? {
+                    return Ok(match gate {
+                        Some(gate) => attention::gated_attention_batch(q, &keys, &values, scoring, gate)?,
+                        None => attention::causal_attention_batch(q, &keys, &values, scoring)?,
+                    });
+                }
+                let history = (0..paged.rows()).map(|row| paged.history(row)).collect::<Result<Vec<_>>>()?;
+                return Self::attend_rows(q, &history, scoring, gate);
+            }
+        }
         let history = self.append_rows(k, v)?;
+        Self::attend_rows(q, &history, scoring, gate)
+    }
+
+    fn attend_rows(q: &Tensor, history: &[(Tensor, Tensor)], scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
         Ok(match gate {
-            Some(gate) => attention::gated_attention_rows(q, &history, scoring, gate)?,
-            None => attention::causal_attention_rows(q, &history, scoring)?,
+            Some(gate) => attention::gated_attention_rows(q, history, scoring, gate)?,
+            None => attention::causal_attention_rows(q, history, scoring)?,
         })
+    }
+
+    /// Writes `k`, `v` (`[B, Hkv, T, D]`) after every paged row's positions.
+    fn append_paged(paged: &mut PagedRows, k: &Tensor, v: &Tensor) -> Result<()> {
+        let t = k.dim(2)?;
+        paged.reserve_rows(t)?;
+        let layout = paged.layout();
+        let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
+        if attention::write_paged(k, v, &kernel_view(&layout, &lens))? {
+            return paged.commit_written(t);
+        }
+        for row in 0..paged.rows() {
+            paged.append(row, &k.get(row)?, &v.get(row)?)?;
+        }
+        Ok(())
     }
 
     /// Each row's whole key and value buffers `[Hkv, capacity, D]`, for kernels that write a

@@ -255,6 +255,24 @@ impl PagedRows {
         Ok((gather(&layer.k)?, gather(&layer.v)?))
     }
 
+    /// Every row's stored keys and values as one batch `[B, Hkv, len, D]` (one gather), when
+    /// the rows are equally long; `None` otherwise.
+    pub(crate) fn stacked_history(&self) -> Result<Option<(Tensor, Tensor)>> {
+        let (bs, len) = (self.pool.block_size, self.rows.first().map_or(0, |r| r.len));
+        if self.rows.iter().any(|r| r.len != len) {
+            return Ok(None);
+        }
+        let ids: Vec<u32> =
+            self.rows.iter().flat_map(|r| (0..len).map(move |p| r.table.blocks[p / bs] * bs as u32 + (p % bs) as u32)).collect();
+        let layer = lock(&self.pool.kv[self.layer]);
+        let (_, heads, dim) = layer.k.dims3()?;
+        let ids = Tensor::from_vec(ids, self.rows.len() * len, layer.k.device())?;
+        let gather = |t: &Tensor| -> Result<Tensor> {
+            Ok(t.index_select(&ids, 0)?.reshape((self.rows.len(), len, heads, dim))?.transpose(1, 2)?.contiguous()?)
+        };
+        Ok(Some((gather(&layer.k)?, gather(&layer.v)?)))
+    }
+
     /// Cuts `row` back to `len` positions, releasing the blocks past them.
     pub(crate) fn trim(&mut self, row: usize, len: usize) -> Result<()> {
         let r = &mut self.rows[row];

@@ -17,7 +17,7 @@ pub fn fixtures() -> Vec<PathBuf> {
 /// at every position are within `tolerance` of feeding its chunk alone, with the same greedy
 /// token, and on CPU bit for bit where the chunk is short enough for the batch-invariant
 /// kernels. Chunks short enough for the step-by-step recurrence and long enough for the chunked
-/// one; cohorts past the batch-invariant matmul's rows.
+/// one; cohorts past the batch-invariant matmul's rows; rows of equal and unequal lengths.
 #[allow(dead_code)] // not every test file prefills cohorts
 pub fn assert_cohorts_match_alone(model: &strata_model::Model, tolerance: f32, what: &str) {
     use candle_core::{DType, Tensor};
@@ -35,7 +35,10 @@ pub fn assert_cohorts_match_alone(model: &strata_model::Model, tolerance: f32, w
     let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |best, (i, x)| if *x > v[best] { i } else { best });
     let vocab = model.vocab_size() as u32;
     let text: Vec<u32> = (0..400u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    for (prefixes, chunk) in [(&[0usize, 5, 13][..], 24usize), (&[0, 40][..], 70), (&[3, 3, 0, 17][..], 9)] {
+    // Equal prefixes make rows equally long: their attention runs as one batch.
+    let cases =
+        [(&[0usize, 5, 13][..], 24usize), (&[0, 40][..], 70), (&[3, 3, 0, 17][..], 9), (&[0, 0, 0][..], 70), (&[6, 6][..], 24)];
+    for (prefixes, chunk) in cases {
         let states: Vec<_> = prefixes
             .iter()
             .enumerate()
