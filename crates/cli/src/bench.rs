@@ -437,7 +437,7 @@ fn serve_and_measure(a: &Args, name: &str, source: &Source, device: &Device, mac
             config,
             ResponseStore::default(),
         )?;
-        let vocab_size = state.vocab_size;
+        let vocab_size = a.serving.prompt_vocab(state.vocab_size);
         let max_num_seqs = state.worker.config().max_batch;
         let server = LocalServer::start(state)?;
         let target = Target {

@@ -40,9 +40,11 @@ pub struct ServingArgs {
     /// With --url: the model its requests name (default: the first that GET /v1/models lists).
     #[arg(long, requires = "url")]
     served_model_name: Option<String>,
-    /// With --url: the served model's vocabulary size; prompt token ids are drawn below it
-    /// (strata's own server: its model's).
-    #[arg(long, requires = "url", value_parser = clap::value_parser!(u32).range(1..))]
+    /// Prompt token ids are drawn below this: needed with --url (at most the served tokenizer's
+    /// size; vLLM's own random prompts are drawn below its tokenizer's `vocab_size`); strata's
+    /// own server defaults to its model's. The same value and --seed give two servers the same
+    /// prompts.
+    #[arg(long, requires = "request_rate", value_parser = clap::value_parser!(u32).range(1..))]
     vocab_size: Option<u32>,
     /// Requests per run.
     #[arg(long, default_value_t = 200, requires = "request_rate")]
@@ -93,6 +95,12 @@ impl ServingArgs {
     /// Whether `--request-rate` asks for the serving benchmark.
     pub fn is_on(&self) -> bool {
         !self.request_rate.is_empty()
+    }
+
+    /// Prompt token ids are drawn below `--vocab-size`, else below `served`, the served
+    /// model's vocabulary size.
+    pub fn prompt_vocab(&self, served: usize) -> usize {
+        self.vocab_size.map_or(served, |v| v as usize)
     }
 
     /// The server at `--url`.
