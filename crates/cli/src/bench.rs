@@ -159,6 +159,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
             stop_tokens: vec![],
             prefill_chunk: a.prefill_chunk(),
             logprobs: None,
+            grammar: None,
         };
         worker.submit(Job::new(prompt, opts, Box::new(Timing(tx.clone(), i)))).map_err(anyhow::Error::msg)?;
     }
@@ -473,6 +474,7 @@ fn first_token(worker: &Worker, prompt: &[u32]) -> Result<(Duration, usize)> {
         stop_tokens: vec![],
         prefill_chunk: usize::MAX,
         logprobs: None,
+        grammar: None,
     };
     let start = Instant::now();
     worker.submit(Job::new(prompt.to_vec(), opts, Box::new(First(tx)))).map_err(anyhow::Error::msg)?;

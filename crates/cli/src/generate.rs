@@ -134,6 +134,7 @@ pub fn run(a: Args) -> Result<()> {
         stop_tokens: if a.ignore_eos { vec![] } else { folder.eos_token_ids() },
         prefill_chunk,
         logprobs: None,
+        grammar: None,
     };
 
     let mut stream = folder.tokenizer.stream(true);

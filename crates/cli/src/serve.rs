@@ -316,6 +316,7 @@ pub fn start(
         http_errors: AtomicU64::new(0),
         cutoff: Cutoff::default(),
         responses,
+        grammars: Default::default(),
     }))
 }
 

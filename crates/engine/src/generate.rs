@@ -1,12 +1,14 @@
 //! The single-sequence generation loop: chunked prefill, then one token per step until an end
 //! token, the token budget, or the caller stops it.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use strata_model::{Logits, Model};
+use strata_model::{Logits, Model, ModelError};
 
 use crate::sampler::{Sampler, SamplingParams};
+use crate::structured::{Constraint, Grammar, Progress};
 
 #[derive(Clone, Debug)]
 pub struct GenerationOptions {
@@ -19,6 +21,8 @@ pub struct GenerationOptions {
     pub prefill_chunk: usize,
     /// Report each token's log-probability and this many alternatives (`None`: skip the work).
     pub logprobs: Option<usize>,
+    /// Structured output: what the tokens must match.
+    pub grammar: Option<Arc<Grammar>>,
 }
 
 /// A chosen token, with its log-probability under the model's raw distribution when asked.
@@ -89,22 +93,34 @@ pub fn generate(
     let decode_start = Instant::now();
     let mut context = prompt.to_vec();
     let mut tokens = Vec::new();
+    let mut constraint = opts.grammar.as_deref().map(Constraint::new);
     let finish = loop {
         if tokens.len() >= opts.max_tokens {
             break FinishReason::Length;
         }
-        let next = sampler.sample(&logits, &context, &tokens);
+        let choosable = match &mut constraint {
+            Some(c) => c.choosable(&logits, &opts.stop_tokens).map_err(ModelError::Invalid)?,
+            None => logits.as_slice().into(),
+        };
+        let next = sampler.sample(&choosable, &context, &tokens);
         if opts.stop_tokens.contains(&next) {
             break FinishReason::Stop;
         }
         tokens.push(next);
         context.push(next);
+        let complete = match &mut constraint {
+            Some(c) => c.advance(next).map_err(ModelError::Invalid)? == Progress::Complete,
+            None => false,
+        };
         let sampled = match opts.logprobs {
             None => Sampled { id: next, logprob: None, top_logprobs: Vec::new() },
             Some(top) => with_logprobs(&logits, next, top),
         };
         if !on_token(&sampled) {
             break FinishReason::Cancelled;
+        }
+        if complete {
+            break FinishReason::Stop;
         }
         if tokens.len() >= opts.max_tokens {
             break FinishReason::Length;

@@ -10,11 +10,13 @@ pub mod sampler;
 mod scheduler;
 mod shared;
 pub mod speculative;
+pub mod structured;
 pub mod worker;
 
 pub use generate::{generate, FinishReason, Generation, GenerationOptions, Sampled};
 pub use sampler::{Sampler, SamplingChoice, SamplingParams};
 pub use speculative::{DraftSource, Speculation};
+pub use structured::{Grammar, Grammars, Structure};
 pub use worker::{
     CacheConfig, EngineConfig, Event, EventSink, Job, SpawnError, SsdConfig, Worker, WorkerStats, DEFAULT_KV_BLOCK_SIZE,
 };

@@ -54,6 +54,7 @@ use crate::prefetch::{release_waiting, Prefetcher};
 use crate::sampler::Sampler;
 use crate::shared::{EngineConfig, SharedCache, WorkerStats};
 use crate::speculative::{Drafter, JoinerDraft};
+use crate::structured::Constraint;
 
 /// A running row taken out of the batch when the pool ran short of KV blocks: its state as
 /// host tensors named as [`BatchState::parts`] names them, at `position`.
@@ -308,6 +309,7 @@ impl<'a> Engine<'a> {
             accepted: 0,
             prefill_time: Duration::ZERO,
             decode_start: Instant::now(),
+            constraint: job.opts.grammar.as_deref().map(Constraint::new),
             job,
         };
         row.job.sink.send(Event::Started { cached_tokens: resume.prompt_len });
@@ -425,6 +427,7 @@ impl<'a> Engine<'a> {
             accepted: 0,
             prefill_time: j.started.elapsed(),
             decode_start: Instant::now(),
+            constraint: j.job.opts.grammar.as_deref().map(Constraint::new),
             job: j.job,
         };
         match apply::sample_and_send(self.stats, &mut row, &Scores::Logits(logits)) {

@@ -107,6 +107,9 @@ pub struct WorkerStats {
     pub prefill_chunks: AtomicU64,
     /// Time in prefill forwards, the device's work included.
     pub prefill_ns: AtomicU64,
+    /// Structured output: token masks computed, and the time computing them took.
+    pub structured_masks: AtomicU64,
+    pub structured_mask_ns: AtomicU64,
     /// Speculative decoding: tokens drafted, and how many the target accepted.
     pub draft_rounds: AtomicU64,
     pub drafted_tokens: AtomicU64,
@@ -148,7 +151,7 @@ impl SharedCache {
         }
         let mut key = xxhash_rust::xxh3::Xxh3::new();
         prompt.iter().for_each(|t| key.update(&t.to_le_bytes()));
-        key.update(format!("{:?} {:?} {}", opts.sampling, opts.stop_tokens, opts.max_tokens).as_bytes());
+        key.update(format!("{:?} {:?} {} {:?}", opts.sampling, opts.stop_tokens, opts.max_tokens, opts.grammar).as_bytes());
         // Never 0, the prompt cache's namespace.
         Some(key.digest() | 1)
     }

@@ -347,6 +347,7 @@ mod tests {
             stop_tokens: vec![],
             prefill_chunk: 8,
             logprobs: None,
+            grammar: None,
         };
         let (events, answer) = mpsc::channel();
         worker.submit(Job::new((1..=9).collect(), opts, Box::new(Events(events)))).unwrap();

@@ -53,7 +53,7 @@ impl Recorder {
 }
 
 fn opts(max_tokens: usize, sampling: SamplingParams) -> GenerationOptions {
-    GenerationOptions { max_tokens, sampling, stop_tokens: vec![], prefill_chunk: 512, logprobs: None }
+    GenerationOptions { max_tokens, sampling, stop_tokens: vec![], prefill_chunk: 512, logprobs: None, grammar: None }
 }
 
 fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {

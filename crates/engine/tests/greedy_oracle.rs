@@ -16,7 +16,7 @@ fn reference(dir: &PathBuf) -> (Vec<u32>, serde_json::Value) {
 
 fn opts(sampling: SamplingParams) -> GenerationOptions {
     // No stop tokens: the oracle's greedy run does not stop at end tokens either.
-    GenerationOptions { max_tokens: 24, sampling, stop_tokens: vec![], prefill_chunk: 16, logprobs: None }
+    GenerationOptions { max_tokens: 24, sampling, stop_tokens: vec![], prefill_chunk: 16, logprobs: None, grammar: None }
 }
 
 #[test]

@@ -88,7 +88,14 @@ fn run_with(worker: &Worker, prompt: &[u32], opts: GenerationOptions, hang_up_af
 }
 
 fn greedy(max_tokens: usize, stop_tokens: Vec<u32>) -> GenerationOptions {
-    GenerationOptions { max_tokens, sampling: SamplingParams::greedy(), stop_tokens, prefill_chunk: 8, logprobs: Some(512) }
+    GenerationOptions {
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens,
+        prefill_chunk: 8,
+        logprobs: Some(512),
+        grammar: None,
+    }
 }
 
 fn run(worker: &Worker, prompt: &[u32], max_tokens: usize) -> Run {
@@ -189,7 +196,8 @@ fn interrupted_generation_resumes_from_its_checkpoint() {
     let dir = &fixtures()[0];
     let prompt = prompt_tokens(dir);
     let sampling = SamplingParams { temperature: 1.0, seed: Some(11), ..SamplingParams::greedy() };
-    let opts = GenerationOptions { max_tokens: 24, sampling, stop_tokens: vec![], prefill_chunk: 8, logprobs: None };
+    let opts =
+        GenerationOptions { max_tokens: 24, sampling, stop_tokens: vec![], prefill_chunk: 8, logprobs: None, grammar: None };
     let whole = run_with(&engine(dir, CacheConfig::off()), &prompt, opts.clone(), None).tokens;
     assert_eq!(whole.len(), 24);
 

@@ -98,7 +98,14 @@ fn collect(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, usize, usize) {
 }
 
 fn greedy(max_tokens: usize) -> GenerationOptions {
-    GenerationOptions { max_tokens, sampling: SamplingParams::greedy(), stop_tokens: vec![], prefill_chunk: 16, logprobs: None }
+    GenerationOptions {
+        max_tokens,
+        sampling: SamplingParams::greedy(),
+        stop_tokens: vec![],
+        prefill_chunk: 16,
+        logprobs: None,
+        grammar: None,
+    }
 }
 
 /// Eight prompts, repetitive enough that prompt lookup finds matches.

@@ -259,10 +259,64 @@ impl Tokenizer {
         self.inner.get_vocab_size(true)
     }
 
+    /// Every token's bytes, by id, for `vocab_size` ids (a model's output width may exceed the
+    /// tokenizer's). Special added tokens start with `special_marker` (so a grammar's text never
+    /// matches them); ids the tokenizer lacks are the marker alone.
+    pub fn token_bytes(&self, vocab_size: usize, special_marker: u8) -> Vec<Vec<u8>> {
+        use tokenizers::decoders::DecoderWrapper;
+        let byte_level = match self.inner.get_decoder() {
+            Some(DecoderWrapper::ByteLevel(_)) => true,
+            Some(DecoderWrapper::Sequence(seq)) => seq.get_decoders().iter().any(|d| matches!(d, DecoderWrapper::ByteLevel(_))),
+            _ => false,
+        };
+        let unicode_to_byte: std::collections::HashMap<char, u8> = byte_level_alphabet().map(|(b, c)| (c, b)).collect();
+        let added = self.inner.get_added_vocabulary().get_added_tokens_decoder();
+        (0..vocab_size as u32)
+            .map(|id| {
+                if let Some(token) = added.get(&id) {
+                    let mut bytes = if token.special { vec![special_marker] } else { Vec::new() };
+                    bytes.extend_from_slice(token.content.as_bytes());
+                    return bytes;
+                }
+                let Some(piece) = self.inner.id_to_token(id) else { return vec![special_marker] };
+                if byte_level {
+                    let mut bytes = Vec::with_capacity(piece.len());
+                    for c in piece.chars() {
+                        match unicode_to_byte.get(&c) {
+                            Some(&b) => bytes.push(b),
+                            None => bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                        }
+                    }
+                    return bytes;
+                }
+                // SentencePiece: byte-fallback pieces `<0xNN>`, and `▁` for a space.
+                match piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                    Some(b) if piece.len() == 6 => vec![b],
+                    _ => piece.replace('\u{2581}', " ").into_bytes(),
+                }
+            })
+            .collect()
+    }
+
     /// A detokeniser that yields text as soon as it forms whole characters.
     pub fn stream(&self, skip_special: bool) -> TextStream<'_> {
         TextStream { tokenizer: self, ids: Vec::new(), prefix: 0, read: 0, skip_special }
     }
+}
+
+/// GPT-2's byte-level alphabet: each byte and the printable character a byte-level BPE writes
+/// it as (printable bytes stand for themselves, the rest take characters from U+0100 on).
+fn byte_level_alphabet() -> impl Iterator<Item = (u8, char)> {
+    let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+    let mut shifted = 0u32;
+    (0..=255u8).map(move |b| {
+        if printable(b) {
+            (b, char::from(b))
+        } else {
+            shifted += 1;
+            (b, char::from_u32(255 + shifted).expect("below U+0200"))
+        }
+    })
 }
 
 fn floor_char_boundary(text: &str, mut i: usize) -> usize {

@@ -52,6 +52,10 @@ fn all_stats(state: &AppState) -> Value {
             "chunks": w.prefill_chunks.load(Ordering::Relaxed),
             "seconds": w.prefill_ns.load(Ordering::Relaxed) as f64 / 1e9,
         },
+        "structured_output": {
+            "masks": w.structured_masks.load(Ordering::Relaxed),
+            "mask_seconds": w.structured_mask_ns.load(Ordering::Relaxed) as f64 / 1e9,
+        },
         "prompt_cache": cache_stats(state),
         "kv_pool": {
             "block_size": pool.block_size,
@@ -148,7 +152,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let w = state.worker.stats();
     let s = state.worker.cache_stats();
     let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
-    let rows: [(&str, &str, &str, f64); 33] = [
+    let rows: [(&str, &str, &str, f64); 35] = [
         ("strata_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
         ("strata_http_requests_total", "counter", "HTTP requests received.", state.http_requests.load(Ordering::Relaxed) as f64),
         (
@@ -176,6 +180,18 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
             n(&w.prefill_chunks),
         ),
         ("strata_prefill_seconds_total", "counter", "Time in prefill forwards.", n(&w.prefill_ns) / 1e9),
+        (
+            "strata_structured_masks_total",
+            "counter",
+            "Token masks computed for structured output (one per constrained position).",
+            n(&w.structured_masks),
+        ),
+        (
+            "strata_structured_mask_seconds_total",
+            "counter",
+            "Time computing structured-output token masks.",
+            n(&w.structured_mask_ns) / 1e9,
+        ),
         ("strata_cache_ram_entries", "gauge", "Prompt-cache entries in RAM.", s.ram_entries.load(Ordering::Relaxed) as f64),
         ("strata_cache_ram_bytes", "gauge", "Prompt-cache bytes in RAM.", s.ram_bytes.load(Ordering::Relaxed) as f64),
         ("strata_cache_ram_hits_total", "counter", "Prompts served from the RAM tier.", n(&s.ram_hits)),

@@ -18,6 +18,7 @@ use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
 use crate::parse::tool_calls::schema_problem;
 use crate::request::{generation_options, null_as_default, render_chat, SamplingFields};
 use crate::state::AppState;
+use crate::structured::{self, ToolChoice};
 
 #[derive(Debug, Deserialize)]
 struct MessagesRequest {
@@ -152,20 +153,9 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let sampling: SamplingFields = parse_body(&body)?;
     let sampling = sampling.resolve(&state)?;
     let messages = to_chat_messages(req.system.as_ref(), &req.messages)?;
-    // "any" and a named tool would need the output constrained to a call: refused rather than
-    // answered in plain text as if "auto".
-    let tool_choice_none = match req.tool_choice.as_ref().map(|c| c.get("type").and_then(Value::as_str)) {
-        None | Some(Some("auto")) => false,
-        Some(Some("none")) => true,
-        Some(other) => {
-            return Err(ApiError::bad_request(
-                format!("tool_choice type {} is not supported: only \"auto\" and \"none\"", other.unwrap_or("(missing)")),
-                Some("tool_choice"),
-            ))
-        }
-    };
+    let (tool_choice, parallel) = ToolChoice::anthropic(req.tool_choice.as_ref())?;
     check_tools(req.tools.as_deref().unwrap_or_default())?;
-    let tools: Option<Vec<Value>> = req.tools.filter(|t| !t.is_empty() && !tool_choice_none).map(|tools| {
+    let tools: Option<Vec<Value>> = req.tools.filter(|t| !t.is_empty() && tool_choice != ToolChoice::None).map(|tools| {
         tools
             .iter()
             .map(|t| json!({"type": "function", "function": {"name": t.get("name"), "description": t.get("description"), "parameters": t.get("input_schema")}}))
@@ -175,7 +165,10 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), Value::Bool(thinking_on));
     let (opens_thinking, prompt) = render_chat(&state, messages, tools.clone(), kwargs).await?;
-    let opts = generation_options(&state, (prompt.tokens.len(), "messages"), Some(req.max_tokens), 0, sampling, None, false)?;
+    let mut opts = generation_options(&state, (prompt.tokens.len(), "messages"), Some(req.max_tokens), 0, sampling, None, false)?;
+    if let Some(calls) = tool_choice.structure(tools.as_deref().unwrap_or_default(), parallel)? {
+        opts.grammar = Some(structured::compile(&state, calls, opens_thinking, "tool_choice").await?);
+    }
     let output = OutputOptions { stop: req.stop_sequences.unwrap_or_default(), thinking: Some(opens_thinking), tools };
     let model = req.model.unwrap_or_else(|| state.config.model_name.clone());
     let id = new_id("msg_");

@@ -13,6 +13,7 @@ mod request;
 mod response_store;
 mod responses;
 pub mod state;
+mod structured;
 
 use std::sync::atomic::Ordering;
 

@@ -19,6 +19,7 @@ use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
 use crate::parse::tool_calls::schema_problem;
 use crate::request::{encode_prompt, generation_options, null_as_default, render_chat, Prompt, SamplingFields, StopField};
 use crate::state::AppState;
+use crate::structured::{self, ToolChoice};
 
 #[derive(Debug, Deserialize)]
 struct StreamOptions {
@@ -45,6 +46,9 @@ pub(crate) struct ChatRequest {
     reasoning_effort: Option<String>,
     #[serde(default, deserialize_with = "null_as_default")]
     ignore_eos: bool,
+    response_format: Option<Value>,
+    structured_outputs: Option<Value>,
+    parallel_tool_calls: Option<bool>,
 }
 
 impl ChatRequest {
@@ -55,6 +59,7 @@ impl ChatRequest {
         tools: Option<Vec<Value>>,
         tool_choice: Option<Value>,
         chat_template_kwargs: Map<String, Value>,
+        response_format: Option<Value>,
     ) -> Self {
         Self {
             messages,
@@ -62,6 +67,7 @@ impl ChatRequest {
             tools,
             tool_choice,
             chat_template_kwargs: Some(chat_template_kwargs),
+            response_format,
             ..Self::default()
         }
     }
@@ -231,20 +237,22 @@ pub(crate) async fn prepare_chat(state: &AppState, req: ChatRequest, sampling: &
     }
     let sampling = sampling.resolve(state)?;
     let messages = template_messages(&req.messages)?;
-    // "required" and a named function would need the output constrained to a call: refused
-    // rather than answered in plain text as if "auto".
-    let tool_choice_none = match req.tool_choice.as_ref() {
-        None => false,
-        Some(Value::String(c)) if c == "auto" || c == "none" => c == "none",
-        Some(other) => {
+    let tool_choice = ToolChoice::openai(req.tool_choice.as_ref())?;
+    check_tools(req.tools.as_deref().unwrap_or_default())?;
+    let parallel = req.parallel_tool_calls.unwrap_or(true);
+    let forced = tool_choice.structure(req.tools.as_deref().unwrap_or_default(), parallel)?;
+    let requested = structured::requested(req.response_format.as_ref(), req.structured_outputs.as_ref())?;
+    let structure = match (forced, requested) {
+        (Some(_), Some(_)) => {
             return Err(ApiError::bad_request(
-                format!("tool_choice {other} is not supported: only \"auto\" and \"none\""),
+                "a forced tool_choice and response_format (or structured_outputs) both constrain the output: give one",
                 Some("tool_choice"),
             ))
         }
+        (Some(calls), None) => Some((calls, "tool_choice")),
+        (None, requested) => requested,
     };
-    check_tools(req.tools.as_deref().unwrap_or_default())?;
-    let tools = req.tools.filter(|t| !t.is_empty() && !tool_choice_none);
+    let tools = req.tools.filter(|t| !t.is_empty() && tool_choice != ToolChoice::None);
     let mut kwargs = req.chat_template_kwargs.unwrap_or_default();
     if req.reasoning_effort.as_deref() == Some("none") {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
@@ -254,7 +262,7 @@ pub(crate) async fn prepare_chat(state: &AppState, req: ChatRequest, sampling: &
         return Err(ApiError::bad_request("top_logprobs must be at most 20", Some("top_logprobs")));
     }
     let top = if req.logprobs { Some(req.top_logprobs.unwrap_or(0)) } else { None };
-    let opts = generation_options(
+    let mut opts = generation_options(
         state,
         (prompt.tokens.len(), "messages"),
         req.max_completion_tokens.or(req.max_tokens),
@@ -263,6 +271,9 @@ pub(crate) async fn prepare_chat(state: &AppState, req: ChatRequest, sampling: &
         top,
         req.ignore_eos,
     )?;
+    if let Some((structure, field)) = structure {
+        opts.grammar = Some(structured::compile(state, structure, opens_thinking, field).await?);
+    }
     let output =
         OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: Some(opens_thinking), tools };
     Ok(ChatJob { prompt, opts, output })
@@ -393,6 +404,8 @@ struct CompletionRequest {
     logprobs: Option<usize>,
     #[serde(default, deserialize_with = "null_as_default")]
     ignore_eos: bool,
+    response_format: Option<Value>,
+    structured_outputs: Option<Value>,
 }
 
 pub async fn completions(State(state): State<AppState>, body: Bytes) -> Response {
@@ -436,7 +449,11 @@ async fn completion(state: AppState, body: Bytes) -> ApiResult<Response> {
         ));
     }
     let sampling = sampling.resolve(&state)?;
-    let opts = generation_options(&state, (prompt.len(), "prompt"), req.max_tokens, 16, sampling, req.logprobs, req.ignore_eos)?;
+    let mut opts =
+        generation_options(&state, (prompt.len(), "prompt"), req.max_tokens, 16, sampling, req.logprobs, req.ignore_eos)?;
+    if let Some((structure, field)) = structured::requested(req.response_format.as_ref(), req.structured_outputs.as_ref())? {
+        opts.grammar = Some(structured::compile(&state, structure, false, field).await?);
+    }
     let output = OutputOptions { stop: req.stop.map(StopField::into_vec).unwrap_or_default(), thinking: None, tools: None };
     let echo = if req.echo {
         state.tokenizer.decode(&prompt, false).map_err(|e| ApiError::internal(e.to_string()))?

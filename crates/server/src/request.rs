@@ -118,6 +118,7 @@ pub fn generation_options(
         stop_tokens: if ignore_eos { Vec::new() } else { state.eos_token_ids.clone() },
         prefill_chunk: state.worker.config().prefill_chunk,
         logprobs,
+        grammar: None,
     })
 }
 

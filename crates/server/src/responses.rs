@@ -439,7 +439,8 @@ async fn create_response(state: AppState, body: Bytes) -> ApiResult<Response> {
     if req.max_output_tokens.is_some_and(|n| n < 1) {
         return Err(bad("max_output_tokens must be at least 1", "max_output_tokens"));
     }
-    let chat = ChatRequest::translated(messages, req.max_output_tokens, tools, req.tool_choice.clone(), kwargs);
+    let format = req.text.as_ref().and_then(|t| t.get("format")).cloned();
+    let chat = ChatRequest::translated(messages, req.max_output_tokens, tools, req.tool_choice.clone(), kwargs, format.clone());
     let ChatJob { prompt, opts, output } = prepare_chat(&state, chat, &sampling).await.map_err(in_responses_terms)?;
 
     let id = new_id("resp_");
@@ -451,7 +452,7 @@ async fn create_response(state: AppState, body: Bytes) -> ApiResult<Response> {
         "output": [], "parallel_tool_calls": req.parallel_tool_calls.unwrap_or(true),
         "previous_response_id": req.previous_response_id, "reasoning": {"effort": effort, "summary": null},
         "store": store, "temperature": opts.sampling.temperature, "top_p": opts.sampling.top_p,
-        "text": {"format": {"type": "text"}}, "tool_choice": req.tool_choice.unwrap_or_else(|| "auto".into()),
+        "text": {"format": format.unwrap_or_else(|| json!({"type": "text"}))}, "tool_choice": req.tool_choice.unwrap_or_else(|| "auto".into()),
         "tools": req.tools.unwrap_or_default(), "truncation": "disabled", "usage": null, "user": null,
     });
     // Kept with the conversation that led to it, for GET and previous_response_id.

@@ -1,10 +1,10 @@
 //! What every handler shares: the engine handle, tokenizer, template and the model's defaults.
 
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use strata_engine::Worker;
+use strata_engine::{Grammars, Worker};
 use strata_model::{ChatTemplate, GenerationConfig, Tokenizer};
 use tokio::sync::watch;
 
@@ -40,6 +40,8 @@ pub struct Shared {
     pub cutoff: Cutoff,
     /// Responses kept for `GET /v1/responses/{id}` and `previous_response_id`.
     pub responses: ResponseStore,
+    /// Structured output's compiler over this model's vocabulary, built on first use.
+    pub grammars: OnceLock<Result<Grammars, String>>,
 }
 
 /// Reached when a shutdown's wait for the requests still running is over: each then ends at

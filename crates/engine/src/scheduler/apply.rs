@@ -12,6 +12,7 @@ use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
 use crate::job::{Event, Job};
 use crate::sampler::Sampler;
 use crate::shared::{SharedCache, WorkerStats};
+use crate::structured::{Constraint, Progress};
 use strata_kernels::sampling::argmax_rows;
 
 /// A running row: one sequence of the batch.
@@ -34,13 +35,26 @@ pub(super) struct Row {
     pub draft_len: usize,
     pub prefill_time: Duration,
     pub decode_start: Instant,
+    /// Structured output: where the row stands in its grammar.
+    pub constraint: Option<Constraint>,
 }
 
 impl Row {
     /// Whether this row's next token needs its logits on the host (to sample, bias, penalise
     /// or report log-probabilities) rather than only their argmax.
     fn needs_logits(&self) -> bool {
-        !self.sampler.is_plain_argmax() || self.job.opts.logprobs.is_some()
+        !self.sampler.is_plain_argmax() || self.job.opts.logprobs.is_some() || self.constraint.is_some()
+    }
+
+    /// The logits the row may choose from (see [`Constraint::choosable`]); `None` (logged)
+    /// when its structure allows nothing, which ends the row.
+    fn choosable<'a>(&mut self, stats: &WorkerStats, logits: &'a [f32]) -> Option<std::borrow::Cow<'a, [f32]>> {
+        let Some(constraint) = &mut self.constraint else { return Some(logits.into()) };
+        let started = Instant::now();
+        let choosable = constraint.choosable(logits, &self.job.opts.stop_tokens);
+        stats.structured_mask_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        stats.structured_masks.fetch_add(1, Ordering::Relaxed);
+        choosable.map_err(|e| tracing::warn!("structured output ends early: {e}")).ok()
     }
 }
 
@@ -94,7 +108,10 @@ pub(super) fn verify_row(
             return (j + 1, sample_and_send(stats, row, logits));
         };
         let (token, accepted) = match logits {
-            Scores::Logits(logits) => row.sampler.verify(logits, &row.context, &row.generated, draft),
+            Scores::Logits(logits) => {
+                let Some(choosable) = row.choosable(stats, logits) else { return (j + 1, Step::Done(FinishReason::Stop)) };
+                row.sampler.verify(&choosable, &row.context, &row.generated, draft)
+            }
             &Scores::Argmax(id) => (id, id == draft),
         };
         row.accepted += accepted as usize;
@@ -115,7 +132,10 @@ pub(super) fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &Score
         return Step::Done(FinishReason::Length);
     }
     let next = match logits {
-        Scores::Logits(logits) => row.sampler.sample(logits, &row.context, &row.generated),
+        Scores::Logits(logits) => {
+            let Some(choosable) = row.choosable(stats, logits) else { return Step::Done(FinishReason::Stop) };
+            row.sampler.sample(&choosable, &row.context, &row.generated)
+        }
         &Scores::Argmax(id) => id,
     };
     send(stats, row, next, logits)
@@ -137,17 +157,39 @@ fn send(stats: &WorkerStats, row: &mut Row, next: u32, logits: &Scores) -> Step 
     if !row.job.sink.send(Event::Token(sampled)) {
         return Step::Done(FinishReason::Cancelled);
     }
-    if row.generated.len() >= opts.max_tokens {
+    if let Step::Done(reason) = follow_structure(row, next) {
+        return Step::Done(reason);
+    }
+    if row.generated.len() >= row.job.opts.max_tokens {
         return Step::Done(FinishReason::Length);
     }
     Step::Continue
 }
 
-/// Replays a resumed generation's output so far to its requester; says whether the row goes on.
+/// Feeds a token that stands to the row's structure, if it has one: a complete structure ends
+/// the row, as if the model had ended it.
+fn follow_structure(row: &mut Row, token: u32) -> Step {
+    let Some(constraint) = &mut row.constraint else { return Step::Continue };
+    match constraint.advance(token) {
+        Ok(Progress::Open) => Step::Continue,
+        Ok(Progress::Complete) => Step::Done(FinishReason::Stop),
+        Err(e) => {
+            tracing::warn!("structured output ends early: {e}");
+            Step::Done(FinishReason::Stop)
+        }
+    }
+}
+
+/// Replays a resumed generation's output so far to its requester, and to its structure's
+/// constraint; says whether the row goes on.
 pub(super) fn replay(row: &mut Row) -> Step {
-    for &id in &row.generated {
+    for i in 0..row.generated.len() {
+        let id = row.generated[i];
         if !row.job.sink.send(Event::Token(Sampled { id, logprob: None, top_logprobs: Vec::new() })) {
             return Step::Done(FinishReason::Cancelled);
+        }
+        if let Step::Done(reason) = follow_structure(row, id) {
+            return Step::Done(reason);
         }
     }
     if row.generated.len() >= row.job.opts.max_tokens {

@@ -149,6 +149,83 @@ fn push_text(events: &mut Vec<ToolEvent>, text: &str) {
     }
 }
 
+/// A grammar (llguidance's Lark dialect) for output that is tool calls alone, in the syntax
+/// [`ToolCallParser`] reads: one or more calls (`parallel`), or exactly one, of the function
+/// named `only` or of any of `tools` (OpenAI `tools` entries). Each call's parameters come in
+/// the schema's order, the required ones always, the others optionally. Values are written as
+/// the template writes them: strings (of an enum of strings, or of a type that allows a string)
+/// as raw text up to the closing tag, within `minLength` and `maxLength`; anything else as JSON
+/// valid under its schema.
+pub fn call_grammar(tools: &[Value], only: Option<&str>, parallel: bool) -> String {
+    let quote = |text: &str| Value::String(text.to_string()).to_string();
+    let mut rules = Vec::new();
+    let mut calls = Vec::new();
+    let mut named = std::collections::HashSet::new();
+    for (t, tool) in tools.iter().enumerate() {
+        let Some(name) = tool.pointer("/function/name").and_then(Value::as_str) else { continue };
+        // The first tool of a name is the one the parser types arguments by.
+        if only.is_some_and(|only| only != name) || !named.insert(name) {
+            continue;
+        }
+        let parameters = tool.pointer("/function/parameters");
+        let required: Vec<&str> = parameters
+            .and_then(|p| p.get("required"))
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let properties = parameters.and_then(|p| p.get("properties")).and_then(Value::as_object);
+        let mut body = vec![quote(&format!("{OPEN}\n<function={name}>\n"))];
+        for (p, (param, schema)) in properties.into_iter().flatten().enumerate() {
+            let rule = format!("call{t}_param{p}");
+            let open = quote(&format!("<parameter={param}>\n"));
+            let end = quote("\n</parameter>\n");
+            let strings: Option<Vec<&str>> =
+                schema.get("enum").and_then(Value::as_array).map(|e| e.iter().filter_map(Value::as_str).collect());
+            let types: Vec<&str> = match schema.get("type") {
+                Some(Value::String(t)) => vec![t],
+                Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).collect(),
+                _ => Vec::new(),
+            };
+            let value = match strings {
+                // Strings go as raw text (as the template writes them, and `typed` reads them).
+                Some(options) if !options.is_empty() && Some(options.len()) == schema["enum"].as_array().map(Vec::len) => {
+                    format!("({}) {end}", options.iter().map(|o| quote(o)).collect::<Vec<_>>().join(" | "))
+                }
+                _ if types.contains(&"string") => {
+                    let length = |key: &str| schema.get(key).and_then(Value::as_u64);
+                    let repeat = match (length("minLength").unwrap_or(0), length("maxLength")) {
+                        (0, None) => "*".to_string(),
+                        (min, max) => format!("{{{min},{}}}", max.map(|m| m.to_string()).unwrap_or_default()),
+                    };
+                    rules.push(format!("{rule}_text[suffix={end}]: /(.|\\n){repeat}/"));
+                    format!("{rule}_text")
+                }
+                _ => {
+                    // The tool's shared definitions travel with each parameter's schema.
+                    let mut schema = schema.clone();
+                    if let (Some(object), Some(defs)) = (schema.as_object_mut(), parameters.and_then(|p| p.get("$defs"))) {
+                        object.insert("$defs".into(), defs.clone());
+                    }
+                    if let Some(object) = schema.as_object_mut() {
+                        object.insert("x-guidance".into(), serde_json::json!({"whitespace_flexible": false}));
+                    }
+                    format!("%json {schema} {end}")
+                }
+            };
+            rules.push(format!("{rule}: {open} {value}"));
+            let optional = if required.contains(&param.as_str()) { "" } else { "?" };
+            body.push(format!("{rule}{optional}"));
+        }
+        body.push(quote(&format!("</function>\n{CLOSE}")));
+        rules.push(format!("call{t}: {}", body.join(" ")));
+        calls.push(format!("call{t}"));
+    }
+    let start = if parallel { "start: call (\"\\n\" call)*" } else { "start: call" };
+    let mut grammar = vec![start.to_string(), format!("call: {}", calls.join(" | "))];
+    grammar.extend(rules);
+    grammar.join("\n")
+}
+
 /// What makes `schema` (a tool's `parameters` or `input_schema`, named `field`) unusable as the
 /// JSON schema the template shows the model and arguments are typed by, if anything: a schema
 /// that is not an object, a `type` that is not a name or a list of names, `properties` that

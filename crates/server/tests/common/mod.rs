@@ -87,6 +87,7 @@ fn build(
         http_errors: AtomicU64::new(0),
         cutoff: Cutoff::default(),
         responses: ResponseStore::default(),
+        grammars: Default::default(),
     })
 }
 
