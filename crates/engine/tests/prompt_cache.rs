@@ -196,23 +196,39 @@ fn interrupted_generation_resumes_from_its_checkpoint() {
     let dir = &fixtures()[0];
     let prompt = prompt_tokens(dir);
     let sampling = SamplingParams { temperature: 1.0, seed: Some(11), ..SamplingParams::greedy() };
-    let opts =
-        GenerationOptions { max_tokens: 24, sampling, stop_tokens: vec![], prefill_chunk: 8, logprobs: None, grammar: None };
-    let whole = run_with(&engine(dir, CacheConfig::off()), &prompt, opts.clone(), None).tokens;
-    assert_eq!(whole.len(), 24);
+    let folder = strata_model::ModelFolder::open(dir).unwrap();
+    let grammars = strata_engine::Grammars::new(&folder.tokenizer, folder.config.vocab_size, 2).unwrap();
+    // Structured output too: the resumed row's constraint is where the interrupted one's was.
+    let structured = grammars.compile(&strata_engine::Structure::Regex("[a-z ]{60,90}".into()), None).unwrap();
+    for grammar in [None, Some(structured)] {
+        let opts = GenerationOptions {
+            max_tokens: 24,
+            sampling: sampling.clone(),
+            stop_tokens: vec![],
+            prefill_chunk: 8,
+            logprobs: None,
+            grammar,
+        };
+        let whole = run_with(&engine(dir, CacheConfig::off()), &prompt, opts.clone(), None).tokens;
+        assert_eq!(whole.len(), 24);
 
-    let ssd = tempfile::tempdir().unwrap();
-    let crashed = engine(dir, cache(Some(ssd.path()), 4));
-    let partial = run_with(&crashed, &prompt, opts.clone(), Some(10)).tokens;
-    assert_eq!(partial, whole[..10]);
-    assert_eq!(crashed.shutdown(Duration::from_secs(60)), 0);
-    assert!(crashed.cache_stats().checkpoints_written.load(Ordering::Relaxed) >= 2);
-    drop(crashed);
+        let ssd = tempfile::tempdir().unwrap();
+        let crashed = engine(dir, cache(Some(ssd.path()), 4));
+        let partial = run_with(&crashed, &prompt, opts.clone(), Some(10)).tokens;
+        assert_eq!(partial, whole[..10]);
+        assert_eq!(crashed.shutdown(Duration::from_secs(60)), 0);
+        assert!(crashed.cache_stats().checkpoints_written.load(Ordering::Relaxed) >= 2);
+        drop(crashed);
 
-    let restarted = engine(dir, cache(Some(ssd.path()), 4));
-    let resumed = run_with(&restarted, &prompt, opts, None);
-    assert_eq!(restarted.cache_stats().checkpoint_resumes.load(Ordering::Relaxed), 1, "resumed, not started over");
-    assert_eq!(resumed.tokens, whole, "the resumed output equals an uninterrupted run");
+        let restarted = engine(dir, cache(Some(ssd.path()), 4));
+        let resumed = run_with(&restarted, &prompt, opts.clone(), None);
+        assert_eq!(restarted.cache_stats().checkpoint_resumes.load(Ordering::Relaxed), 1, "resumed, not started over");
+        assert_eq!(resumed.tokens, whole, "the resumed output equals an uninterrupted run");
+        if opts.grammar.is_some() {
+            let text = folder.tokenizer.decode(&whole, false).unwrap();
+            assert!(text.chars().all(|c| c == ' ' || c.is_ascii_lowercase()), "{text:?}");
+        }
+    }
 }
 
 /// A requester that holds the engine thread (it calls `send`): at `Started` and again at its
