@@ -10,13 +10,11 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use candle_core::{DType, Device};
-use strata_engine::{
-    CacheConfig, DraftSource, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Speculation, Worker,
-};
+use strata_engine::{CacheConfig, DraftSource, EngineConfig, Event, GenerationOptions, Job, SamplingParams, Speculation, Worker};
 use strata_model::{ArchConfig, Model, ModelFolder};
 
 mod common;
-use common::{fixtures, prompt_tokens};
+use common::{fixtures, prompt_tokens, Channel};
 
 fn load(dir: &Path) -> Model {
     ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap()
@@ -58,17 +56,6 @@ fn sources(dir: &Path) -> Vec<(&'static str, Speculation)> {
             ("qwen3 draft", Speculation { source: DraftSource::Model(Box::new(load(&qwen3))), tokens: 4 }),
         ])
         .collect()
-}
-
-struct Channel(mpsc::Sender<Event>);
-
-impl EventSink for Channel {
-    fn send(&mut self, event: Event) -> bool {
-        self.0.send(event).is_ok()
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
 }
 
 /// Submits every prompt at once (one batch) and collects each one's tokens and counts.

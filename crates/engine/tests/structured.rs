@@ -10,13 +10,13 @@ use std::time::Duration;
 use candle_core::{DType, Device};
 use serde_json::{json, Value};
 use strata_engine::{
-    generate, CacheConfig, DraftSource, EngineConfig, Event, EventSink, FinishReason, GenerationOptions, Grammars, Job,
-    SamplingParams, Speculation, Structure, Worker,
+    generate, CacheConfig, DraftSource, EngineConfig, Event, FinishReason, GenerationOptions, Grammars, Job, SamplingParams,
+    Speculation, Structure, Worker,
 };
 use strata_model::{Model, ModelFolder, Tokenizer};
 
 mod common;
-use common::{fixtures, prompt_tokens};
+use common::{fixtures, prompt_tokens, Channel};
 
 struct Fixture {
     model: Model,
@@ -24,16 +24,18 @@ struct Fixture {
     grammars: Grammars,
     eos: Vec<u32>,
     prompt: Vec<u32>,
+    vocab_size: usize,
 }
 
 fn fixture() -> Fixture {
     let dir = &fixtures()[0];
     let folder = ModelFolder::open(dir).unwrap();
     let eos = folder.eos_token_ids();
-    let grammars = Grammars::new(&folder.tokenizer, folder.config.vocab_size, eos[0]).unwrap();
+    let vocab_size = folder.config.vocab_size;
+    let grammars = Grammars::new(&folder.tokenizer, vocab_size, eos[0]).unwrap();
     let model = folder.load(DType::F32, &Device::Cpu).unwrap();
     let prompt = prompt_tokens(dir);
-    Fixture { model, tokenizer: folder.tokenizer, grammars, eos, prompt }
+    Fixture { model, tokenizer: folder.tokenizer, grammars, eos, prompt, vocab_size }
 }
 
 /// A bounded schema: nested objects, an array with `maxItems`, strings with `maxLength`, an
@@ -145,17 +147,6 @@ fn sampled(seed: u64) -> SamplingParams {
     SamplingParams { temperature: 1.0, seed: Some(seed), ..SamplingParams::greedy() }
 }
 
-struct Channel(mpsc::Sender<Event>);
-
-impl EventSink for Channel {
-    fn send(&mut self, event: Event) -> bool {
-        self.0.send(event).is_ok()
-    }
-    fn is_closed(&self) -> bool {
-        false
-    }
-}
-
 fn submit(worker: &Worker, prompt: &[u32], opts: GenerationOptions) -> mpsc::Receiver<Event> {
     let (tx, rx) = mpsc::channel();
     worker.submit(Job::new(prompt.to_vec(), opts, Box::new(Channel(tx)))).unwrap();
@@ -177,9 +168,8 @@ fn collect(rx: &mpsc::Receiver<Event>) -> (Vec<u32>, FinishReason) {
     }
 }
 
-fn worker(f: &Fixture, cache: CacheConfig, speculation: Option<Speculation>) -> Worker {
+fn worker(cache: CacheConfig, speculation: Option<Speculation>) -> Worker {
     let config = EngineConfig { max_batch: 16, prefill_chunk: 16, ..EngineConfig::for_device(&Device::Cpu) };
-    let _ = f;
     let model = ModelFolder::open(&fixtures()[0]).unwrap().load(DType::F32, &Device::Cpu).unwrap();
     Worker::spawn(model, config, cache, speculation).unwrap()
 }
@@ -208,7 +198,7 @@ fn token_bytes_spell_what_the_tokenizer_decodes() {
 fn sampled_outputs_follow_their_structure_in_a_speculative_batch_with_free_rows() {
     let f = fixture();
     let ngram = Speculation { source: DraftSource::Ngram, tokens: 4 };
-    let worker = worker(&f, CacheConfig::for_device(&Device::Cpu), Some(ngram));
+    let worker = worker(CacheConfig::for_device(&Device::Cpu), Some(ngram));
     let structures = structures();
     // Two rounds of 16 rows: the second's prompts are the first's, so they start from the
     // prompt cache.
@@ -237,7 +227,7 @@ fn sampled_outputs_follow_their_structure_in_a_speculative_batch_with_free_rows(
 fn greedy_constrained_rows_match_the_single_sequence_loop() {
     let f = fixture();
     let structures = structures();
-    let worker = worker(&f, CacheConfig::off(), Some(Speculation { source: DraftSource::Ngram, tokens: 3 }));
+    let worker = worker(CacheConfig::off(), Some(Speculation { source: DraftSource::Ngram, tokens: 3 }));
     let jobs: Vec<_> = structures
         .iter()
         .enumerate()
@@ -287,15 +277,9 @@ fn output_is_free_until_thinking_ends() {
     let think_end = f.tokenizer.token_id("</think>").unwrap();
     let grammar = f.grammars.compile(&Structure::Choice(vec!["yes".into(), "no".into()]), Some(think_end)).unwrap();
     let mut constraint = strata_engine::structured::Constraint::new(&grammar);
-    let logits = vec![0.0f32; f.model_vocab()];
+    let logits = vec![0.0f32; f.vocab_size];
     assert_eq!(constraint.choosable(&logits, &f.eos).unwrap().iter().filter(|l| l.is_finite()).count(), logits.len());
     constraint.advance(think_end).unwrap();
     let allowed = constraint.choosable(&logits, &f.eos).unwrap().iter().filter(|l| l.is_finite()).count();
     assert!(allowed > 0 && allowed < 10, "{allowed} tokens may start yes or no");
-}
-
-impl Fixture {
-    fn model_vocab(&self) -> usize {
-        ModelFolder::open(&fixtures()[0]).unwrap().config.vocab_size
-    }
 }
