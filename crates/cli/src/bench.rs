@@ -3,14 +3,15 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use strata_engine::cache::{Identity, SsdOptions};
 use strata_engine::{
-    CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Speculation, SsdConfig, Worker,
+    CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Grammar, Grammars, Job, SamplingParams, Speculation,
+    SsdConfig, Structure, Worker,
 };
 use strata_model::{synthetic, GenerationConfig, Model, ModelFolder, Tokenizer};
 use strata_server::{HttpLimits, ResponseStore, ServerConfig};
@@ -65,6 +66,14 @@ pub struct Args {
     /// prompt-lookup drafting shines) instead of pseudo-random tokens.
     #[arg(long)]
     prompt_cycle: Option<usize>,
+    /// Hold every measured request's output to the JSON schema in this file (structured
+    /// output; the report adds the mask time per token). A synthetic model needs --tokenizer.
+    #[arg(long)]
+    json_schema: Option<PathBuf>,
+    /// With --synthetic and --json-schema: the tokenizer.json whose vocabulary the masks cover
+    /// (random weights have none of their own; scripts/bench/tekken-tokenizer.py writes one).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     #[command(flatten)]
     draft: DraftArgs,
     #[command(flatten)]
@@ -119,6 +128,9 @@ struct Measured {
     /// sum falls short of the forward by the logits' reduction and read-back).
     graph_prepare_ms: f64,
     graph_replay_gpu_ms: f64,
+    /// Structured output: mean host time to compute one position's mask (on another thread
+    /// than the forward's).
+    mask_us: Option<f64>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -128,8 +140,8 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() - 1) as f64 * p).round() as usize]
 }
 
-/// Submits `concurrency` requests at once and times every token.
-fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<Measured> {
+/// Submits `concurrency` requests at once (held to `grammar`, where given) and times every token.
+fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>, concurrency: usize) -> Result<Measured> {
     let (tx, rx) = mpsc::channel();
     let stats = worker.stats();
     let drafted_before = stats.drafted_tokens.load(Ordering::Relaxed);
@@ -145,6 +157,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
         stats.decode_ns.load(Ordering::Relaxed),
         stats.decode_forward_ns.load(Ordering::Relaxed),
     );
+    let masks_before = (stats.structured_masks.load(Ordering::Relaxed), stats.structured_mask_ns.load(Ordering::Relaxed));
     let start = Instant::now();
     for i in 0..concurrency {
         // Distinct fixed pseudo-random prompts: the same workload on every run.
@@ -159,7 +172,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
             stop_tokens: vec![],
             prefill_chunk: a.prefill_chunk(),
             logprobs: None,
-            grammar: None,
+            grammar: grammar.cloned(),
         };
         worker.submit(Job::new(prompt, opts, Box::new(Timing(tx.clone(), i)))).map_err(anyhow::Error::msg)?;
     }
@@ -217,6 +230,10 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, concurrency: usize) -> Result<
         decode_forward_ms: per_step(stats.decode_forward_ns.load(Ordering::Relaxed) - steps_before.2),
         graph_prepare_ms: per_replay(stats.graph_prepare_ns.load(Ordering::Relaxed) - graphs_before.2),
         graph_replay_gpu_ms: per_replay(stats.graph_replay_gpu_ns.load(Ordering::Relaxed) - graphs_before.3),
+        mask_us: match stats.structured_masks.load(Ordering::Relaxed) - masks_before.0 {
+            0 => None,
+            masks => Some((stats.structured_mask_ns.load(Ordering::Relaxed) - masks_before.1) as f64 / masks as f64 / 1e3),
+        },
     })
 }
 
@@ -261,8 +278,12 @@ pub fn run(mut a: Args) -> Result<()> {
         return cache_ttft(&a, &name, &machine, load, |dtype| source.identity(dtype));
     }
     if a.serving.is_on() {
+        if a.json_schema.is_some() {
+            bail!("--json-schema holds the engine's requests (runs without --request-rate)");
+        }
         return serve_and_measure(&a, &name, &source, &device, &machine);
     }
+    let structure = a.json_schema.as_deref().map(read_schema).transpose()?;
     if !a.json {
         let draft = a.draft.describe();
         let graphs = if device.is_cuda() && a.no_cuda_graphs { ", no CUDA graphs" } else { "" };
@@ -276,6 +297,12 @@ pub fn run(mut a: Args) -> Result<()> {
     for dtype in &a.dtype {
         let model = load(*dtype)?;
         let vocab = model.vocab_size() as u64;
+        let grammar = match &structure {
+            Some(structure) => {
+                Some(source.grammars(&a, model.vocab_size())?.compile(structure, None).map_err(anyhow::Error::msg)?)
+            }
+            None => None,
+        };
         let speculation = source.speculation(&a.draft, &model, *dtype, &device, cuda_graphs)?;
         let worker = Worker::spawn(
             model,
@@ -293,9 +320,9 @@ pub fn run(mut a: Args) -> Result<()> {
         // the kernels of both the step-by-step (decode) and the chunked (prefill) paths and of
         // cuBLAS's for the chunk's shapes (the transformers baseline, too, runs each shape once
         // before timing it); a 64-token warm-up left them in the timed prefill.
-        measure(&worker, vocab, &Args { gen_len: 2, gen_len_min: None, ..a.clone() }, 1)?;
+        measure(&worker, vocab, &Args { gen_len: 2, gen_len_min: None, ..a.clone() }, grammar.as_ref(), 1)?;
         for &c in &a.concurrency {
-            let m = measure(&worker, vocab, &a, c)?;
+            let m = measure(&worker, vocab, &a, grammar.as_ref(), c)?;
             if a.json {
                 println!(
                     "{}",
@@ -311,11 +338,12 @@ pub fn run(mut a: Args) -> Result<()> {
                         "decode_step_ms": m.decode_step_ms, "decode_forward_ms": m.decode_forward_ms,
                         "graph_prepare_ms": m.graph_prepare_ms, "graph_replay_gpu_ms": m.graph_replay_gpu_ms,
                         "max_num_seqs": worker.config().max_batch, "pool": worker.pool_stats(),
+                        "json_schema": a.json_schema, "mask_us_per_token": m.mask_us,
                     })
                 );
             } else {
                 println!(
-                    "{:<6} {:>5} {:>7} {:>5} {:>14.1} {:>14.2} {:>8.0}ms {:>8.1}ms {:>8.1}ms {:>8}",
+                    "{:<6} {:>5} {:>7} {:>5} {:>14.1} {:>14.2} {:>8.0}ms {:>8.1}ms {:>8.1}ms {:>8}{}",
                     dtype.name(),
                     c,
                     a.prompt_len,
@@ -326,6 +354,7 @@ pub fn run(mut a: Args) -> Result<()> {
                     m.itl_ms_p50,
                     m.itl_ms_p99,
                     m.acceptance.map_or("-".into(), |x| format!("{:.0}%", 100.0 * x)),
+                    m.mask_us.map_or(String::new(), |us| format!("  (masks: {us:.0} µs per token)")),
                 );
             }
         }
@@ -380,6 +409,21 @@ impl Source {
             Source::Synthetic(_) => Ok(synthetic::build_mtp(model)?),
         };
         draft.speculation(model.vocab_size(), || self.load(dtype, device, cuda_graphs), load_draft, load_mtp)
+    }
+
+    /// Structured output's compiler over this model's vocabulary (`--tokenizer`'s for random
+    /// weights), `vocab_size` tokens wide.
+    fn grammars(&self, a: &Args, vocab_size: usize) -> Result<Grammars> {
+        let text = match (self, &a.tokenizer) {
+            (Source::Folder(_), None) => self.text()?,
+            (Source::Synthetic(_), Some(path)) => ServedText { tokenizer: Tokenizer::from_file(path)?, ..self.text()? },
+            (Source::Folder(_), Some(_)) => bail!("--tokenizer is for --synthetic models (a folder has its own)"),
+            (Source::Synthetic(_), None) => {
+                bail!("--json-schema with --synthetic needs --tokenizer (random weights have no vocabulary)")
+            }
+        };
+        let eos = text.eos_token_ids.first().copied().unwrap_or(0);
+        Grammars::new(&text.tokenizer, vocab_size, eos).map_err(anyhow::Error::msg)
     }
 
     /// The SSD tier's key for this model at `dtype`.
@@ -454,6 +498,13 @@ fn serve_and_measure(a: &Args, name: &str, source: &Source, device: &Device, mac
         sweeps.push(a.serving.sweep(&target, (a.prompt_len, a.gen_len), a.json)?);
     }
     a.serving.plot(name, (a.prompt_len, a.gen_len), &sweeps)
+}
+
+/// `--json-schema`'s file as a structure.
+fn read_schema(path: &Path) -> Result<Structure> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading --json-schema {}", path.display()))?;
+    let schema = serde_json::from_str(&text).with_context(|| format!("--json-schema {} is not JSON", path.display()))?;
+    Ok(Structure::JsonSchema(schema))
 }
 
 /// Time to the first token of `prompt`, and how many prompt tokens came from the cache.

@@ -8,7 +8,7 @@ use candle_core::Tensor;
 use strata_model::{Logits, Model, ModelError};
 
 use crate::sampler::{Sampler, SamplingParams};
-use crate::structured::{Constraint, Grammar, Progress};
+use crate::structured::{Constraint, Grammar, Progress, TokenMask};
 
 #[derive(Clone, Debug)]
 pub struct GenerationOptions {
@@ -98,11 +98,11 @@ pub fn generate(
         if tokens.len() >= opts.max_tokens {
             break FinishReason::Length;
         }
-        let choosable = match &mut constraint {
-            Some(c) => c.choosable(&logits, &opts.stop_tokens).map_err(ModelError::Invalid)?,
-            None => logits.as_slice().into(),
-        };
-        let next = sampler.sample(&choosable, &context, &tokens);
+        let allowed = constraint.as_mut().and_then(|c| c.masks(&[], &opts.stop_tokens).pop().flatten());
+        if allowed.as_ref().is_some_and(TokenMask::is_empty) {
+            return Err(ModelError::Invalid("the structure allows no token here".into()));
+        }
+        let next = sampler.sample(&logits, allowed.as_ref(), &context, &tokens);
         if opts.stop_tokens.contains(&next) {
             break FinishReason::Stop;
         }

@@ -6,6 +6,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use strata_kernels::sampling::first_max;
 
+use crate::structured::TokenMask;
+
 /// Temperatures below this sample greedily (as vLLM does): dividing logits by a smaller one
 /// overflows f32 — a temperature of 1e-46 is 0 as f32 — where the distribution is one-hot in all
 /// but exact ties anyway.
@@ -162,10 +164,11 @@ impl Sampler {
             && p.frequency_penalty == 0.0
     }
 
-    /// Picks the next token from `logits` (one row, f32). `context` is every token so far
-    /// (prompt and output), `generated` the output alone.
-    pub fn sample(&mut self, logits: &[f32], context: &[u32], generated: &[u32]) -> u32 {
-        match self.distribution(logits, context, generated) {
+    /// Picks the next token from `logits` (one row, f32), among the tokens `allowed` allows
+    /// (structured output; `None`: any). `context` is every token so far (prompt and output),
+    /// `generated` the output alone.
+    pub fn sample(&mut self, logits: &[f32], allowed: Option<&TokenMask>, context: &[u32], generated: &[u32]) -> u32 {
+        match self.distribution(logits, allowed, context, generated) {
             Choice::Greedy(id) => id,
             Choice::Weighted { ids, probs } => self.pick(&ids, &probs),
         }
@@ -176,8 +179,15 @@ impl Sampler {
     /// mass): the draft stands with the target's probability of it, else a token is drawn from
     /// the target's distribution without it — so each emitted token is distributed exactly as
     /// [`Sampler::sample`] would draw it. Returns the token to emit and whether it is the draft.
-    pub fn verify(&mut self, logits: &[f32], context: &[u32], generated: &[u32], draft: u32) -> (u32, bool) {
-        match self.distribution(logits, context, generated) {
+    pub fn verify(
+        &mut self,
+        logits: &[f32],
+        allowed: Option<&TokenMask>,
+        context: &[u32],
+        generated: &[u32],
+        draft: u32,
+    ) -> (u32, bool) {
+        match self.distribution(logits, allowed, context, generated) {
             Choice::Greedy(id) => (id, id == draft),
             Choice::Weighted { ids, mut probs } => {
                 let at = ids.iter().position(|&id| id == draft as usize);
@@ -194,9 +204,12 @@ impl Sampler {
     }
 
     /// The distribution the next token is drawn from, after bias, penalties and filters.
-    fn distribution(&self, logits: &[f32], context: &[u32], generated: &[u32]) -> Choice {
+    fn distribution(&self, logits: &[f32], allowed: Option<&TokenMask>, context: &[u32], generated: &[u32]) -> Choice {
         let p = &self.params;
         let mut logits = logits.to_vec();
+        if let Some(allowed) = allowed {
+            allowed.restrict(&mut logits);
+        }
         for &(t, bias) in &p.logit_bias {
             if let Some(l) = logits.get_mut(t as usize) {
                 *l += bias;
@@ -298,17 +311,17 @@ mod tests {
     #[test]
     fn greedy_and_penalties() {
         let logits = [1.0, 3.0, 2.0];
-        assert_eq!(Sampler::new(SamplingParams::greedy()).sample(&logits, &[], &[]), 1);
+        assert_eq!(Sampler::new(SamplingParams::greedy()).sample(&logits, None, &[], &[]), 1);
         let mut s = sampler(|p| {
             p.temperature = 0.0;
             p.repetition_penalty = 2.0;
         });
-        assert_eq!(s.sample(&logits, &[1], &[]), 2); // 3/2 = 1.5 < 2
+        assert_eq!(s.sample(&logits, None, &[1], &[]), 2); // 3/2 = 1.5 < 2
         let mut s = sampler(|p| {
             p.temperature = 0.0;
             p.frequency_penalty = 0.6;
         });
-        assert_eq!(s.sample(&logits, &[1, 1], &[1, 1]), 2); // 3 - 1.2 = 1.8 < 2
+        assert_eq!(s.sample(&logits, None, &[1, 1], &[1, 1]), 2); // 3 - 1.2 = 1.8 < 2
     }
 
     #[test]
@@ -316,7 +329,7 @@ mod tests {
         // 1e-46 is 0 as f32: dividing by it gave NaN probabilities and the worst candidate.
         for t in [1e-46, 1e-6] {
             let mut s = sampler(|p| p.temperature = t);
-            assert_eq!(s.sample(&[1.0, 3.0, 2.0, -1.0], &[], &[]), 1, "temperature {t}");
+            assert_eq!(s.sample(&[1.0, 3.0, 2.0, -1.0], None, &[], &[]), 1, "temperature {t}");
         }
         let mut p = SamplingParams::greedy();
         let out_of_range: [(&str, fn(&mut SamplingParams)); 3] = [
@@ -340,7 +353,7 @@ mod tests {
         let count = |s: &mut Sampler| {
             let mut c = [0usize; 5];
             for _ in 0..20_000 {
-                c[s.sample(&logits, &[], &[]) as usize] += 1;
+                c[s.sample(&logits, None, &[], &[]) as usize] += 1;
             }
             c
         };
@@ -360,7 +373,7 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.7).sin()).collect();
         let run = |seed| {
             let mut s = sampler(|p| p.seed = Some(seed));
-            (0..30).map(|_| s.sample(&logits, &[], &[])).collect::<Vec<_>>()
+            (0..30).map(|_| s.sample(&logits, None, &[], &[])).collect::<Vec<_>>()
         };
         assert_eq!(run(1), run(1));
         assert_ne!(run(1), run(2));
@@ -370,13 +383,13 @@ mod tests {
     fn resumed_sampler_continues_the_same_sequence() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.7).sin()).collect();
         let mut whole = sampler(|p| p.seed = Some(5));
-        let all: Vec<u32> = (0..20).map(|_| whole.sample(&logits, &[], &[])).collect();
+        let all: Vec<u32> = (0..20).map(|_| whole.sample(&logits, None, &[], &[])).collect();
         let mut first = sampler(|p| p.seed = Some(5));
         for _ in 0..8 {
-            first.sample(&logits, &[], &[]);
+            first.sample(&logits, None, &[], &[]);
         }
         let mut rest = Sampler::resumed(first.params().clone(), first.draws());
-        let tail: Vec<u32> = (8..20).map(|_| rest.sample(&logits, &[], &[])).collect();
+        let tail: Vec<u32> = (8..20).map(|_| rest.sample(&logits, None, &[], &[])).collect();
         assert_eq!(tail, all[8..]);
     }
 }

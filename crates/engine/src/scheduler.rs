@@ -44,7 +44,7 @@ use candle_core::Tensor;
 use strata_model::Model;
 use strata_state::{BatchState, StateCost, StatePool};
 
-use self::apply::{Row, Scores, Step};
+use self::apply::{Row, Step};
 use self::policy::{Admission, Fed, Load, Measure, Policy, Prompt, Waiting};
 use self::runner::{Feed, Runner};
 use crate::cache::{Snapshot, PROMPT_NAMESPACE};
@@ -430,7 +430,7 @@ impl<'a> Engine<'a> {
             constraint: j.job.opts.grammar.as_deref().map(Constraint::new),
             job: j.job,
         };
-        match apply::sample_and_send(self.stats, &mut row, &Scores::Logits(logits)) {
+        match apply::first_token(self.stats, &mut row, logits) {
             Step::Done(reason) => {
                 if let Some(state) = caching.then(|| cache.copied("a prompt snapshot", j.state.share(0))).flatten() {
                     let tokens = row.job.prompt.clone();
@@ -461,14 +461,15 @@ impl<'a> Engine<'a> {
     fn decode_step(&mut self) -> strata_model::Result<()> {
         let max_draft = self.runner.max_draft();
         self.room_for_step(1 + max_draft)?;
-        let (decoded, forward_time) = self.runner.decode(&self.rows)?;
+        let (decoded, forward_time) = self.runner.decode(&mut self.rows, self.stats)?;
         self.stats.decode_forward_ns.fetch_add(forward_time.as_nanos() as u64, Ordering::Relaxed);
         self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
         let mut kept = Vec::with_capacity(self.rows.len());
         let mut keep = Vec::with_capacity(self.rows.len());
         let mut done = Vec::new();
-        for (i, ((row, scores), drafts)) in self.rows.iter_mut().zip(&decoded.scores).zip(&decoded.drafts).enumerate() {
-            let (positions, step) = apply::verify_row(self.stats, row, scores, drafts, max_draft);
+        let outputs = decoded.scores.iter().zip(&decoded.masks).zip(&decoded.drafts);
+        for (i, (row, ((scores, masks), drafts))) in self.rows.iter_mut().zip(outputs).enumerate() {
+            let (positions, step) = apply::verify_row(self.stats, row, scores, masks, drafts, max_draft);
             kept.push(positions);
             match step {
                 Step::Continue => keep.push(i),

@@ -167,7 +167,7 @@ impl Drafter {
                     if step == steps {
                         break;
                     }
-                    input = argmax_rows(&logits)?;
+                    input = argmax_rows(&logits, &[])?;
                     for (d, &t) in drafts.iter_mut().zip(&input) {
                         d.push(t);
                     }
@@ -269,7 +269,7 @@ fn mtp_drafts(
             last_y = head.forward(&input, &last_y, state)?;
         }
         let logits = head.logits(&last_y)?;
-        let next = argmax_rows(&logits.reshape((logits.dim(0)?, ()))?)?;
+        let next = argmax_rows(&logits.reshape((logits.dim(0)?, ()))?, &[])?;
         for (d, t) in drafts.iter_mut().zip(next) {
             d.push(t);
         }

@@ -7,7 +7,6 @@
 //! tokens that stand, so speculative drafts need no rollback here: a position's mask is
 //! computed once the tokens before it are accepted, and a draft outside it is rejected.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -112,6 +111,57 @@ impl fmt::Debug for Grammar {
     }
 }
 
+/// The tokens one position may take: a bit per vocabulary entry (bit `i % 32` of word `i / 32`),
+/// as llguidance computes them and the argmax kernels read them.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenMask {
+    words: Vec<u32>,
+}
+
+impl TokenMask {
+    /// A mask that allows nothing: the structure cannot go on.
+    fn nothing() -> Self {
+        Self { words: Vec::new() }
+    }
+
+    pub fn words(&self) -> &[u32] {
+        &self.words
+    }
+
+    pub fn allows(&self, token: u32) -> bool {
+        self.words.get(token as usize / 32).is_some_and(|w| w >> (token % 32) & 1 == 1)
+    }
+
+    /// Whether no token is allowed.
+    pub fn is_empty(&self) -> bool {
+        self.words.iter().all(|&w| w == 0)
+    }
+
+    /// Sets every logit the mask does not allow to minus infinity.
+    pub fn restrict(&self, logits: &mut [f32]) {
+        let covered = logits.len().min(self.words.len() * 32);
+        let (head, tail) = logits.split_at_mut(covered);
+        for (&word, chunk) in self.words.iter().zip(head.chunks_mut(32)) {
+            if word == u32::MAX {
+                continue;
+            }
+            for (bit, logit) in chunk.iter_mut().enumerate() {
+                if word >> bit & 1 == 0 {
+                    *logit = f32::NEG_INFINITY;
+                }
+            }
+        }
+        tail.fill(f32::NEG_INFINITY);
+    }
+
+    fn set(&mut self, token: u32, allowed: bool) {
+        if let Some(word) = self.words.get_mut(token as usize / 32) {
+            let bit = 1 << (token % 32);
+            *word = if allowed { *word | bit } else { *word & !bit };
+        }
+    }
+}
+
 /// One row's progress through its grammar.
 pub struct Constraint {
     matcher: Matcher,
@@ -135,26 +185,65 @@ impl Constraint {
         Self { matcher: fresh.deep_clone(), eos: grammar.eos, waiting_for: grammar.starts_after }
     }
 
-    /// `logits` as the row may choose from them: every token outside the structure's mask at
-    /// minus infinity, the row's `stop_tokens` standing only where the structure may end. As
-    /// they are while the output is free; an error when the structure allows nothing.
-    pub fn choosable<'a>(&mut self, logits: &'a [f32], stop_tokens: &[u32]) -> Result<Cow<'a, [f32]>, String> {
-        if self.waiting_for.is_some() {
-            return Ok(logits.into());
-        }
-        let mask = self.matcher.compute_mask().map_err(|e| e.to_string())?;
-        let may_end = mask.is_allowed(self.eos);
-        let allowed = |i: usize| i < mask.len() && mask.is_allowed(i as u32);
-        let mut out: Vec<f32> = logits.iter().enumerate().map(|(i, &l)| if allowed(i) { l } else { f32::NEG_INFINITY }).collect();
-        for &t in stop_tokens {
-            if let (Some(o), Some(&l)) = (out.get_mut(t as usize), logits.get(t as usize)) {
-                *o = if may_end { l } else { f32::NEG_INFINITY };
+    /// How many of `drafts`, proposed to follow the row's tokens, the structure allows in a row:
+    /// the rest are not worth a forward. A stop token ends the drafts (the row may end there
+    /// next step instead).
+    pub fn allowed_drafts(&mut self, drafts: &[u32], stop_tokens: &[u32]) -> usize {
+        let free = match self.waiting_for {
+            Some(start) => drafts.iter().position(|&d| d == start).map_or(drafts.len(), |at| at + 1),
+            None => 0,
+        };
+        let rest = &drafts[free..];
+        let body = &rest[..rest.iter().position(|t| stop_tokens.contains(t)).unwrap_or(rest.len())];
+        free + self.matcher.validate_tokens(body).unwrap_or(0)
+    }
+
+    /// The masks of a step's positions: after the row's tokens, then after each of `drafts`
+    /// (allowed ones, see [`Self::allowed_drafts`], fed to the matcher for the purpose and taken
+    /// back). `None` where the output is still free. The row's `stop_tokens` are allowed exactly
+    /// where the structure may end. Stops after a draft that completes the structure (nothing
+    /// follows it); a mask that allows nothing says the structure cannot go on (logged).
+    pub fn masks(&mut self, drafts: &[u32], stop_tokens: &[u32]) -> Vec<Option<TokenMask>> {
+        let mut waiting = self.waiting_for;
+        let (mut masks, mut fed) = (Vec::with_capacity(drafts.len() + 1), 0);
+        for j in 0..=drafts.len() {
+            masks.push(waiting.is_none().then(|| self.mask(stop_tokens)));
+            let Some(&draft) = drafts.get(j) else { break };
+            if let Some(start) = waiting {
+                waiting = (draft != start).then_some(start);
+                continue;
+            }
+            if self.matcher.consume_token(draft).is_err() {
+                break;
+            }
+            fed += 1;
+            if self.matcher.is_stopped() {
+                break;
             }
         }
-        if out.iter().all(|&l| l == f32::NEG_INFINITY) {
-            return Err("the grammar allows no token here".into());
+        if let Err(e) = self.matcher.rollback(fed) {
+            tracing::warn!("structured output: taking drafts back failed: {e}");
         }
-        Ok(out.into())
+        masks
+    }
+
+    fn mask(&mut self, stop_tokens: &[u32]) -> TokenMask {
+        match self.matcher.compute_mask() {
+            Ok(vob) => {
+                let may_end = vob.is_allowed(self.eos);
+                let mut mask = TokenMask { words: vob.as_slice().to_vec() };
+                // llguidance's end of output is the row's stop tokens.
+                mask.set(self.eos, false);
+                for &t in stop_tokens {
+                    mask.set(t, may_end);
+                }
+                mask
+            }
+            Err(e) => {
+                tracing::warn!("structured output ends early: {e}");
+                TokenMask::nothing()
+            }
+        }
     }
 
     /// Feeds a token that stands (a stop token is never fed: it ends the row).

@@ -199,7 +199,7 @@ fn interrupted_generation_resumes_from_its_checkpoint() {
     let folder = strata_model::ModelFolder::open(dir).unwrap();
     let grammars = strata_engine::Grammars::new(&folder.tokenizer, folder.config.vocab_size, 2).unwrap();
     // Structured output too: the resumed row's constraint is where the interrupted one's was.
-    let structured = grammars.compile(&strata_engine::Structure::Regex("[a-z ]{60,90}".into()), None).unwrap();
+    let structured = grammars.compile(&strata_engine::Structure::Regex("[a-z ]{60,300}".into()), None).unwrap();
     for grammar in [None, Some(structured)] {
         let opts = GenerationOptions {
             max_tokens: 24,

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use candle_core::{DType, Device};
 use serde_json::{json, Value};
+use strata_engine::structured::Constraint;
 use strata_engine::{
     generate, CacheConfig, DraftSource, EngineConfig, Event, FinishReason, GenerationOptions, Grammars, Job, SamplingParams,
     Speculation, Structure, Worker,
@@ -276,10 +277,46 @@ fn output_is_free_until_thinking_ends() {
     let f = fixture();
     let think_end = f.tokenizer.token_id("</think>").unwrap();
     let grammar = f.grammars.compile(&Structure::Choice(vec!["yes".into(), "no".into()]), Some(think_end)).unwrap();
-    let mut constraint = strata_engine::structured::Constraint::new(&grammar);
-    let logits = vec![0.0f32; f.vocab_size];
-    assert_eq!(constraint.choosable(&logits, &f.eos).unwrap().iter().filter(|l| l.is_finite()).count(), logits.len());
+    let mut constraint = Constraint::new(&grammar);
+    assert_eq!(constraint.masks(&[], &f.eos), [None]);
     constraint.advance(think_end).unwrap();
-    let allowed = constraint.choosable(&logits, &f.eos).unwrap().iter().filter(|l| l.is_finite()).count();
+    let [Some(mask)] = &constraint.masks(&[], &f.eos)[..] else { panic!("one mask after thinking") };
+    let allowed = (0..f.vocab_size as u32).filter(|&t| mask.allows(t)).count();
     assert!(allowed > 0 && allowed < 10, "{allowed} tokens may start yes or no");
+    assert!(!f.eos.iter().any(|&t| mask.allows(t)), "nothing to end on yet");
+}
+
+/// A speculative step's masks: drafts the structure refuses are cut before the forward; the
+/// masks of the drafted positions are those of a row advanced token by token, through the end
+/// of thinking; none follows a draft that completes the structure; the row is left where it was.
+#[test]
+fn drafted_positions_get_the_masks_of_a_row_advanced_token_by_token() {
+    let f = fixture();
+    let think_end = f.tokenizer.token_id("</think>").unwrap();
+    let grammar = f.grammars.compile(&Structure::Regex("(ab|cd)+e".into()), Some(think_end)).unwrap();
+    let thinking = f.tokenizer.encode("hm").unwrap();
+    let body = f.tokenizer.encode("abcdabe").unwrap();
+    let refused = f.tokenizer.encode("a").unwrap();
+    let drafts: Vec<u32> = [&thinking[..], &[think_end], &body, &refused].concat();
+
+    let mut row = Constraint::new(&grammar);
+    let allowed = row.allowed_drafts(&drafts, &f.eos);
+    assert_eq!(allowed, drafts.len() - refused.len(), "nothing follows the closing e");
+    let masks = row.masks(&drafts[..allowed], &f.eos);
+    assert_eq!(masks.len(), allowed, "no mask after the draft that completes the structure");
+
+    let mut stepped = Constraint::new(&grammar);
+    for (j, mask) in masks.iter().enumerate() {
+        assert_eq!(*mask, stepped.masks(&[], &f.eos).pop().unwrap(), "position {j}");
+        assert_eq!(mask.is_none(), j <= thinking.len(), "free through the end of thinking, position {j}");
+        if let Some(mask) = mask {
+            assert!(mask.allows(drafts[j]), "position {j}'s draft is allowed");
+        }
+        stepped.advance(drafts[j]).unwrap();
+    }
+    // Taken back: the row's next masks are a fresh row's, and a stop token is not drafted.
+    assert_eq!(row.masks(&[], &f.eos), Constraint::new(&grammar).masks(&[], &f.eos));
+    let mut fresh = Constraint::new(&grammar);
+    fresh.advance(think_end).unwrap();
+    assert_eq!(fresh.allowed_drafts(&[f.eos[0]], &f.eos), 0);
 }

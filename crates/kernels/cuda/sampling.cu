@@ -15,16 +15,22 @@ __device__ __forceinline__ unsigned long long argmax_key(float value, int index)
 
 // Grid (chunks of ARGMAX_CHUNK, rows) over logits [R, V] (f32); each block folds the best key of
 // its chunk into keys[row] (zeroed before) with one atomic max per warp. The id is the key's
-// low word complemented, 0 for a row of NaN (key 0): the caller decodes it.
+// low word complemented, 0 for a row of NaN or one whose mask allows nothing (key 0): the caller
+// decodes it. Masks (structured output; null: none): `words` u32 a mask, bit i % 32 of word
+// i / 32 allowing token i; row r reads mask mask_of[r], none where that is negative.
 extern "C" __global__ void __launch_bounds__(ARGMAX_THREADS)
-    argmax_keys_f32(const float* logits, unsigned long long* keys, int V) {
+    argmax_keys_f32(const float* logits, unsigned long long* keys, int V, const unsigned int* masks,
+                    const int* mask_of, int words) {
     await_previous_kernel();
     const float* row = logits + (long long)blockIdx.y * V;
+    const int which = masks ? mask_of[blockIdx.y] : -1;
+    const unsigned int* mask = which >= 0 ? masks + (long long)which * words : nullptr;
     const int end = min(V, (int)(blockIdx.x + 1) * ARGMAX_CHUNK);
     unsigned long long best = 0;
     for (int i = blockIdx.x * ARGMAX_CHUNK + threadIdx.x; i < end; i += ARGMAX_THREADS) {
         const float value = row[i];
-        if (!isnan(value)) best = max(best, argmax_key(value, i));
+        const bool allowed = !mask || (mask[i >> 5] >> (i & 31)) & 1u;
+        if (!isnan(value) && allowed) best = max(best, argmax_key(value, i));
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) best = max(best, __shfl_xor_sync(0xffffffffu, best, offset));

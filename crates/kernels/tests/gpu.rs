@@ -14,7 +14,7 @@ use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_plac
 use strata_kernels::gated_delta::{gated_delta_rule, gated_delta_rule_in_place, on_tensor_cores, Gating, Inputs};
 use strata_kernels::matmul::matmul_t;
 use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
-use strata_kernels::sampling::{argmax_rows, first_max};
+use strata_kernels::sampling::{argmax_rows, first_allowed_max, first_max};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need a CUDA GPU")
@@ -424,7 +424,8 @@ fn batched_kv_append_and_attention_on_gpu_match_cpu() {
 }
 
 /// Greedy ids on the device: the first maximum of each row, as the CPU sampler picks it, also
-/// when rounding to bf16 has made ties among the top logits.
+/// when rounding to bf16 has made ties among the top logits, and within structured output's
+/// token masks.
 #[test]
 fn argmax_rows_on_gpu_takes_the_first_maximum() {
     let gpu = gpu();
@@ -443,8 +444,25 @@ fn argmax_rows_on_gpu_takes_the_first_maximum() {
     (data[5][20], data[5][9000]) = (-0.0, 0.0);
     let want: Vec<u32> = data.iter().map(|row| first_max(row)).collect();
     assert_eq!(&want[1..6], &[7, vocab as u32 - 1, 0, 0, 20]);
-    let logits = Tensor::new(data, &gpu).unwrap();
-    assert_eq!(argmax_rows(&logits).unwrap(), want);
+    let logits = Tensor::new(data.clone(), &gpu).unwrap();
+    assert_eq!(argmax_rows(&logits, &[]).unwrap(), want);
+
+    // Masked (structured output): row 0 allows every third token, row 1 only the later of its
+    // two maxima and a few others, row 2 nothing, row 6 a mask one word short (its last 32
+    // tokens not allowed); rows 3-5 none.
+    let words = vocab.div_ceil(32);
+    let thirds: Vec<u32> = (0..words).map(|w| (0..32).filter(|b| (w * 32 + b) % 3 == 0).fold(0, |m, b| m | 1 << b)).collect();
+    let mut later = vec![0u32; words];
+    for t in [5, 7 + 32, vocab - 3, 100_000] {
+        later[t / 32] |= 1 << (t % 32);
+    }
+    let nothing = vec![0u32; words];
+    let short = vec![u32::MAX; words - 1];
+    let masks = [Some(&thirds[..]), Some(&later[..]), Some(&nothing[..]), None, None, None, Some(&short[..])];
+    let want: Vec<u32> = data.iter().zip(&masks).map(|(row, mask)| first_allowed_max(row, *mask)).collect();
+    assert_eq!(want[1], vocab as u32 - 3);
+    assert_eq!(want[2], 0);
+    assert_eq!(argmax_rows(&logits, &masks).unwrap(), want);
 }
 
 /// A query's attention on the GPU is the same bits decoded alone, in a verify block, or batched

@@ -12,7 +12,7 @@ use crate::generate::{with_logprobs, FinishReason, Generation, Sampled};
 use crate::job::{Event, Job};
 use crate::sampler::Sampler;
 use crate::shared::{SharedCache, WorkerStats};
-use crate::structured::{Constraint, Progress};
+use crate::structured::{Constraint, Progress, TokenMask};
 use strata_kernels::sampling::argmax_rows;
 
 /// A running row: one sequence of the batch.
@@ -39,44 +39,76 @@ pub(super) struct Row {
     pub constraint: Option<Constraint>,
 }
 
+/// A row's structured-output masks for one step, per fed position (see [`Constraint::masks`]);
+/// `None` for a row without a structure.
+pub(super) type RowMasks = Option<Vec<Option<TokenMask>>>;
+
+/// The tokens position `j` of a row may take: any (`Ok(None)`), those of a mask, or none
+/// (`Err`: the structure cannot go on there, and the row ends).
+fn allowed_at(masks: &RowMasks, j: usize) -> Result<Option<&TokenMask>, ()> {
+    let Some(masks) = masks else { return Ok(None) };
+    match masks.get(j) {
+        Some(None) => Ok(None),
+        Some(Some(mask)) if !mask.is_empty() => Ok(Some(mask)),
+        _ => Err(()),
+    }
+}
+
 impl Row {
     /// Whether this row's next token needs its logits on the host (to sample, bias, penalise
-    /// or report log-probabilities) rather than only their argmax.
+    /// or report log-probabilities) rather than only their argmax (within its structure's mask).
     fn needs_logits(&self) -> bool {
-        !self.sampler.is_plain_argmax() || self.job.opts.logprobs.is_some() || self.constraint.is_some()
+        !self.sampler.is_plain_argmax() || self.job.opts.logprobs.is_some()
     }
 
-    /// The logits the row may choose from (see [`Constraint::choosable`]); `None` (logged)
-    /// when its structure allows nothing, which ends the row.
-    fn choosable<'a>(&mut self, stats: &WorkerStats, logits: &'a [f32]) -> Option<std::borrow::Cow<'a, [f32]>> {
-        let Some(constraint) = &mut self.constraint else { return Some(logits.into()) };
+    /// The structure's masks for a step that feeds `drafts` after the row's tokens (allowed
+    /// ones: see [`Constraint::allowed_drafts`]).
+    pub fn masks(&mut self, stats: &WorkerStats, drafts: &[u32]) -> RowMasks {
+        let constraint = self.constraint.as_mut()?;
         let started = Instant::now();
-        let choosable = constraint.choosable(logits, &self.job.opts.stop_tokens);
+        let masks = constraint.masks(drafts, &self.job.opts.stop_tokens);
         stats.structured_mask_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        stats.structured_masks.fetch_add(1, Ordering::Relaxed);
-        choosable.map_err(|e| tracing::warn!("structured output ends early: {e}")).ok()
+        stats.structured_masks.fetch_add(masks.len() as u64, Ordering::Relaxed);
+        Some(masks)
     }
 }
 
 /// What a decode step hands the sampler for one position of one row: its logits, or only their
-/// argmax when every row of the step would take the argmax as it is (greedy, nothing that reads
-/// the logits) — then it is computed where the logits are, and on a GPU only the token ids
-/// cross to the host.
+/// argmax (within the position's mask) when the row would take the argmax as it is (greedy,
+/// nothing that reads the logits) — then it is computed where the logits are, and on a GPU only
+/// the token ids cross to the host.
 pub(super) enum Scores {
     Logits(Vec<f32>),
     Argmax(u32),
 }
 
 impl Scores {
-    /// Per row, per position, from a step's f32 logits `[B, vocab]` or `[B, width, vocab]`.
-    pub fn of_step(logits: &Tensor, rows: &[Row]) -> strata_model::Result<Vec<Vec<Scores>>> {
+    /// Per row, per position, from a step's f32 logits `[B, vocab]` or `[B, width, vocab]` and
+    /// the rows' masks for the step.
+    pub fn of_step(logits: &Tensor, rows: &[Row], masks: &[RowMasks]) -> strata_model::Result<Vec<Vec<Scores>>> {
         let (b, width) = (logits.dim(0)?, if logits.rank() == 3 { logits.dim(1)? } else { 1 });
-        if rows.iter().any(Row::needs_logits) {
-            let rows = logits.reshape((b, width, ()))?.to_vec3::<f32>()?;
-            return Ok(rows.into_iter().map(|row| row.into_iter().map(Scores::Logits).collect()).collect());
+        let logits = logits.reshape((b, width, ()))?;
+        let on_host: Vec<bool> = rows.iter().map(Row::needs_logits).collect();
+        let host_rows: Vec<u32> = (0..b as u32).filter(|&i| on_host[i as usize]).collect();
+        let mut host = match host_rows.len() {
+            0 => Vec::new(),
+            n if n == b => logits.to_vec3::<f32>()?,
+            _ => logits.index_select(&Tensor::new(host_rows, logits.device())?, 0)?.to_vec3::<f32>()?,
         }
-        let ids = argmax_rows(&logits.reshape((b * width, ()))?)?;
-        Ok(ids.chunks(width).map(|row| row.iter().map(|&id| Scores::Argmax(id)).collect()).collect())
+        .into_iter();
+        let mut ids = Vec::new();
+        if on_host.iter().any(|h| !h) {
+            let mask = |i: usize, j: usize| masks.get(i)?.as_ref()?.get(j)?.as_ref().map(TokenMask::words);
+            let flat: Vec<Option<&[u32]>> = (0..b * width).map(|k| mask(k / width, k % width)).collect();
+            let flat = if flat.iter().any(Option::is_some) { &flat[..] } else { &[] };
+            ids = argmax_rows(&logits.reshape((b * width, ()))?, flat)?;
+        }
+        Ok((0..b)
+            .map(|i| match on_host[i] {
+                true => host.next().expect("a host row per row that needs one").into_iter().map(Scores::Logits).collect(),
+                false => ids[i * width..(i + 1) * width].iter().map(|&id| Scores::Argmax(id)).collect(),
+            })
+            .collect())
     }
 }
 
@@ -94,24 +126,23 @@ pub(super) fn verify_row(
     stats: &WorkerStats,
     row: &mut Row,
     logits: &[Scores],
+    masks: &RowMasks,
     drafts: &[u32],
     max_draft: usize,
 ) -> (usize, Step) {
     row.rounds += !drafts.is_empty() as usize;
     row.drafted += drafts.len();
     for (j, logits) in logits.iter().enumerate() {
+        let Ok(allowed) = allowed_at(masks, j) else { return (j + 1, Step::Done(FinishReason::Stop)) };
         // Drafts never exceed the row's budget, so a draft position always has room.
         let Some(&draft) = drafts.get(j) else {
             if !drafts.is_empty() {
                 row.draft_len = (row.draft_len + 1).min(max_draft);
             }
-            return (j + 1, sample_and_send(stats, row, logits));
+            return (j + 1, sample_and_send(stats, row, logits, allowed));
         };
         let (token, accepted) = match logits {
-            Scores::Logits(logits) => {
-                let Some(choosable) = row.choosable(stats, logits) else { return (j + 1, Step::Done(FinishReason::Stop)) };
-                row.sampler.verify(&choosable, &row.context, &row.generated, draft)
-            }
+            Scores::Logits(logits) => row.sampler.verify(logits, allowed, &row.context, &row.generated, draft),
             &Scores::Argmax(id) => (id, id == draft),
         };
         row.accepted += accepted as usize;
@@ -126,19 +157,26 @@ pub(super) fn verify_row(
     unreachable!("the walk ends at the position after the last draft")
 }
 
-/// Samples the row's next token from `logits` and streams it; says whether the row goes on.
-pub(super) fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &Scores) -> Step {
+/// Samples the row's next token from `logits`, among those `allowed`, and streams it; says
+/// whether the row goes on.
+pub(super) fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &Scores, allowed: Option<&TokenMask>) -> Step {
     if row.generated.len() >= row.job.opts.max_tokens {
         return Step::Done(FinishReason::Length);
     }
     let next = match logits {
-        Scores::Logits(logits) => {
-            let Some(choosable) = row.choosable(stats, logits) else { return Step::Done(FinishReason::Stop) };
-            row.sampler.sample(&choosable, &row.context, &row.generated)
-        }
+        Scores::Logits(logits) => row.sampler.sample(logits, allowed, &row.context, &row.generated),
         &Scores::Argmax(id) => id,
     };
     send(stats, row, next, logits)
+}
+
+/// A joiner's first token, from its prompt's last `logits`; says whether the row goes on.
+pub(super) fn first_token(stats: &WorkerStats, row: &mut Row, logits: Vec<f32>) -> Step {
+    let masks = row.masks(stats, &[]);
+    match allowed_at(&masks, 0) {
+        Ok(allowed) => sample_and_send(stats, row, &Scores::Logits(logits), allowed),
+        Err(()) => Step::Done(FinishReason::Stop),
+    }
 }
 
 /// Streams a chosen token (an end token finishes the row instead).

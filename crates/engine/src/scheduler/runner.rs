@@ -6,13 +6,14 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 use strata_model::{Logits, Model, Round};
 use strata_state::{BatchState, StatePool};
 
-use super::apply::{Row, Scores};
+use super::apply::{Row, RowMasks, Scores};
 use super::policy::Blocks;
 use crate::cache::{usable_prefix, Snapshot, PROMPT_NAMESPACE};
-use crate::shared::SharedCache;
+use crate::shared::{SharedCache, WorkerStats};
 use crate::speculative::{Drafter, JoinerDraft};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
 
@@ -31,6 +32,8 @@ pub(super) struct Decoded {
     pub scores: Vec<Vec<Scores>>,
     /// Per row, the drafts fed after its last token.
     pub drafts: Vec<Vec<u32>>,
+    /// Per row, its structure's masks for the fed positions.
+    pub masks: Vec<RowMasks>,
     round: Option<Round>,
     hidden: Option<Tensor>,
 }
@@ -248,8 +251,10 @@ impl Runner {
     }
 
     /// One forward for every running row: each row's last token, and with speculation its
-    /// drafts in the same forward (`[last, d1..dk]`). Returns the forward's time too.
-    pub fn decode(&mut self, rows: &[Row]) -> strata_model::Result<(Decoded, std::time::Duration)> {
+    /// drafts in the same forward (`[last, d1..dk]`; a structured row's only as far as its
+    /// structure allows them). The structured rows' masks are computed on other threads while
+    /// the forward runs. Returns the forward's time too.
+    pub fn decode(&mut self, rows: &mut [Row], stats: &WorkerStats) -> strata_model::Result<(Decoded, std::time::Duration)> {
         let batch = self.batch.as_mut().expect("a row runs");
         let drafts = match &mut self.drafter {
             Some(drafter) => {
@@ -266,6 +271,12 @@ impl Runner {
             }
             None => vec![Vec::new(); rows.len()],
         };
+        let mut drafts = drafts;
+        for (row, drafts) in rows.iter_mut().zip(&mut drafts) {
+            if let Some(constraint) = &mut row.constraint {
+                drafts.truncate(constraint.allowed_drafts(drafts, &row.job.opts.stop_tokens));
+            }
+        }
         let width = 1 + drafts.iter().map(Vec::len).max().unwrap_or(0);
         let input: Vec<Vec<u32>> = rows
             .iter()
@@ -282,9 +293,23 @@ impl Runner {
         let which = if width > 1 { Logits::All } else { Logits::Last };
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
         let started = Instant::now();
-        let (logits, hidden) = forward(&self.model, &Tensor::new(input, self.model.device())?, batch, which, hidden)?;
-        let scores = Scores::of_step(&logits, rows)?;
-        Ok((Decoded { scores, drafts, round, hidden }, started.elapsed()))
+        let input = Tensor::new(input, self.model.device())?;
+        let (n, structured) = (rows.len(), rows.iter().any(|r| r.constraint.is_some()));
+        let (forwarded, masks) = std::thread::scope(|scope| {
+            // One thread beside the forward (which stays on this one: it may record a CUDA
+            // graph), the rows spread over rayon's pool from there: a mask of a large
+            // vocabulary can take a large share of a millisecond.
+            let masking = structured.then(|| {
+                let (rows, drafts) = (&mut *rows, &drafts);
+                scope.spawn(move || rows.par_iter_mut().zip(drafts).map(|(r, d)| r.masks(stats, d)).collect::<Vec<_>>())
+            });
+            let forwarded = forward(&self.model, &input, batch, which, hidden);
+            let masks = masking.map(|m| m.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+            (forwarded, masks.unwrap_or_else(|| vec![None; n]))
+        });
+        let (logits, hidden) = forwarded?;
+        let scores = Scores::of_step(&logits, rows, &masks)?;
+        Ok((Decoded { scores, drafts, masks, round, hidden }, started.elapsed()))
     }
 
     /// After a decode step's rows were verified: the state (and the drafter's) keeps `kept[i]`
