@@ -3,6 +3,7 @@ import json
 import os
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -22,8 +23,11 @@ def free_port():
 
 def start(*extra):
     port = free_port()
+    # The log goes to a file: a pipe nobody reads fills up, and then every server thread that
+    # logs blocks on it.
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen([str(BINARY), "serve", "--model", str(FIXTURE), "--port", str(port), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                            stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
         try:
@@ -31,7 +35,8 @@ def start(*extra):
             return proc, url
         except OSError:
             if proc.poll() is not None:
-                raise RuntimeError("strata serve exited: " + proc.stderr.read().decode())
+                log.seek(0)
+                raise RuntimeError("strata serve exited: " + log.read().decode())
             time.sleep(0.1)
     proc.kill()
     raise RuntimeError("strata serve did not come up")

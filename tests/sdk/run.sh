@@ -6,7 +6,7 @@ cd "$(dirname "$0")/../.."
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
-.venv/bin/pip install --quiet --disable-pip-version-check openai anthropic pytest numpy safetensors tokenizers
+.venv/bin/pip install --quiet --disable-pip-version-check openai anthropic pytest numpy safetensors tokenizers jsonschema
 cargo build --quiet -p strata-cli
 cd tests/sdk
 exec ../../.venv/bin/python -m pytest -q "$@"
