@@ -96,8 +96,10 @@ fn killed_server_restarts_and_serves_the_right_state() {
     busy.into_iter().for_each(|t| drop(t.join()));
 
     // Debris of other crashes, and another model's entries, in the folder.
-    let own = std::fs::read_dir(ssd.path()).unwrap().map(|e| e.unwrap().path()).find(|p| p.is_dir()).expect("the cache folder");
-    let namespace = std::fs::read_dir(&own).unwrap().map(|e| e.unwrap().path()).find(|p| p.is_dir()).unwrap();
+    // Found through an entry the cold run wrote (the folder may hold others by now).
+    let entry = walk(ssd.path()).into_iter().find(|p| p.extension().is_some_and(|e| e == "entry")).expect("an entry");
+    let namespace = entry.parent().unwrap().to_path_buf();
+    let own = namespace.parent().unwrap().to_path_buf();
     std::fs::write(namespace.join("0123456789abcdef0123456789abcdef.entry.tmp"), b"half a write").unwrap();
     // Our format's magic and version, then damage (a file of another version would be kept).
     std::fs::write(namespace.join("fedcba9876543210fedcba9876543210.entry"), b"STRATAKV\x01\0\0\0truncated").unwrap();
