@@ -74,6 +74,14 @@ pub struct Args {
     /// (random weights have none of their own; scripts/bench/tekken-tokenizer.py writes one).
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Sample every measured request at this temperature, seeded by its index, with --top-k
+    /// and --top-p (default: greedy): what the draw costs beside the argmax.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
     #[command(flatten)]
     draft: DraftArgs,
     #[command(flatten)]
@@ -168,7 +176,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
         let shortest = a.gen_len_min.unwrap_or(a.gen_len);
         let opts = GenerationOptions {
             max_tokens: shortest + (a.gen_len - shortest) * i / concurrency.saturating_sub(1).max(1),
-            sampling: SamplingParams::greedy(),
+            sampling: a.sampling(i as u64),
             stop_tokens: vec![],
             prefill_chunk: a.prefill_chunk(),
             logprobs: None,
@@ -242,6 +250,12 @@ impl Args {
     fn prefill_chunk(&self) -> usize {
         self.prefill_chunk.expect("run resolves --prefill-chunk")
     }
+
+    /// The sampling of measured request `index`.
+    fn sampling(&self, index: u64) -> SamplingParams {
+        let (temperature, top_k, top_p) = (self.temperature, self.top_k, self.top_p);
+        SamplingParams { temperature, top_k, top_p, seed: Some(index), ..SamplingParams::greedy() }
+    }
 }
 
 pub fn run(mut a: Args) -> Result<()> {
@@ -284,6 +298,7 @@ pub fn run(mut a: Args) -> Result<()> {
         return serve_and_measure(&a, &name, &source, &device, &machine);
     }
     let structure = a.json_schema.as_deref().map(read_schema).transpose()?;
+    a.sampling(0).validate().map_err(anyhow::Error::msg)?;
     if !a.json {
         let draft = a.draft.describe();
         let graphs = if device.is_cuda() && a.no_cuda_graphs { ", no CUDA graphs" } else { "" };
@@ -339,6 +354,7 @@ pub fn run(mut a: Args) -> Result<()> {
                         "graph_prepare_ms": m.graph_prepare_ms, "graph_replay_gpu_ms": m.graph_replay_gpu_ms,
                         "max_num_seqs": worker.config().max_batch, "pool": worker.pool_stats(),
                         "json_schema": a.json_schema, "mask_us_per_token": m.mask_us,
+                        "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p,
                     })
                 );
             } else {

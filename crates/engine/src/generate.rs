@@ -81,7 +81,7 @@ pub fn generate(
     }
     let device = model.device();
     let mut state = model.new_state(1)?;
-    let mut sampler = Sampler::new(opts.sampling.clone());
+    let sampler = Sampler::new(opts.sampling.clone());
     let start = Instant::now();
     let mut logits = None;
     for chunk in prompt.chunks(opts.prefill_chunk.max(1)) {

@@ -1,10 +1,12 @@
-//! Per-request sampling: penalties, temperature, top-k, top-p, min-p, and a seeded RNG.
-//! Processing order follows transformers, after the logit bias: repetition penalty, presence/frequency penalties,
-//! temperature, top-k, top-p, min-p, then a draw.
+//! Per-request sampling settings, and the [`Sampler`] that turns them into the kernels' terms: a
+//! [`Draw`] (temperature, top-k, top-p, min-p, seed, position) and the logit [`Adjust`]ments
+//! (bias, repetition, presence and frequency penalties), applied in transformers' order. The
+//! draw itself is `strata_kernels::sampling`'s: on the device for a batch, its CPU twin for
+//! logits already on the host — the same token either way.
 
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
-use strata_kernels::sampling::first_max;
+use std::collections::BTreeMap;
+
+use strata_kernels::sampling::{draw_row, Adjust, Draw};
 
 use crate::structured::TokenMask;
 
@@ -114,188 +116,105 @@ impl SamplingChoice {
     }
 }
 
+/// A request's sampling: its parameters and the seed of its draws (the request's, or a random
+/// one). Stateless beyond that: output token `n` is drawn from (seed, n), so a row draws the
+/// same tokens alone or batched, with or without speculation, and resumed from a checkpoint.
 pub struct Sampler {
     params: SamplingParams,
-    rng: StdRng,
-    /// Random draws made so far: a seeded sampler that replays this many is where it was.
-    draws: u64,
+    seed: u64,
 }
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
-        let rng = match params.seed {
-            Some(seed) => StdRng::seed_from_u64(seed),
-            None => StdRng::from_rng(&mut rand::rng()),
-        };
-        Self { params, rng, draws: 0 }
-    }
-
-    /// A sampler in the state `Sampler::new(params)` reaches after `draws` random draws, for
-    /// resuming a seeded generation exactly.
-    pub fn resumed(params: SamplingParams, draws: u64) -> Self {
-        let mut sampler = Self::new(params);
-        for _ in 0..draws {
-            sampler.draw();
-        }
-        sampler
-    }
-
-    pub fn draws(&self) -> u64 {
-        self.draws
-    }
-
-    fn draw(&mut self) -> f64 {
-        self.draws += 1;
-        self.rng.random::<f64>()
+        let seed = params.seed.unwrap_or_else(rand::random);
+        Self { params, seed }
     }
 
     pub fn params(&self) -> &SamplingParams {
         &self.params
     }
 
-    /// Whether this sampler's choice is the logits' argmax as they come: greedy, with no bias
-    /// or penalty that reads or changes them first.
-    pub fn is_plain_argmax(&self) -> bool {
+    /// How output token `position` (its index in the output) is chosen.
+    pub fn draw(&self, position: usize) -> Draw {
         let p = &self.params;
-        p.is_greedy()
-            && p.logit_bias.is_empty()
-            && p.repetition_penalty == 1.0
-            && p.presence_penalty == 0.0
-            && p.frequency_penalty == 0.0
-    }
-
-    /// Picks the next token from `logits` (one row, f32), among the tokens `allowed` allows
-    /// (structured output; `None`: any). `context` is every token so far (prompt and output),
-    /// `generated` the output alone.
-    pub fn sample(&mut self, logits: &[f32], allowed: Option<&TokenMask>, context: &[u32], generated: &[u32]) -> u32 {
-        match self.distribution(logits, allowed, context, generated) {
-            Choice::Greedy(id) => id,
-            Choice::Weighted { ids, probs } => self.pick(&ids, &probs),
+        if p.is_greedy() {
+            return Draw::GREEDY;
+        }
+        Draw {
+            temperature: p.temperature as f32,
+            top_k: u32::try_from(p.top_k).unwrap_or(u32::MAX),
+            top_p: p.top_p as f32,
+            min_p: p.min_p as f32,
+            seed: self.seed,
+            position: position as u64,
         }
     }
 
-    /// Speculative verification of a drafted token at this position. Greedy: the draft stands
-    /// when it is the target's choice. Sampling (drafts are proposed deterministically, a point
-    /// mass): the draft stands with the target's probability of it, else a token is drawn from
-    /// the target's distribution without it — so each emitted token is distributed exactly as
-    /// [`Sampler::sample`] would draw it. Returns the token to emit and whether it is the draft.
+    /// Whether any logit is adjusted before the draw.
+    pub fn adjusts(&self) -> bool {
+        let p = &self.params;
+        !p.logit_bias.is_empty() || p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
+    }
+
+    /// The adjustments of row `row`'s logits (of `vocab` tokens) before its next draw, one per
+    /// token: the logit bias (repeated tokens summed); the repetition penalty on every token of
+    /// `context` (prompt and output so far); the presence and frequency penalties on each token
+    /// of `generated` (the output), by its count.
+    pub fn adjustments(&self, row: u32, vocab: usize, context: &[u32], generated: &[u32]) -> Vec<Adjust> {
+        if !self.adjusts() {
+            return Vec::new();
+        }
+        let p = &self.params;
+        let mut by_token: BTreeMap<u32, Adjust> = BTreeMap::new();
+        let none = |token| Adjust { row, token, bias: 0.0, repetition: 1.0, subtract: 0.0 };
+        for &(token, bias) in &p.logit_bias {
+            by_token.entry(token).or_insert(none(token)).bias += bias;
+        }
+        if p.repetition_penalty != 1.0 {
+            for &token in context {
+                by_token.entry(token).or_insert(none(token)).repetition = p.repetition_penalty as f32;
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
+            for &token in generated {
+                *counts.entry(token).or_default() += 1;
+            }
+            for (token, n) in counts {
+                by_token.entry(token).or_insert(none(token)).subtract =
+                    (p.presence_penalty + p.frequency_penalty * f64::from(n)) as f32;
+            }
+        }
+        by_token.into_values().filter(|a| (a.token as usize) < vocab).collect()
+    }
+
+    /// Picks the next token from one row of `logits` on the host, among the tokens `allowed`
+    /// allows (structured output; `None`: any): the token the device would draw from them.
+    /// `context` is every token so far (prompt and output), `generated` the output alone.
+    pub fn sample(&self, logits: &[f32], allowed: Option<&TokenMask>, context: &[u32], generated: &[u32]) -> u32 {
+        let mut logits = logits.to_vec();
+        for a in self.adjustments(0, logits.len(), context, generated) {
+            logits[a.token as usize] = a.apply(logits[a.token as usize]);
+        }
+        draw_row(&logits, &self.draw(generated.len()), allowed.map(TokenMask::words))
+    }
+
+    /// Speculative verification of a drafted token at this position: the draft stands when it
+    /// is the token [`Sampler::sample`] draws here. Draws are keyed by position, so a sampled
+    /// draft stands with the target's probability of it and every emitted token is the one
+    /// decoding without drafts would emit. Returns the token to emit and whether it is the
+    /// draft.
     pub fn verify(
-        &mut self,
+        &self,
         logits: &[f32],
         allowed: Option<&TokenMask>,
         context: &[u32],
         generated: &[u32],
         draft: u32,
     ) -> (u32, bool) {
-        match self.distribution(logits, allowed, context, generated) {
-            Choice::Greedy(id) => (id, id == draft),
-            Choice::Weighted { ids, mut probs } => {
-                let at = ids.iter().position(|&id| id == draft as usize);
-                let p_draft = at.map_or(0.0, |i| probs[i]) / probs.iter().sum::<f64>();
-                if at.is_some() && self.draw() < p_draft {
-                    return (draft, true);
-                }
-                if let Some(i) = at.filter(|_| probs.len() > 1) {
-                    probs[i] = 0.0;
-                }
-                (self.pick(&ids, &probs), false)
-            }
-        }
+        let token = self.sample(logits, allowed, context, generated);
+        (token, token == draft)
     }
-
-    /// The distribution the next token is drawn from, after bias, penalties and filters.
-    fn distribution(&self, logits: &[f32], allowed: Option<&TokenMask>, context: &[u32], generated: &[u32]) -> Choice {
-        let p = &self.params;
-        let mut logits = logits.to_vec();
-        if let Some(allowed) = allowed {
-            allowed.restrict(&mut logits);
-        }
-        for &(t, bias) in &p.logit_bias {
-            if let Some(l) = logits.get_mut(t as usize) {
-                *l += bias;
-            }
-        }
-        if p.repetition_penalty != 1.0 {
-            let mut seen = vec![false; logits.len()];
-            for &t in context {
-                if let Some(l) = logits.get_mut(t as usize) {
-                    if !std::mem::replace(&mut seen[t as usize], true) {
-                        let r = p.repetition_penalty as f32;
-                        *l = if *l > 0.0 { *l / r } else { *l * r };
-                    }
-                }
-            }
-        }
-        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
-            let mut counts = std::collections::HashMap::new();
-            for &t in generated {
-                *counts.entry(t as usize).or_insert(0u32) += 1;
-            }
-            for (t, n) in counts {
-                if let Some(l) = logits.get_mut(t) {
-                    *l -= (p.presence_penalty + p.frequency_penalty * n as f64) as f32;
-                }
-            }
-        }
-        if p.is_greedy() {
-            return Choice::Greedy(first_max(&logits));
-        }
-        let t = p.temperature as f32;
-        // Candidates sorted by logit, best first.
-        let mut idx: Vec<usize> = (0..logits.len()).filter(|&i| logits[i].is_finite()).collect();
-        if idx.is_empty() {
-            return Choice::Greedy(first_max(&logits));
-        }
-        idx.sort_unstable_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(a.cmp(&b)));
-        if p.top_k > 0 {
-            idx.truncate(p.top_k);
-        }
-        let max = logits[idx[0]] / t;
-        let mut probs: Vec<f64> = idx.iter().map(|&i| ((logits[i] / t - max) as f64).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|x| *x /= total);
-        if p.top_p < 1.0 {
-            let mut acc = 0.0;
-            let keep = probs.iter().position(|&x| {
-                acc += x;
-                acc >= p.top_p
-            });
-            let keep = keep.map_or(probs.len(), |k| k + 1);
-            probs.truncate(keep);
-            idx.truncate(keep);
-        }
-        if p.min_p > 0.0 {
-            let floor = probs[0] * p.min_p;
-            let keep = probs.iter().take_while(|&&x| x >= floor).count().max(1);
-            probs.truncate(keep);
-            idx.truncate(keep);
-        }
-        Choice::Weighted { ids: idx, probs }
-    }
-
-    /// One draw from unnormalised weights `probs` over `ids`.
-    fn pick(&mut self, ids: &[usize], probs: &[f64]) -> u32 {
-        let total: f64 = probs.iter().sum();
-        let mut draw = self.draw() * total;
-        for (k, &x) in probs.iter().enumerate() {
-            draw -= x;
-            if draw < 0.0 && x > 0.0 {
-                return ids[k] as u32;
-            }
-        }
-        let last = probs.iter().rposition(|&x| x > 0.0).unwrap_or(probs.len() - 1);
-        ids[last] as u32
-    }
-}
-
-/// What the sampler draws the next token from.
-enum Choice {
-    Greedy(u32),
-    /// Candidate ids and their (unnormalised) probabilities, best first.
-    Weighted {
-        ids: Vec<usize>,
-        probs: Vec<f64>,
-    },
 }
 
 #[cfg(test)]
@@ -312,23 +231,42 @@ mod tests {
     fn greedy_and_penalties() {
         let logits = [1.0, 3.0, 2.0];
         assert_eq!(Sampler::new(SamplingParams::greedy()).sample(&logits, None, &[], &[]), 1);
-        let mut s = sampler(|p| {
+        let s = sampler(|p| {
             p.temperature = 0.0;
             p.repetition_penalty = 2.0;
         });
         assert_eq!(s.sample(&logits, None, &[1], &[]), 2); // 3/2 = 1.5 < 2
-        let mut s = sampler(|p| {
+        let s = sampler(|p| {
             p.temperature = 0.0;
             p.frequency_penalty = 0.6;
         });
         assert_eq!(s.sample(&logits, None, &[1, 1], &[1, 1]), 2); // 3 - 1.2 = 1.8 < 2
+        let s = sampler(|p| {
+            p.temperature = 0.0;
+            p.logit_bias = vec![(0, 1.5), (0, 1.0), (9, 50.0)]; // repeated: summed; past the vocabulary: ignored
+        });
+        assert_eq!(s.sample(&logits, None, &[], &[]), 0); // 1 + 2.5 = 3.5 > 3
+    }
+
+    #[test]
+    fn adjustments_merge_per_token_in_transformers_order() {
+        let s = sampler(|p| {
+            p.logit_bias = vec![(4, 1.0)];
+            p.repetition_penalty = 1.5;
+            p.presence_penalty = 0.5;
+            p.frequency_penalty = 0.25;
+        });
+        let got = s.adjustments(3, 10, &[8, 4, 4, 2], &[4, 4, 2]);
+        let a = |token, bias, repetition, subtract| Adjust { row: 3, token, bias, repetition, subtract };
+        assert_eq!(got, [a(2, 0.0, 1.5, 0.75), a(4, 1.0, 1.5, 1.0), a(8, 0.0, 1.5, 0.0)]);
+        assert!(sampler(|_| {}).adjustments(0, 10, &[1, 2], &[2]).is_empty());
     }
 
     #[test]
     fn a_temperature_too_small_for_f32_samples_greedily() {
         // 1e-46 is 0 as f32: dividing by it gave NaN probabilities and the worst candidate.
         for t in [1e-46, 1e-6] {
-            let mut s = sampler(|p| p.temperature = t);
+            let s = sampler(|p| p.temperature = t);
             assert_eq!(s.sample(&[1.0, 3.0, 2.0, -1.0], None, &[], &[]), 1, "temperature {t}");
         }
         let mut p = SamplingParams::greedy();
@@ -347,49 +285,52 @@ mod tests {
         assert_eq!(p.validate(), Ok(()));
     }
 
+    /// How often each token is drawn over 20,000 output positions.
+    fn counts(s: &Sampler, logits: &[f32]) -> Vec<usize> {
+        let mut c = vec![0; logits.len()];
+        let mut generated = Vec::new();
+        for _ in 0..20_000 {
+            let t = s.sample(logits, None, &[], &generated);
+            c[t as usize] += 1;
+            generated.push(t);
+        }
+        c
+    }
+
     #[test]
     fn filters_restrict_support_and_draws_follow_probabilities() {
         let logits: Vec<f32> = vec![2.0, 1.0, 0.0, -1.0, -9.0];
-        let count = |s: &mut Sampler| {
-            let mut c = [0usize; 5];
-            for _ in 0..20_000 {
-                c[s.sample(&logits, None, &[], &[]) as usize] += 1;
-            }
-            c
-        };
-        let c = count(&mut sampler(|p| p.top_k = 2));
+        let c = counts(&sampler(|p| p.top_k = 2), &logits);
         assert_eq!(c[2] + c[3] + c[4], 0);
         // Softmax over {2, 1}: p0 = 0.731.
         assert!((c[0] as f64 / 20_000.0 - 0.731).abs() < 0.02, "{c:?}");
         // Full softmax: 0.644, 0.237, 0.087, 0.032, ~0. top_p 0.7 and min_p 0.3 both keep two.
-        for c in [count(&mut sampler(|p| p.top_p = 0.7)), count(&mut sampler(|p| p.min_p = 0.3))] {
+        for c in [counts(&sampler(|p| p.top_p = 0.7), &logits), counts(&sampler(|p| p.min_p = 0.3), &logits)] {
             assert_eq!(c[2] + c[3] + c[4], 0, "{c:?}");
             assert!((c[0] as f64 / 20_000.0 - 0.731).abs() < 0.02, "{c:?}");
         }
     }
 
     #[test]
-    fn same_seed_same_tokens() {
+    fn a_token_depends_on_seed_and_output_position_alone() {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.7).sin()).collect();
         let run = |seed| {
-            let mut s = sampler(|p| p.seed = Some(seed));
-            (0..30).map(|_| s.sample(&logits, None, &[], &[])).collect::<Vec<_>>()
+            let s = sampler(|p| p.seed = Some(seed));
+            let mut out = Vec::new();
+            for _ in 0..30 {
+                out.push(s.sample(&logits, None, &[], &out));
+            }
+            out
         };
         assert_eq!(run(1), run(1));
         assert_ne!(run(1), run(2));
-    }
-
-    #[test]
-    fn resumed_sampler_continues_the_same_sequence() {
-        let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.7).sin()).collect();
-        let mut whole = sampler(|p| p.seed = Some(5));
-        let all: Vec<u32> = (0..20).map(|_| whole.sample(&logits, None, &[], &[])).collect();
-        let mut first = sampler(|p| p.seed = Some(5));
-        for _ in 0..8 {
-            first.sample(&logits, None, &[], &[]);
-        }
-        let mut rest = Sampler::resumed(first.params().clone(), first.draws());
-        let tail: Vec<u32> = (8..20).map(|_| rest.sample(&logits, None, &[], &[])).collect();
-        assert_eq!(tail, all[8..]);
+        // Resuming at position 8 is a new sampler with the output so far: nothing else to carry.
+        let whole = run(5);
+        let resumed = sampler(|p| p.seed = Some(5));
+        assert_eq!(resumed.sample(&logits, None, &[], &whole[..8]), whole[8]);
+        // A draft stands exactly when it is the token drawn there.
+        assert_eq!(resumed.verify(&logits, None, &[], &whole[..8], whole[8]), (whole[8], true));
+        let other = (whole[8] + 1) % 50;
+        assert_eq!(resumed.verify(&logits, None, &[], &whole[..8], other), (whole[8], false));
     }
 }

@@ -290,14 +290,15 @@ impl<'a> Engine<'a> {
     }
 
     /// Continues a generation from its checkpoint: the output so far is replayed to the
-    /// requester, the sampler is wound to where it was, and the row joins the batch.
+    /// requester and the row joins the batch (a seeded sampler draws on from the output's
+    /// length, as it would have).
     fn resume(&mut self, job: Job, snap: Snapshot, reserved: usize) -> strata_model::Result<()> {
         let resume = snap.resume.expect("checked by the caller");
         self.cache.stats.checkpoint_resumes.fetch_add(1, Ordering::Relaxed);
         let mut context = snap.tokens;
         context.push(resume.next_token);
         let mut row = Row {
-            sampler: Sampler::resumed(job.opts.sampling.clone(), resume.sampler_draws),
+            sampler: Sampler::new(job.opts.sampling.clone()),
             generated: context[resume.prompt_len..].to_vec(),
             context,
             reserved,

@@ -1,7 +1,8 @@
 //! Draft sources for speculative decoding. A drafter proposes up to `k` next tokens per row;
 //! the engine verifies them in one forward of the target and keeps the accepted prefix (see
 //! `Model::open_round` / `close_round` for how the state rolls back exactly, and
-//! `Sampler::verify` for the acceptance rule that keeps the output distribution the target's).
+//! `Sampler::verify` for the acceptance rule: a draft stands when it is the token the target
+//! draws at its position, so the output is the one decoding without drafts gives).
 
 use candle_core::{IndexOp, Tensor};
 use strata_kernels::sampling::argmax_rows;

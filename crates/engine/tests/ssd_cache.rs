@@ -134,7 +134,7 @@ fn round_trip_is_bitwise_across_a_restart() {
         let model = model(dtype);
         let tokens: Vec<u32> = (1..=12).collect();
         let state = run(&model, &tokens);
-        let resume = Some(Resume { prompt_len: 9, next_token: 77, sampler_draws: 3 });
+        let resume = Some(Resume { prompt_len: 9, next_token: 77 });
         {
             let (store, recovery, _) = open(dir.path(), GIB, false);
             assert_eq!(recovery.entries, 0);
@@ -462,13 +462,13 @@ fn a_checkpoint_replaces_older_checkpoints_of_its_generation_once_written() {
     let (store, _, stats) = open(dir.path(), GIB, false);
     let generation: Vec<u32> = (1..=20).collect();
     let checkpoint = |n: usize| {
-        let resume = Resume { prompt_len: 6, next_token: generation[n], sampler_draws: n as u64 };
+        let resume = Resume { prompt_len: 6, next_token: generation[n] };
         snap(9, &generation[..n], run(&model, &generation[..n]), Some(resume))
     };
     let prompt_entry = store_one(dir.path(), &store, &snap(9, &generation[..6], run(&model, &generation[..6]), None));
     let older = store_one(dir.path(), &store, &checkpoint(8));
     let branch: Vec<u32> = [&generation[..6], &[100, 101]].concat();
-    let resume = Resume { prompt_len: 6, next_token: 102, sampler_draws: 2 };
+    let resume = Resume { prompt_len: 6, next_token: 102 };
     let other_branch = store_one(dir.path(), &store, &snap(9, &branch, run(&model, &branch), Some(resume)));
 
     // While the newer checkpoint cannot be written, the older one stays served.
@@ -481,7 +481,7 @@ fn a_checkpoint_replaces_older_checkpoints_of_its_generation_once_written() {
     fs::remove_file(&ns_dir).unwrap();
     fs::rename(&aside, &ns_dir).unwrap();
     let hit = store.lookup(9, exact(&generation[..8])).unwrap();
-    assert_eq!(store.load(&hit, &model.new_state(1).unwrap()).unwrap().resume.unwrap().sampler_draws, 8);
+    assert_eq!(store.load(&hit, &model.new_state(1).unwrap()).unwrap().resume.unwrap().next_token, generation[8]);
 
     // Once written, it replaces the older checkpoint, not the prompt entry nor another branch.
     let newer = store_one(dir.path(), &store, &checkpoint(12));

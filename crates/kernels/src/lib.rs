@@ -7,7 +7,9 @@
 //! - [`norm`]: RMSNorm (alone, after a residual add, gated per DeltaNet head) and SwiGLU's product.
 //! - [`matmul`]: weight-streaming `x W^T` for decode-sized inputs against bf16 weights on CPU.
 //! - [`rows`]: row copies between a batch and a pool's slots.
-//! - [`sampling`]: the greedy tail, each row's argmax (on the device where the logits are).
+//! - [`sampling`]: each row's next token (argmax or seeded draw after logit adjustments, within a
+//!   mask) where the logits are.
+//! - [`kv_quant`]: codecs for quantized KV (affine groups, TurboQuant), vector by vector.
 //! - [`quant`]: `x W^T` against GGUF block-quantized weights (Q8_0, Q5_0, Q4_K, Q6_K) on CPU,
 //!   packed as in the file, llama.cpp's arithmetic.
 //!
@@ -19,6 +21,7 @@ pub mod conv1d;
 #[cfg(feature = "cuda")]
 mod cuda;
 pub mod gated_delta;
+pub mod kv_quant;
 pub mod matmul;
 pub mod norm;
 pub mod quant;

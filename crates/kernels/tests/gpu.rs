@@ -14,7 +14,7 @@ use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_plac
 use strata_kernels::gated_delta::{gated_delta_rule, gated_delta_rule_in_place, on_tensor_cores, Gating, Inputs};
 use strata_kernels::matmul::matmul_t;
 use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
-use strata_kernels::sampling::{argmax_rows, first_allowed_max, first_max};
+use strata_kernels::sampling::{argmax_rows, draw_rows, first_allowed_max, first_max, Adjust, Draw};
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need a CUDA GPU")
@@ -463,6 +463,74 @@ fn argmax_rows_on_gpu_takes_the_first_maximum() {
     assert_eq!(want[1], vocab as u32 - 3);
     assert_eq!(want[2], 0);
     assert_eq!(argmax_rows(&logits, &masks).unwrap(), want);
+}
+
+/// Seeded draws on the GPU pick the CPU twin's token in every row: temperatures, top-k, top-p
+/// and min-p alone and together, ties at each cut (bf16-rounded logits, a block of equal
+/// maxima), masks, logit adjustments, and rows whose mask leaves no finite candidate.
+#[test]
+fn draws_on_gpu_pick_the_cpu_twins_token() {
+    let gpu = gpu();
+    let (rows, vocab) = (48, 248_320);
+    let mut data =
+        values(&[rows, vocab], 12.0, 17).to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+    for (r, row) in data.iter_mut().enumerate() {
+        // 30 equal maxima in a few rows: top-k 20 and small top-p cut inside the tie.
+        if r % 4 == 1 {
+            (0..30).for_each(|j| row[j * 7919 % vocab] = 20.0);
+        }
+        if r % 6 == 2 {
+            row[r * 11] = f32::NEG_INFINITY;
+            row[r * 13] = f32::NAN;
+        }
+    }
+    let words = vocab.div_ceil(32);
+    let thirds: Vec<u32> = (0..words).map(|w| (0..32).filter(|b| (w * 32 + b) % 3 == 0).fold(0, |m, b| m | 1 << b)).collect();
+    let mut no_candidate = vec![0u32; words]; // row 2's -inf (22) and NaN (26) alone
+    no_candidate[0] |= (1 << 22) | (1 << 26);
+    let settings = [
+        (0.0, 0, 1.0, 0.0),
+        (1.0, 0, 1.0, 0.0),
+        (0.7, 20, 0.95, 0.0),
+        (1.0, 0, 0.9, 0.0),
+        (0.6, 0, 1.0, 0.05),
+        (1.3, 50, 1.0, 0.0),
+        (0.05, 0, 0.5, 0.0),
+        (1.0, 20, 0.8, 0.1),
+        (2.0, 0, 0.999, 0.0),
+        (1.0, 1, 1.0, 0.0),
+    ];
+    for position in [0u64, 1, 977] {
+        let draws: Vec<Draw> = (0..rows)
+            .map(|r| {
+                let (temperature, top_k, top_p, min_p) = settings[r % settings.len()];
+                Draw { temperature, top_k, top_p, min_p, seed: 1000 + r as u64 % 5, position }
+            })
+            .collect();
+        let masks: Vec<Option<&[u32]>> = (0..rows)
+            .map(|r| match r % 5 {
+                3 => Some(&thirds[..]),
+                _ if r == 2 => Some(&no_candidate[..]),
+                _ => None,
+            })
+            .collect();
+        let adjust: Vec<Adjust> = (0..rows as u32)
+            .filter(|r| r % 3 == 0)
+            .flat_map(|row| {
+                (0..40).map(move |j| Adjust {
+                    row,
+                    token: j * 6133 % vocab as u32,
+                    bias: (j % 5) as f32 - 2.0,
+                    repetition: 1.0 + (j % 3) as f32 * 0.15,
+                    subtract: (j % 4) as f32 * 0.4,
+                })
+            })
+            .collect();
+        let want = draw_rows(&Tensor::new(data.clone(), &Device::Cpu).unwrap(), &draws, &masks, &adjust).unwrap();
+        let got = draw_rows(&Tensor::new(data.clone(), &gpu).unwrap(), &draws, &masks, &adjust).unwrap();
+        assert_eq!(got, want, "position {position}");
+        assert_eq!(want[2], 22, "a row without candidates takes its argmax, NaN never");
+    }
 }
 
 /// A query's attention on the GPU is the same bits decoded alone, in a verify block, or batched

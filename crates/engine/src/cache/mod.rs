@@ -32,13 +32,12 @@ pub struct Snapshot {
 }
 
 /// A generation checkpoint's extra facts: `tokens[..prompt_len]` is the prompt, the rest the
-/// output so far; `next_token` is the last output token (sampled, not yet fed to the model);
-/// `sampler_draws` how many random draws the sampler had made.
+/// output so far; `next_token` is the last output token (sampled, not yet fed to the model).
+/// Nothing of the sampler: its draws depend on the seed and the output length alone.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Resume {
     pub prompt_len: usize,
     pub next_token: u32,
-    pub sampler_draws: u64,
 }
 
 impl Snapshot {

@@ -13,7 +13,7 @@ use crate::job::{Event, Job};
 use crate::sampler::Sampler;
 use crate::shared::{SharedCache, WorkerStats};
 use crate::structured::{Constraint, Progress, TokenMask};
-use strata_kernels::sampling::argmax_rows;
+use strata_kernels::sampling::{draw_rows, Adjust, Draw};
 
 /// A running row: one sequence of the batch.
 pub(super) struct Row {
@@ -55,10 +55,20 @@ fn allowed_at(masks: &RowMasks, j: usize) -> Result<Option<&TokenMask>, ()> {
 }
 
 impl Row {
-    /// Whether this row's next token needs its logits on the host (to sample, bias, penalise
-    /// or report log-probabilities) rather than only their argmax (within its structure's mask).
+    /// Whether this row's tokens need their logits on the host (to report log-probabilities)
+    /// rather than being chosen where the logits are.
     fn needs_logits(&self) -> bool {
-        !self.sampler.is_plain_argmax() || self.job.opts.logprobs.is_some()
+        self.job.opts.logprobs.is_some()
+    }
+
+    /// The adjustments of its logits at position `j` of a step that feeds `drafted` (the
+    /// drafts before `j`) after the row's tokens, as row `index` of the step's logits.
+    fn adjustments_at(&self, index: u32, vocab: usize, drafted: &[u32]) -> Vec<Adjust> {
+        if drafted.is_empty() || !self.sampler.adjusts() {
+            return self.sampler.adjustments(index, vocab, &self.context, &self.generated);
+        }
+        let (context, generated) = ([&self.context[..], drafted].concat(), [&self.generated[..], drafted].concat());
+        self.sampler.adjustments(index, vocab, &context, &generated)
     }
 
     /// The structure's masks for a step that feeds `drafts` after the row's tokens (allowed
@@ -73,20 +83,26 @@ impl Row {
     }
 }
 
-/// What a decode step hands the sampler for one position of one row: its logits, or only their
-/// argmax (within the position's mask) when the row would take the argmax as it is (greedy,
-/// nothing that reads the logits) — then it is computed where the logits are, and on a GPU only
-/// the token ids cross to the host.
+/// What a decode step hands the sampler for one position of one row: the token chosen where
+/// the logits are (within the position's mask, after the row's adjustments, drawn as its
+/// sampler says: on a GPU only token ids cross to the host), or the logits themselves for a row
+/// that reports log-probabilities, to choose the same token from on the host.
 pub(super) enum Scores {
     Logits(Vec<f32>),
-    Argmax(u32),
+    Chosen(u32),
 }
 
 impl Scores {
-    /// Per row, per position, from a step's f32 logits `[B, vocab]` or `[B, width, vocab]` and
-    /// the rows' masks for the step.
-    pub fn of_step(logits: &Tensor, rows: &[Row], masks: &[RowMasks]) -> strata_model::Result<Vec<Vec<Scores>>> {
+    /// Per row, per position, from a step's f32 logits `[B, vocab]` or `[B, width, vocab]`, the
+    /// rows' masks for the step and the drafts fed after each row's tokens.
+    pub fn of_step(
+        logits: &Tensor,
+        rows: &[Row],
+        masks: &[RowMasks],
+        drafts: &[Vec<u32>],
+    ) -> strata_model::Result<Vec<Vec<Scores>>> {
         let (b, width) = (logits.dim(0)?, if logits.rank() == 3 { logits.dim(1)? } else { 1 });
+        let vocab = logits.dim(candle_core::D::Minus1)?;
         let logits = logits.reshape((b, width, ()))?;
         let on_host: Vec<bool> = rows.iter().map(Row::needs_logits).collect();
         let host_rows: Vec<u32> = (0..b as u32).filter(|&i| on_host[i as usize]).collect();
@@ -101,12 +117,25 @@ impl Scores {
             let mask = |i: usize, j: usize| masks.get(i)?.as_ref()?.get(j)?.as_ref().map(TokenMask::words);
             let flat: Vec<Option<&[u32]>> = (0..b * width).map(|k| mask(k / width, k % width)).collect();
             let flat = if flat.iter().any(Option::is_some) { &flat[..] } else { &[] };
-            ids = argmax_rows(&logits.reshape((b * width, ()))?, flat)?;
+            // Positions past a row's drafts are padding, never kept: the cheapest draw.
+            let (mut draws, mut adjust) = (Vec::with_capacity(b * width), Vec::new());
+            for (i, row) in rows.iter().enumerate() {
+                let drafted = drafts.get(i).map_or(&[][..], Vec::as_slice);
+                for j in 0..width {
+                    if on_host[i] || j > drafted.len() {
+                        draws.push(Draw::GREEDY);
+                        continue;
+                    }
+                    draws.push(row.sampler.draw(row.generated.len() + j));
+                    adjust.extend(row.adjustments_at((i * width + j) as u32, vocab, &drafted[..j]));
+                }
+            }
+            ids = draw_rows(&logits.reshape((b * width, ()))?, &draws, flat, &adjust)?;
         }
         Ok((0..b)
             .map(|i| match on_host[i] {
                 true => host.next().expect("a host row per row that needs one").into_iter().map(Scores::Logits).collect(),
-                false => ids[i * width..(i + 1) * width].iter().map(|&id| Scores::Argmax(id)).collect(),
+                false => ids[i * width..(i + 1) * width].iter().map(|&id| Scores::Chosen(id)).collect(),
             })
             .collect())
     }
@@ -143,7 +172,7 @@ pub(super) fn verify_row(
         };
         let (token, accepted) = match logits {
             Scores::Logits(logits) => row.sampler.verify(logits, allowed, &row.context, &row.generated, draft),
-            &Scores::Argmax(id) => (id, id == draft),
+            &Scores::Chosen(id) => (id, id == draft),
         };
         row.accepted += accepted as usize;
         let step = send(stats, row, token, logits);
@@ -165,7 +194,7 @@ pub(super) fn sample_and_send(stats: &WorkerStats, row: &mut Row, logits: &Score
     }
     let next = match logits {
         Scores::Logits(logits) => row.sampler.sample(logits, allowed, &row.context, &row.generated),
-        &Scores::Argmax(id) => id,
+        &Scores::Chosen(id) => id,
     };
     send(stats, row, next, logits)
 }
@@ -267,8 +296,7 @@ pub(super) fn checkpoint(cache: &SharedCache, rows: &mut [Row], running: &[usize
         row.checkpointed = row.generated.len();
         let Some(state) = cache.copied("a generation checkpoint", batch.extract(i)) else { continue };
         let covered = row.context.len() - 1;
-        let resume =
-            Resume { prompt_len: row.job.prompt.len(), next_token: row.context[covered], sampler_draws: row.sampler.draws() };
+        let resume = Resume { prompt_len: row.job.prompt.len(), next_token: row.context[covered] };
         writer.enqueue(Snapshot { namespace, tokens: row.context[..covered].to_vec(), state, resume: Some(resume) });
     }
 }

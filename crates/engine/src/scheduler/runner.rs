@@ -308,7 +308,7 @@ impl Runner {
             (forwarded, masks.unwrap_or_else(|| vec![None; n]))
         });
         let (logits, hidden) = forwarded?;
-        let scores = Scores::of_step(&logits, rows, &masks)?;
+        let scores = Scores::of_step(&logits, rows, &masks, &drafts)?;
         Ok((Decoded { scores, drafts, masks, round, hidden }, started.elapsed()))
     }
 

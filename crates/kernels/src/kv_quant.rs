@@ -1,0 +1,600 @@
+//! Codecs for quantized KV: how one head's key or value vector becomes a few bytes and back.
+//! Two families, each a [`KvCodec`]:
+//! - [`Affine`]: groups of 32, 64 or 128 coordinates, each coordinate `bits` wide between a
+//!   per-group bf16 bias (the minimum, rounded down) and bias + (2^bits - 1) · scale (rounded up),
+//!   so no coordinate is ever clipped: the error is at most half a step (mlx-lm's
+//!   `QuantizedKVCache` layout).
+//! - [`Turbo`] (TurboQuant, Zandieh et al. 2025, arXiv 2504.19874): the vector's norm kept as
+//!   bf16, its direction turned by a random rotation fixed by a seed (per layer and head), and
+//!   each rotated coordinate — all distributed alike, nearly independent — quantized by the
+//!   Lloyd–Max codebook of that distribution. The inner-product variant spends one bit on a
+//!   sign sketch of the residual (QJL), which makes `⟨q, decoded⟩` an unbiased estimate of
+//!   `⟨q, k⟩` for keys.
+//!
+//! Everything a code depends on (rotations, sketches, codebooks) is computed from integers with
+//! this module's own generator, so a code written by one build reads back the same in any other.
+
+use half::bf16;
+
+/// One head vector's codec: a fixed number of bytes per vector.
+pub trait KvCodec {
+    /// Coordinates per vector.
+    fn dim(&self) -> usize;
+    /// Bytes of one encoded vector.
+    fn bytes(&self) -> usize;
+    /// Encodes `x` (`dim` values) into `out` (`bytes` bytes).
+    fn encode(&self, x: &[f32], out: &mut [u8]);
+    /// Decodes `code` (`bytes` bytes) into `out` (`dim` values).
+    fn decode(&self, code: &[u8], out: &mut [f32]);
+}
+
+/// Why a codec cannot be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CodecError(pub String);
+
+impl std::fmt::Display for CodecError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for CodecError {}
+
+/// Affine quantization in groups along the head dimension.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Affine {
+    dim: usize,
+    bits: u32,
+    group: usize,
+}
+
+impl Affine {
+    pub const BITS: [u32; 6] = [2, 3, 4, 5, 6, 8];
+    pub const GROUPS: [usize; 3] = [32, 64, 128];
+
+    pub fn new(dim: usize, bits: u32, group: usize) -> Result<Self, CodecError> {
+        if !Self::BITS.contains(&bits) {
+            return Err(CodecError(format!("affine KV takes 2, 3, 4, 5, 6 or 8 bits, not {bits}")));
+        }
+        if !Self::GROUPS.contains(&group) {
+            return Err(CodecError(format!("affine KV groups are 32, 64 or 128 coordinates, not {group}")));
+        }
+        if dim == 0 || dim % group != 0 {
+            return Err(CodecError(format!("a head dimension of {dim} does not split into groups of {group}")));
+        }
+        Ok(Self { dim, bits, group })
+    }
+
+    fn levels(&self) -> u32 {
+        (1 << self.bits) - 1
+    }
+
+    fn code_bytes(&self) -> usize {
+        self.dim * self.bits as usize / 8
+    }
+
+    /// A group's (scale, bias) as stored, read back from a code.
+    pub fn group_params(&self, code: &[u8], group: usize) -> (f32, f32) {
+        let at = self.code_bytes() + 4 * group;
+        let half = |i: usize| bf16::from_le_bytes([code[i], code[i + 1]]).to_f32();
+        (half(at), half(at + 2))
+    }
+}
+
+impl KvCodec for Affine {
+    fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// `dim · bits / 8` bytes of codes, then a bf16 scale and bias per group.
+    fn bytes(&self) -> usize {
+        self.code_bytes() + 4 * (self.dim / self.group)
+    }
+
+    fn encode(&self, x: &[f32], out: &mut [u8]) {
+        let levels = self.levels() as f32;
+        let mut codes = BitWriter::new(&mut out[..self.code_bytes()], self.bits);
+        let mut params = Vec::with_capacity(self.dim / self.group);
+        for group in x.chunks(self.group) {
+            let finite = || group.iter().copied().filter(|v| v.is_finite());
+            let (lo, hi) = (finite().fold(f32::INFINITY, f32::min), finite().fold(f32::NEG_INFINITY, f32::max));
+            let (lo, hi) = if lo <= hi { (lo, hi) } else { (0.0, 0.0) };
+            let bias = bf16_at_most(lo);
+            let scale = bf16_at_least((hi - bias.to_f32()) / levels);
+            let (b, s) = (bias.to_f32(), scale.to_f32());
+            for &v in group {
+                let q = if s > 0.0 { ((v - b) / s).round().clamp(0.0, levels) } else { 0.0 };
+                codes.push(q as u32);
+            }
+            params.push((scale, bias));
+        }
+        let tail = &mut out[self.code_bytes()..];
+        for (i, (scale, bias)) in params.into_iter().enumerate() {
+            tail[4 * i..4 * i + 2].copy_from_slice(&scale.to_le_bytes());
+            tail[4 * i + 2..4 * i + 4].copy_from_slice(&bias.to_le_bytes());
+        }
+    }
+
+    fn decode(&self, code: &[u8], out: &mut [f32]) {
+        let mut codes = BitReader::new(&code[..self.code_bytes()], self.bits);
+        for (g, group) in out.chunks_mut(self.group).enumerate() {
+            let (scale, bias) = self.group_params(code, g);
+            for v in group {
+                *v = bias + codes.next() as f32 * scale;
+            }
+        }
+    }
+}
+
+/// The largest bf16 not above `x` (finite `x`).
+fn bf16_at_most(x: f32) -> bf16 {
+    let b = bf16::from_f32(x);
+    if b.to_f32() <= x {
+        b
+    } else {
+        step_down(b)
+    }
+}
+
+/// The smallest bf16 not below `x` (finite, non-negative `x`).
+fn bf16_at_least(x: f32) -> bf16 {
+    let b = bf16::from_f32(x);
+    if b.to_f32() >= x {
+        b
+    } else {
+        bf16::from_bits(b.to_bits() + 1)
+    }
+}
+
+fn step_down(b: bf16) -> bf16 {
+    match b.to_f32() {
+        v if v > 0.0 => bf16::from_bits(b.to_bits() - 1),
+        v if v == 0.0 => bf16::from_bits(0x8001), // the least negative subnormal
+        _ => bf16::from_bits(b.to_bits() + 1),
+    }
+}
+
+/// TurboQuant: a rotation, a per-coordinate Lloyd–Max codebook, the norm.
+#[derive(Clone, Debug)]
+pub struct Turbo {
+    dim: usize,
+    bits: u32,
+    /// `[dim, dim]`, row-major, orthogonal.
+    rotation: Vec<f32>,
+    /// The MSE code's codebook (`2^mse_bits` centroids, ascending) and the cells' boundaries.
+    centroids: Vec<f32>,
+    boundaries: Vec<f32>,
+    /// The inner-product variant's Gaussian sketch `[dim, dim]` (its residual signs take one of
+    /// the bits).
+    sketch: Option<Vec<f32>>,
+}
+
+/// Which TurboQuant estimate a code serves.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TurboVariant {
+    /// Least squared error (values, and keys by default).
+    Mse,
+    /// Unbiased inner products (keys): bits - 1 for the MSE code, 1 for the residual's signs.
+    InnerProduct,
+}
+
+impl Turbo {
+    /// A codec for `dim`-coordinate vectors at `bits` per coordinate, its rotation (and sketch)
+    /// drawn from `seed`.
+    pub fn new(dim: usize, bits: u32, variant: TurboVariant, seed: u64) -> Result<Self, CodecError> {
+        let least = if variant == TurboVariant::InnerProduct { 2 } else { 1 };
+        if !(least..=8).contains(&bits) {
+            return Err(CodecError(format!("TurboQuant {variant:?} takes {least} to 8 bits, not {bits}")));
+        }
+        if dim < 8 || dim % 8 != 0 {
+            return Err(CodecError(format!("TurboQuant needs a head dimension that is a multiple of 8, not {dim}")));
+        }
+        let mut rng = Normals::new(seed);
+        let rotation = random_rotation(dim, &mut rng);
+        let mse_bits = if variant == TurboVariant::InnerProduct { bits - 1 } else { bits };
+        let (centroids, boundaries) = lloyd_max(dim, mse_bits);
+        let sketch = (variant == TurboVariant::InnerProduct).then(|| (0..dim * dim).map(|_| rng.next() as f32).collect());
+        Ok(Self { dim, bits, rotation, centroids, boundaries, sketch })
+    }
+
+    fn mse_bits(&self) -> u32 {
+        self.bits - self.sketch.is_some() as u32
+    }
+
+    fn code_bytes(&self) -> usize {
+        self.dim * self.mse_bits() as usize / 8
+    }
+
+    /// The expected squared error of one coordinate of a rotated unit vector (the codebook's
+    /// distortion, times `dim`: a unit vector's expected squared error).
+    pub fn distortion(&self) -> f64 {
+        let (_, _, d) = lloyd_max_with_distortion(self.dim, self.mse_bits());
+        d
+    }
+}
+
+impl KvCodec for Turbo {
+    fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// `dim · bits / 8` bytes of codes (signs included) and a bf16 norm; the inner-product
+    /// variant adds the residual's bf16 norm.
+    fn bytes(&self) -> usize {
+        self.dim * self.bits as usize / 8 + 2 + 2 * self.sketch.is_some() as usize
+    }
+
+    fn encode(&self, x: &[f32], out: &mut [u8]) {
+        let d = self.dim;
+        let norm = x.iter().map(|&v| f64::from(v) * f64::from(v)).sum::<f64>().sqrt() as f32;
+        let norm = if norm.is_finite() { norm } else { 0.0 };
+        let inv = if norm > 0.0 { 1.0 / norm } else { 0.0 };
+        let rotated = matvec(&self.rotation, x, d);
+        let mut codes = BitWriter::new(&mut out[..self.code_bytes()], self.mse_bits());
+        let mut residual = vec![0f32; d];
+        for (r, &y) in residual.iter_mut().zip(&rotated) {
+            let y = y * inv;
+            let q = self.boundaries.partition_point(|&b| b < y);
+            codes.push(q as u32);
+            *r = y - self.centroids[q];
+        }
+        let mut at = self.code_bytes();
+        if let Some(sketch) = &self.sketch {
+            let projected = matvec(sketch, &residual, d);
+            let signs = &mut out[at..at + d / 8];
+            signs.fill(0);
+            for (i, p) in projected.iter().enumerate() {
+                signs[i / 8] |= u8::from(*p >= 0.0) << (i % 8);
+            }
+            at += d / 8;
+        }
+        out[at..at + 2].copy_from_slice(&bf16::from_f32(norm).to_le_bytes());
+        if self.sketch.is_some() {
+            let r = residual.iter().map(|&v| v * v).sum::<f32>().sqrt();
+            out[at + 2..at + 4].copy_from_slice(&bf16::from_f32(r).to_le_bytes());
+        }
+    }
+
+    fn decode(&self, code: &[u8], out: &mut [f32]) {
+        let d = self.dim;
+        let mut codes = BitReader::new(&code[..self.code_bytes()], self.mse_bits());
+        let mut rotated: Vec<f32> = (0..d).map(|_| self.centroids[codes.next() as usize]).collect();
+        let mut at = self.code_bytes();
+        let half = |i: usize| bf16::from_le_bytes([code[i], code[i + 1]]).to_f32();
+        if let Some(sketch) = &self.sketch {
+            // ⟨s_i, r⟩'s sign times s_i, summed, times |r|·√(π/2)/d: E over the sketch is r.
+            let signs = &code[at..at + d / 8];
+            let residual_norm = half(at + d / 8 + 2);
+            let k = residual_norm * (std::f32::consts::FRAC_PI_2).sqrt() / d as f32;
+            for (i, row) in sketch.chunks(d).enumerate() {
+                let s = if signs[i / 8] >> (i % 8) & 1 == 1 { k } else { -k };
+                rotated.iter_mut().zip(row).for_each(|(y, &v)| *y += s * v);
+            }
+            at += d / 8;
+        }
+        let norm = half(at);
+        // Rᵀ·ŷ, scaled by the norm.
+        out[..d].fill(0.0);
+        for (row, &y) in self.rotation.chunks(d).zip(&rotated) {
+            out.iter_mut().zip(row).for_each(|(o, &r)| *o += r * y * norm);
+        }
+    }
+}
+
+/// `m · x` for a `[d, d]` matrix (d a multiple of 8), eight partial sums a row so it vectorises.
+fn matvec(m: &[f32], x: &[f32], d: usize) -> Vec<f32> {
+    m.chunks(d)
+        .map(|row| {
+            let mut acc = [0f32; 8];
+            for (r, v) in row.chunks_exact(8).zip(x.chunks_exact(8)) {
+                (0..8).for_each(|i| acc[i] += r[i] * v[i]);
+            }
+            acc.iter().sum()
+        })
+        .collect()
+}
+
+/// A Haar-random orthogonal `[d, d]` matrix: Gram–Schmidt (twice, for orthogonality to f32
+/// precision) over Gaussian rows, in f64.
+fn random_rotation(d: usize, rng: &mut Normals) -> Vec<f32> {
+    let mut rows: Vec<Vec<f64>> = Vec::with_capacity(d);
+    for _ in 0..d {
+        let mut v: Vec<f64> = (0..d).map(|_| rng.next()).collect();
+        for _ in 0..2 {
+            for u in &rows {
+                let dot: f64 = v.iter().zip(u).map(|(a, b)| a * b).sum();
+                v.iter_mut().zip(u).for_each(|(a, b)| *a -= dot * b);
+            }
+        }
+        let n = v.iter().map(|a| a * a).sum::<f64>().sqrt();
+        v.iter_mut().for_each(|a| *a /= n);
+        rows.push(v);
+    }
+    rows.into_iter().flatten().map(|a| a as f32).collect()
+}
+
+/// The Lloyd–Max quantizer at `bits` of one coordinate of a uniformly random unit vector in
+/// `d` dimensions (density ∝ (1 - x²)^((d-3)/2) on [-1, 1]): centroids and boundaries.
+fn lloyd_max(d: usize, bits: u32) -> (Vec<f32>, Vec<f32>) {
+    let (c, b, _) = lloyd_max_with_distortion(d, bits);
+    (c, b)
+}
+
+/// [`lloyd_max`] and its distortion times `d` (a unit vector's expected squared error),
+/// computed once per (d, bits) in a process: every layer and head shares it.
+fn lloyd_max_with_distortion(d: usize, bits: u32) -> (Vec<f32>, Vec<f32>, f64) {
+    type Codebooks = std::collections::HashMap<(usize, u32), (Vec<f32>, Vec<f32>, f64)>;
+    static CODEBOOKS: std::sync::OnceLock<std::sync::Mutex<Codebooks>> = std::sync::OnceLock::new();
+    let codebooks = CODEBOOKS.get_or_init(Default::default);
+    if let Some(found) = codebooks.lock().unwrap_or_else(|e| e.into_inner()).get(&(d, bits)) {
+        return found.clone();
+    }
+    let computed = compute_lloyd_max(d, bits);
+    codebooks.lock().unwrap_or_else(|e| e.into_inner()).insert((d, bits), computed.clone());
+    computed
+}
+
+/// Lloyd's iteration over a fine grid of the density, from its quantiles.
+fn compute_lloyd_max(d: usize, bits: u32) -> (Vec<f32>, Vec<f32>, f64) {
+    const POINTS: usize = 1 << 14;
+    let reach = (12.0 / (d as f64).sqrt()).min(1.0);
+    let xs: Vec<f64> = (0..POINTS).map(|i| -reach + 2.0 * reach * (i as f64 + 0.5) / POINTS as f64).collect();
+    let exponent = (d as f64 - 3.0) / 2.0;
+    let weights: Vec<f64> = xs.iter().map(|x| (1.0 - x * x).max(0.0).powf(exponent)).collect();
+    let total: f64 = weights.iter().sum();
+    let weights: Vec<f64> = weights.iter().map(|w| w / total).collect();
+    let n = 1usize << bits;
+    // Start from the quantiles' midpoints.
+    let mut centroids = Vec::with_capacity(n);
+    let mut acc = 0.0;
+    let mut next = 0;
+    for (x, w) in xs.iter().zip(&weights) {
+        acc += w;
+        while next < n && acc >= (next as f64 + 0.5) / n as f64 {
+            centroids.push(*x);
+            next += 1;
+        }
+    }
+    centroids.resize(n, reach);
+    let mut boundaries = vec![0.0; n - 1];
+    for _ in 0..500 {
+        for (b, pair) in boundaries.iter_mut().zip(centroids.windows(2)) {
+            *b = (pair[0] + pair[1]) / 2.0;
+        }
+        let (mut sums, mut masses) = (vec![0.0; n], vec![0.0; n]);
+        for (x, w) in xs.iter().zip(&weights) {
+            let cell = boundaries.partition_point(|b| b < x);
+            sums[cell] += w * x;
+            masses[cell] += w;
+        }
+        for ((c, s), m) in centroids.iter_mut().zip(&sums).zip(&masses) {
+            if *m > 0.0 {
+                *c = s / m;
+            }
+        }
+    }
+    let distortion: f64 = xs
+        .iter()
+        .zip(&weights)
+        .map(|(x, w)| {
+            let c = centroids[boundaries.partition_point(|b| b < x)];
+            w * (x - c) * (x - c)
+        })
+        .sum::<f64>()
+        * d as f64;
+    (centroids.iter().map(|&c| c as f32).collect(), boundaries.iter().map(|&b| b as f32).collect(), distortion)
+}
+
+/// Standard normal draws from splitmix64 and Box–Muller: fixed by the seed, in any build.
+struct Normals {
+    state: u64,
+    spare: Option<f64>,
+}
+
+impl Normals {
+    fn new(seed: u64) -> Self {
+        Self { state: seed, spare: None }
+    }
+
+    fn uniform(&mut self) -> f64 {
+        self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        ((z >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+
+    fn next(&mut self) -> f64 {
+        if let Some(z) = self.spare.take() {
+            return z;
+        }
+        let (u, v) = (self.uniform(), self.uniform());
+        let r = (-2.0 * u.ln()).sqrt();
+        let t = std::f64::consts::TAU * v;
+        self.spare = Some(r * t.sin());
+        r * t.cos()
+    }
+}
+
+/// Packs `bits`-wide codes little-endian, least significant bit first.
+struct BitWriter<'a> {
+    out: &'a mut [u8],
+    bits: u32,
+    at: usize,
+}
+
+impl<'a> BitWriter<'a> {
+    fn new(out: &'a mut [u8], bits: u32) -> Self {
+        out.fill(0);
+        Self { out, bits, at: 0 }
+    }
+
+    fn push(&mut self, code: u32) {
+        for b in 0..self.bits {
+            let i = self.at + b as usize;
+            self.out[i / 8] |= (((code >> b) & 1) as u8) << (i % 8);
+        }
+        self.at += self.bits as usize;
+    }
+}
+
+struct BitReader<'a> {
+    code: &'a [u8],
+    bits: u32,
+    at: usize,
+}
+
+impl<'a> BitReader<'a> {
+    fn new(code: &'a [u8], bits: u32) -> Self {
+        Self { code, bits, at: 0 }
+    }
+
+    fn next(&mut self) -> u32 {
+        let mut v = 0;
+        for b in 0..self.bits {
+            let i = self.at + b as usize;
+            v |= u32::from(self.code[i / 8] >> (i % 8) & 1) << b;
+        }
+        self.at += self.bits as usize;
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unit_vectors(d: usize, n: usize, seed: u64) -> Vec<Vec<f32>> {
+        let mut rng = Normals::new(seed);
+        (0..n)
+            .map(|_| {
+                let v: Vec<f64> = (0..d).map(|_| rng.next()).collect();
+                let norm = v.iter().map(|a| a * a).sum::<f64>().sqrt();
+                v.iter().map(|a| (a / norm) as f32).collect()
+            })
+            .collect()
+    }
+
+    fn round_trip(codec: &impl KvCodec, x: &[f32]) -> Vec<f32> {
+        let mut code = vec![0u8; codec.bytes()];
+        codec.encode(x, &mut code);
+        let mut back = vec![0f32; codec.dim()];
+        codec.decode(&code, &mut back);
+        back
+    }
+
+    #[test]
+    fn affine_round_trip_is_within_half_a_step() {
+        let mut rng = Normals::new(3);
+        for bits in Affine::BITS {
+            for group in Affine::GROUPS {
+                let codec = Affine::new(256, bits, group).unwrap();
+                assert_eq!(codec.bytes(), 256 * bits as usize / 8 + 4 * 256 / group);
+                for trial in 0..20 {
+                    // Mixed scales and offsets, one constant group.
+                    let x: Vec<f32> = (0..256)
+                        .map(|i| {
+                            if trial == 0 && i < group {
+                                1.3
+                            } else {
+                                (rng.next() * 3.0 + (i / group) as f64) as f32 * 10f32.powi(trial % 5 - 2)
+                            }
+                        })
+                        .collect();
+                    let mut code = vec![0u8; codec.bytes()];
+                    codec.encode(&x, &mut code);
+                    let mut back = vec![0f32; 256];
+                    codec.decode(&code, &mut back);
+                    for (g, (xs, bs)) in x.chunks(group).zip(back.chunks(group)).enumerate() {
+                        let (scale, bias) = codec.group_params(&code, g);
+                        let (lo, hi) = xs.iter().fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), &v| (l.min(v), h.max(v)));
+                        // The step is the group's range over the levels, widened by two bf16 roundings.
+                        assert!(
+                            bias <= lo && scale <= (hi - lo) / ((1 << bits) - 1) as f32 * 1.02 + (lo.abs() * 0.008),
+                            "{bits} bits, group {group}"
+                        );
+                        for (a, b) in xs.iter().zip(bs) {
+                            assert!(
+                                (a - b).abs() <= scale / 2.0 * 1.0001 + a.abs() * 1e-6,
+                                "{bits}/{group}: {a} -> {b} (step {scale})"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        assert!(Affine::new(16, 4, 32).is_err());
+        assert!(Affine::new(128, 7, 32).is_err());
+    }
+
+    #[test]
+    fn turbo_mse_approaches_the_lloyd_max_distortions() {
+        // Gaussian Lloyd–Max distortions at 1-4 bits: Theorem 1's limit for unit vectors.
+        let want = [0.3634, 0.1175, 0.03454, 0.009497];
+        for d in [128, 256] {
+            let keys = unit_vectors(d, 100_000, d as u64);
+            for (bits, want) in (1..=4).zip(want) {
+                let codec = Turbo::new(d, bits, TurboVariant::Mse, 11).unwrap();
+                assert_eq!(codec.bytes(), d * bits as usize / 8 + 2);
+                let mse: f64 = keys
+                    .iter()
+                    .map(|k| round_trip(&codec, k).iter().zip(k).map(|(a, b)| f64::from(a - b).powi(2)).sum::<f64>())
+                    .sum::<f64>()
+                    / keys.len() as f64;
+                assert!((mse / want - 1.0).abs() < 0.05, "d {d}, {bits} bits: MSE {mse:.5}, want {want}");
+                assert!((codec.distortion() / want - 1.0).abs() < 0.05, "d {d}, {bits} bits: codebook {}", codec.distortion());
+            }
+        }
+    }
+
+    #[test]
+    fn turbo_inner_products_are_unbiased_and_the_mse_code_is_not() {
+        let d = 128;
+        // Keys at ⟨q, k⟩ = 0.5: half q plus a random unit direction orthogonal to it; codecs
+        // drawn anew every 500 keys (the estimate is unbiased over the rotation and sketch).
+        let q = &unit_vectors(d, 1, 1)[0];
+        let keys: Vec<Vec<f32>> = unit_vectors(d, 100_000, 2)
+            .into_iter()
+            .map(|u| {
+                let along: f32 = u.iter().zip(q).map(|(a, b)| a * b).sum();
+                let v: Vec<f32> = u.iter().zip(q).map(|(a, b)| a - along * b).collect();
+                let n = v.iter().map(|a| a * a).sum::<f32>().sqrt();
+                v.iter().zip(q).map(|(a, b)| 0.5 * b + 0.75f32.sqrt() * a / n).collect()
+            })
+            .collect();
+        let mean = |bits, variant| {
+            let mut total = 0.0;
+            for (c, chunk) in keys.chunks(500).enumerate() {
+                let codec = Turbo::new(d, bits, variant, 1000 + c as u64).unwrap();
+                total += chunk
+                    .iter()
+                    .map(|k| f64::from(round_trip(&codec, k).iter().zip(q).map(|(a, b)| a * b).sum::<f32>()))
+                    .sum::<f64>();
+            }
+            total / keys.len() as f64
+        };
+        for bits in [3, 4] {
+            let unbiased = mean(bits, TurboVariant::InnerProduct);
+            assert!((unbiased - 0.5).abs() < 0.005, "{bits} bits: mean estimate {unbiased}");
+            // The MSE code shrinks: about (1 - distortion) of the truth.
+            let shrunk = mean(bits, TurboVariant::Mse);
+            assert!(0.5 - shrunk > 0.002, "{bits} bits: the MSE code's mean {shrunk} should fall short of 0.5");
+        }
+    }
+
+    #[test]
+    fn turbo_codes_depend_on_the_seed_alone() {
+        let x = &unit_vectors(64, 1, 9)[0];
+        let code = |seed| {
+            let codec = Turbo::new(64, 3, TurboVariant::InnerProduct, seed).unwrap();
+            let mut out = vec![0u8; codec.bytes()];
+            codec.encode(x, &mut out);
+            out
+        };
+        assert_eq!(code(5), code(5));
+        assert_ne!(code(5), code(6));
+        assert!(Turbo::new(64, 1, TurboVariant::InnerProduct, 0).is_err());
+        assert!(Turbo::new(20, 4, TurboVariant::Mse, 0).is_err());
+    }
+}
