@@ -139,30 +139,6 @@ __device__ __forceinline__ unsigned long long draw_block_max(unsigned long long 
     return x;
 }
 
-// Adds each lane's `measure` to hist[bucket] (bucket < 0: nothing) with one shared atomic per
-// distinct bucket of the warp: the lanes of a bucket first sum theirs in a tree over their ranks.
-// Logits crowd into few buckets (the top digits of similar floats), where 32 atomics on one
-// address would serialise. Every lane of the warp calls it.
-__device__ __forceinline__ void warp_histogram_add(unsigned long long* hist, int bucket, unsigned long long measure) {
-    const unsigned int lane = threadIdx.x % 32;
-    const unsigned int peers = __match_any_sync(0xffffffffu, bucket);
-    const unsigned int rank = __popc(peers & ((1u << lane) - 1u)), size = __popc(peers);
-    const unsigned int above = lane == 31 ? 0u : peers & (0xffffffffu << (lane + 1));
-#pragma unroll
-    for (unsigned int step = 1; step < 32; step <<= 1) {
-        // The lane `step` ranks above this one in its bucket, when this one gathers at this step.
-        int source = lane;
-        if (rank % (2 * step) == 0 && rank + step < size) {
-            unsigned int m = above;
-            for (unsigned int k = 1; k < step; ++k) m &= m - 1;
-            source = __ffs(m) - 1;
-        }
-        const unsigned long long other = __shfl_sync(0xffffffffu, measure, source);
-        if (source != (int)lane) measure += other;
-    }
-    if (rank == 0 && bucket >= 0 && measure) atomicAdd(hist + bucket, measure);
-}
-
 // What a selection found: the key at which the running measure of the members, taken in
 // descending key order, first reaches the target; the measure of the members above that key,
 // and of those at it.
@@ -184,14 +160,11 @@ __device__ Selected select_desc(int V, Member member, unsigned long long target,
         const int shift = shifts[round], buckets = 1 << widths[round];
         for (int b = threadIdx.x; b < buckets; b += DRAW_THREADS) hist[b] = 0;
         __syncthreads();
-        for (int base = 0; base < V; base += DRAW_THREADS) {  // warp-uniform: every lane adds
-            const int i = base + threadIdx.x;
+        for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
             unsigned int key;
-            unsigned long long measure = 0;
-            int bucket = -1;
-            if (i < V && member(i, key, measure) && (round == 0 || (key >> (shift + widths[round])) == prefix) && measure)
-                bucket = (key >> shift) & (buckets - 1);
-            warp_histogram_add(hist, bucket, bucket < 0 ? 0 : measure);
+            unsigned long long measure;
+            if (member(i, key, measure) && (round == 0 || (key >> (shift + widths[round])) == prefix) && measure)
+                atomicAdd(hist + ((key >> shift) & (buckets - 1)), measure);
         }
         __syncthreads();
         if (threadIdx.x < 32) {
