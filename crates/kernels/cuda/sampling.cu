@@ -113,6 +113,7 @@ __device__ __forceinline__ float gumbel(unsigned long long seed, unsigned long l
 
 constexpr int DRAW_THREADS = 1024;
 constexpr int DRAW_BUCKETS = 2048;  // the widest digit of a key: 11 bits
+constexpr unsigned int DRAW_KEPT = 1024;  // the largest top-k gathered in shared memory
 
 // Sums and maxima over a drawing block; every thread gets the result.
 __device__ __forceinline__ unsigned long long draw_block_sum(unsigned long long x, unsigned long long* scratch) {
@@ -270,20 +271,52 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     }
     auto in_top_k = [&](int i, unsigned int key) { return key > k_key || (key == k_key && (unsigned int)i <= k_last); };
 
+    // A top-k that fits shared memory is gathered there in one more walk of the row; top-p and
+    // the race then walk those k entries instead of the vocabulary (in any order: every step
+    // below orders by key and index, and sums integers).
+    __shared__ unsigned int kept_key[DRAW_KEPT], kept_index[DRAW_KEPT];
+    __shared__ unsigned int kept;
+    const bool gathered = top_k > 0 && top_k < count && top_k <= DRAW_KEPT;
+    if (gathered) {
+        if (threadIdx.x == 0) kept = 0;
+        __syncthreads();
+        for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
+            unsigned int key;
+            if (candidate(i, key) && in_top_k(i, key)) {
+                const unsigned int slot = atomicAdd(&kept, 1u);
+                kept_key[slot] = key;
+                kept_index[slot] = (unsigned int)i;
+            }
+        }
+        __syncthreads();
+    }
+    const int members = gathered ? (int)kept : V;
+    // Member j of the top-k: its key and token index.
+    auto member = [&](int j, unsigned int& key, unsigned int& index) {
+        if (gathered) {
+            key = kept_key[j];
+            index = kept_index[j];
+            return true;
+        }
+        index = (unsigned int)j;
+        return candidate(j, key) && in_top_k(j, key);
+    };
+
     // Top-p, over the top-k: where the running weight reaches top_p of theirs.
     unsigned int p_key = 0, p_last = 0xffffffffu;
     if (top_p < 1.0f) {
         unsigned long long total = 0;
-        for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
-            unsigned int key;
-            if (candidate(i, key) && in_top_k(i, key)) total += weight(key);
+        for (int j = threadIdx.x; j < members; j += DRAW_THREADS) {
+            unsigned int key, index;
+            if (member(j, key, index)) total += weight(key);
         }
         total = draw_block_sum(total, scratch);
         const unsigned long long target = max(1ull, (unsigned long long)ceil(__dmul_rn((double)top_p, (double)total)));
         const Selected s = select_desc(
-            V,
-            [&](int i, unsigned int& key, unsigned long long& m) {
-                if (!candidate(i, key) || !in_top_k(i, key)) return false;
+            members,
+            [&](int j, unsigned int& key, unsigned long long& m) {
+                unsigned int index;
+                if (!member(j, key, index)) return false;
                 m = weight(key);
                 return true;
             },
@@ -293,12 +326,13 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
         const unsigned long long wanted = (target - s.above + w - 1) / w;
         if (wanted < s.at / w) {
             const Selected last = select_desc(
-                V,
-                [&](int i, unsigned int& key, unsigned long long& m) {
-                    unsigned int z;
+                members,
+                [&](int j, unsigned int& key, unsigned long long& m) {
+                    unsigned int z, index;
                     m = 1;
-                    key = ~(unsigned int)i;
-                    return candidate(i, z) && z == p_key && in_top_k(i, z);
+                    const bool at_cut = member(j, z, index) && z == p_key;
+                    key = ~index;
+                    return at_cut;
                 },
                 wanted, hist, &found);
             p_last = ~last.key;
@@ -307,13 +341,13 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
 
     // The race among the candidates every filter keeps.
     unsigned long long best = 0;
-    for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
-        unsigned int key;
-        if (!candidate(i, key) || !in_top_k(i, key)) continue;
-        if (key < p_key || (key == p_key && (unsigned int)i > p_last)) continue;
+    for (int j = threadIdx.x; j < members; j += DRAW_THREADS) {
+        unsigned int key, index;
+        if (!member(j, key, index)) continue;
+        if (key < p_key || (key == p_key && index > p_last)) continue;
         const float d = __fsub_rn(from_order_key(key), z_max);
         if (!(d >= floor)) continue;
-        best = max(best, argmax_key(__fadd_rn(d, gumbel(seed, position, (unsigned int)i)), i));
+        best = max(best, argmax_key(__fadd_rn(d, gumbel(seed, position, index)), (int)index));
     }
     best = draw_block_max(best, scratch);
     if (threadIdx.x == 0) keys[row] = best;
