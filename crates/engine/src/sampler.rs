@@ -151,7 +151,7 @@ impl Sampler {
     }
 
     /// Whether any logit is adjusted before the draw.
-    pub fn adjusts(&self) -> bool {
+    fn adjusts(&self) -> bool {
         let p = &self.params;
         !p.logit_bias.is_empty() || p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0
     }
@@ -159,8 +159,9 @@ impl Sampler {
     /// The adjustments of row `row`'s logits (of `vocab` tokens) before its next draw, one per
     /// token: the logit bias (repeated tokens summed); the repetition penalty on every token of
     /// `context` (prompt and output so far); the presence and frequency penalties on each token
-    /// of `generated` (the output), by its count.
-    pub fn adjustments(&self, row: u32, vocab: usize, context: &[u32], generated: &[u32]) -> Vec<Adjust> {
+    /// of `generated` (the output), by its count. `drafted` (speculative tokens fed after the
+    /// row's own, before the position drawn) counts as both.
+    pub fn adjustments(&self, row: u32, vocab: usize, context: &[u32], generated: &[u32], drafted: &[u32]) -> Vec<Adjust> {
         if !self.adjusts() {
             return Vec::new();
         }
@@ -171,13 +172,13 @@ impl Sampler {
             by_token.entry(token).or_insert(none(token)).bias += bias;
         }
         if p.repetition_penalty != 1.0 {
-            for &token in context {
+            for &token in context.iter().chain(drafted) {
                 by_token.entry(token).or_insert(none(token)).repetition = p.repetition_penalty as f32;
             }
         }
         if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
             let mut counts: BTreeMap<u32, u32> = BTreeMap::new();
-            for &token in generated {
+            for &token in generated.iter().chain(drafted) {
                 *counts.entry(token).or_default() += 1;
             }
             for (token, n) in counts {
@@ -193,7 +194,7 @@ impl Sampler {
     /// `context` is every token so far (prompt and output), `generated` the output alone.
     pub fn sample(&self, logits: &[f32], allowed: Option<&TokenMask>, context: &[u32], generated: &[u32]) -> u32 {
         let mut logits = logits.to_vec();
-        for a in self.adjustments(0, logits.len(), context, generated) {
+        for a in self.adjustments(0, logits.len(), context, generated, &[]) {
             logits[a.token as usize] = a.apply(logits[a.token as usize]);
         }
         draw_row(&logits, &self.draw(generated.len()), allowed.map(TokenMask::words))
@@ -256,10 +257,12 @@ mod tests {
             p.presence_penalty = 0.5;
             p.frequency_penalty = 0.25;
         });
-        let got = s.adjustments(3, 10, &[8, 4, 4, 2], &[4, 4, 2]);
+        let got = s.adjustments(3, 10, &[8, 4, 4, 2], &[4, 4, 2], &[]);
         let a = |token, bias, repetition, subtract| Adjust { row: 3, token, bias, repetition, subtract };
         assert_eq!(got, [a(2, 0.0, 1.5, 0.75), a(4, 1.0, 1.5, 1.0), a(8, 0.0, 1.5, 0.0)]);
-        assert!(sampler(|_| {}).adjustments(0, 10, &[1, 2], &[2]).is_empty());
+        // Drafted tokens count as context and output alike.
+        assert_eq!(s.adjustments(3, 10, &[8, 4], &[4], &[4, 2]), got);
+        assert!(sampler(|_| {}).adjustments(0, 10, &[1, 2], &[2], &[]).is_empty());
     }
 
     #[test]

@@ -201,7 +201,8 @@ __device__ Selected select_desc(int V, Member member, unsigned long long target,
 
 // One block a drawn row (draw_row in sampling.rs): `params` holds 10 u32 words a drawn row (row,
 // top_k, temperature, top_p, min-p's least log-weight, seed low / high, position low / high,
-// unused); masks as argmax_keys reads them. Writes the winner's argmax-style key to keys[row].
+// unused); masks as argmax_keys reads them. Overwrites keys[row], the row's argmax as
+// argmax_keys left it, with the winner's key — or leaves it where the row has no candidate.
 extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
     draw_f32(const float* logits, int V, const unsigned int* params, const unsigned int* masks, const int* mask_of,
              int words, unsigned long long* keys) {
@@ -226,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
         return isfinite(z);
     };
 
-    unsigned long long best_raw = 0, count = 0;
+    unsigned long long count = 0;
     unsigned int top = 0;
     for (int i = threadIdx.x; i < V; i += DRAW_THREADS) {
         unsigned int key;
@@ -234,15 +235,10 @@ extern "C" __global__ void __launch_bounds__(DRAW_THREADS)
             ++count;
             top = max(top, key);
         }
-        if (!isnan(l[i]) && allowed(i)) best_raw = max(best_raw, argmax_key(l[i], i));
     }
     count = draw_block_sum(count, scratch);
     top = (unsigned int)draw_block_max(top, scratch);
-    best_raw = draw_block_max(best_raw, scratch);
-    if (count == 0) {  // no candidate: the argmax, as the CPU path takes it
-        if (threadIdx.x == 0) keys[row] = best_raw;
-        return;
-    }
+    if (count == 0) return;  // no candidate: the argmax, as the CPU path takes it
     const float z_max = from_order_key(top);
     auto weight = [&](unsigned int key) {
         return (unsigned long long)__fmul_rn(exp_le0(__fsub_rn(from_order_key(key), z_max)), 4294967296.0f);

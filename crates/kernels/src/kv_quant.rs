@@ -14,6 +14,9 @@
 //! Everything a code depends on (rotations, sketches, codebooks) is computed from integers with
 //! this module's own generator, so a code written by one build reads back the same in any other.
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
 use half::bf16;
 
 /// One head vector's codec: a fixed number of bytes per vector.
@@ -161,9 +164,8 @@ pub struct Turbo {
     bits: u32,
     /// `[dim, dim]`, row-major, orthogonal.
     rotation: Vec<f32>,
-    /// The MSE code's codebook (`2^mse_bits` centroids, ascending) and the cells' boundaries.
-    centroids: Vec<f32>,
-    boundaries: Vec<f32>,
+    /// The MSE code's codebook, shared by every codec of its (dim, bits).
+    codebook: Arc<Codebook>,
     /// The inner-product variant's Gaussian sketch `[dim, dim]` (its residual signs take one of
     /// the bits).
     sketch: Option<Vec<f32>>,
@@ -192,9 +194,9 @@ impl Turbo {
         let mut rng = Normals::new(seed);
         let rotation = random_rotation(dim, &mut rng);
         let mse_bits = if variant == TurboVariant::InnerProduct { bits - 1 } else { bits };
-        let (centroids, boundaries) = lloyd_max(dim, mse_bits);
+        let codebook = codebook(dim, mse_bits);
         let sketch = (variant == TurboVariant::InnerProduct).then(|| (0..dim * dim).map(|_| rng.next() as f32).collect());
-        Ok(Self { dim, bits, rotation, centroids, boundaries, sketch })
+        Ok(Self { dim, bits, rotation, codebook, sketch })
     }
 
     fn mse_bits(&self) -> u32 {
@@ -205,11 +207,9 @@ impl Turbo {
         self.dim * self.mse_bits() as usize / 8
     }
 
-    /// The expected squared error of one coordinate of a rotated unit vector (the codebook's
-    /// distortion, times `dim`: a unit vector's expected squared error).
+    /// The MSE code's expected squared error on a unit vector (its codebook's distortion).
     pub fn distortion(&self) -> f64 {
-        let (_, _, d) = lloyd_max_with_distortion(self.dim, self.mse_bits());
-        d
+        self.codebook.distortion
     }
 }
 
@@ -234,9 +234,9 @@ impl KvCodec for Turbo {
         let mut residual = vec![0f32; d];
         for (r, &y) in residual.iter_mut().zip(&rotated) {
             let y = y * inv;
-            let q = self.boundaries.partition_point(|&b| b < y);
+            let q = self.codebook.boundaries.partition_point(|&b| b < y);
             codes.push(q as u32);
-            *r = y - self.centroids[q];
+            *r = y - self.codebook.centroids[q];
         }
         let mut at = self.code_bytes();
         if let Some(sketch) = &self.sketch {
@@ -258,7 +258,7 @@ impl KvCodec for Turbo {
     fn decode(&self, code: &[u8], out: &mut [f32]) {
         let d = self.dim;
         let mut codes = BitReader::new(&code[..self.code_bytes()], self.mse_bits());
-        let mut rotated: Vec<f32> = (0..d).map(|_| self.centroids[codes.next() as usize]).collect();
+        let mut rotated: Vec<f32> = (0..d).map(|_| self.codebook.centroids[codes.next() as usize]).collect();
         let mut at = self.code_bytes();
         let half = |i: usize| bf16::from_le_bytes([code[i], code[i + 1]]).to_f32();
         if let Some(sketch) = &self.sketch {
@@ -313,76 +313,80 @@ fn random_rotation(d: usize, rng: &mut Normals) -> Vec<f32> {
     rows.into_iter().flatten().map(|a| a as f32).collect()
 }
 
-/// The Lloyd–Max quantizer at `bits` of one coordinate of a uniformly random unit vector in
-/// `d` dimensions (density ∝ (1 - x²)^((d-3)/2) on [-1, 1]): centroids and boundaries.
-fn lloyd_max(d: usize, bits: u32) -> (Vec<f32>, Vec<f32>) {
-    let (c, b, _) = lloyd_max_with_distortion(d, bits);
-    (c, b)
+/// The Lloyd–Max quantizer of one coordinate of a uniformly random unit vector in `d`
+/// dimensions (density ∝ (1 - x²)^((d-3)/2) on [-1, 1]) at some bits.
+#[derive(Debug)]
+struct Codebook {
+    /// Ascending, and the boundaries between neighbouring cells.
+    centroids: Vec<f32>,
+    boundaries: Vec<f32>,
+    /// Its expected squared error on a unit vector (per coordinate, times `d`).
+    distortion: f64,
 }
 
-/// [`lloyd_max`] and its distortion times `d` (a unit vector's expected squared error),
-/// computed once per (d, bits) in a process: every layer and head shares it.
-fn lloyd_max_with_distortion(d: usize, bits: u32) -> (Vec<f32>, Vec<f32>, f64) {
-    type Codebooks = std::collections::HashMap<(usize, u32), (Vec<f32>, Vec<f32>, f64)>;
-    static CODEBOOKS: std::sync::OnceLock<std::sync::Mutex<Codebooks>> = std::sync::OnceLock::new();
+/// The codebook of (d, bits), computed once per process: every layer and head shares it.
+fn codebook(d: usize, bits: u32) -> Arc<Codebook> {
+    static CODEBOOKS: OnceLock<Mutex<HashMap<(usize, u32), Arc<Codebook>>>> = OnceLock::new();
     let codebooks = CODEBOOKS.get_or_init(Default::default);
-    if let Some(found) = codebooks.lock().unwrap_or_else(|e| e.into_inner()).get(&(d, bits)) {
-        return found.clone();
-    }
-    let computed = compute_lloyd_max(d, bits);
-    codebooks.lock().unwrap_or_else(|e| e.into_inner()).insert((d, bits), computed.clone());
-    computed
+    let mut codebooks = codebooks.lock().unwrap_or_else(|e| e.into_inner());
+    codebooks.entry((d, bits)).or_insert_with(|| Arc::new(Codebook::lloyd_max(d, bits))).clone()
 }
 
-/// Lloyd's iteration over a fine grid of the density, from its quantiles.
-fn compute_lloyd_max(d: usize, bits: u32) -> (Vec<f32>, Vec<f32>, f64) {
-    const POINTS: usize = 1 << 14;
-    let reach = (12.0 / (d as f64).sqrt()).min(1.0);
-    let xs: Vec<f64> = (0..POINTS).map(|i| -reach + 2.0 * reach * (i as f64 + 0.5) / POINTS as f64).collect();
-    let exponent = (d as f64 - 3.0) / 2.0;
-    let weights: Vec<f64> = xs.iter().map(|x| (1.0 - x * x).max(0.0).powf(exponent)).collect();
-    let total: f64 = weights.iter().sum();
-    let weights: Vec<f64> = weights.iter().map(|w| w / total).collect();
-    let n = 1usize << bits;
-    // Start from the quantiles' midpoints.
-    let mut centroids = Vec::with_capacity(n);
-    let mut acc = 0.0;
-    let mut next = 0;
-    for (x, w) in xs.iter().zip(&weights) {
-        acc += w;
-        while next < n && acc >= (next as f64 + 0.5) / n as f64 {
-            centroids.push(*x);
-            next += 1;
-        }
-    }
-    centroids.resize(n, reach);
-    let mut boundaries = vec![0.0; n - 1];
-    for _ in 0..500 {
-        for (b, pair) in boundaries.iter_mut().zip(centroids.windows(2)) {
-            *b = (pair[0] + pair[1]) / 2.0;
-        }
-        let (mut sums, mut masses) = (vec![0.0; n], vec![0.0; n]);
+impl Codebook {
+    /// Lloyd's iteration over a fine grid of the density, from its quantiles.
+    fn lloyd_max(d: usize, bits: u32) -> Self {
+        const POINTS: usize = 1 << 14;
+        let reach = (12.0 / (d as f64).sqrt()).min(1.0);
+        let xs: Vec<f64> = (0..POINTS).map(|i| -reach + 2.0 * reach * (i as f64 + 0.5) / POINTS as f64).collect();
+        let exponent = (d as f64 - 3.0) / 2.0;
+        let weights: Vec<f64> = xs.iter().map(|x| (1.0 - x * x).max(0.0).powf(exponent)).collect();
+        let total: f64 = weights.iter().sum();
+        let weights: Vec<f64> = weights.iter().map(|w| w / total).collect();
+        let n = 1usize << bits;
+        // Start from the quantiles' midpoints.
+        let mut centroids = Vec::with_capacity(n);
+        let mut acc = 0.0;
+        let mut next = 0;
         for (x, w) in xs.iter().zip(&weights) {
-            let cell = boundaries.partition_point(|b| b < x);
-            sums[cell] += w * x;
-            masses[cell] += w;
-        }
-        for ((c, s), m) in centroids.iter_mut().zip(&sums).zip(&masses) {
-            if *m > 0.0 {
-                *c = s / m;
+            acc += w;
+            while next < n && acc >= (next as f64 + 0.5) / n as f64 {
+                centroids.push(*x);
+                next += 1;
             }
         }
+        centroids.resize(n, reach);
+        let mut boundaries = vec![0.0; n - 1];
+        for _ in 0..500 {
+            for (b, pair) in boundaries.iter_mut().zip(centroids.windows(2)) {
+                *b = (pair[0] + pair[1]) / 2.0;
+            }
+            let (mut sums, mut masses) = (vec![0.0; n], vec![0.0; n]);
+            for (x, w) in xs.iter().zip(&weights) {
+                let cell = boundaries.partition_point(|b| b < x);
+                sums[cell] += w * x;
+                masses[cell] += w;
+            }
+            for ((c, s), m) in centroids.iter_mut().zip(&sums).zip(&masses) {
+                if *m > 0.0 {
+                    *c = s / m;
+                }
+            }
+        }
+        let distortion: f64 = xs
+            .iter()
+            .zip(&weights)
+            .map(|(x, w)| {
+                let c = centroids[boundaries.partition_point(|b| b < x)];
+                w * (x - c) * (x - c)
+            })
+            .sum::<f64>()
+            * d as f64;
+        Self {
+            centroids: centroids.iter().map(|&c| c as f32).collect(),
+            boundaries: boundaries.iter().map(|&b| b as f32).collect(),
+            distortion,
+        }
     }
-    let distortion: f64 = xs
-        .iter()
-        .zip(&weights)
-        .map(|(x, w)| {
-            let c = centroids[boundaries.partition_point(|b| b < x)];
-            w * (x - c) * (x - c)
-        })
-        .sum::<f64>()
-        * d as f64;
-    (centroids.iter().map(|&c| c as f32).collect(), boundaries.iter().map(|&b| b as f32).collect(), distortion)
 }
 
 /// Standard normal draws from splitmix64 and Box–Muller: fixed by the seed, in any build.

@@ -296,7 +296,8 @@ mod gpu {
     /// Three launches on the device's stream, one copy back: the adjustments in place on a copy
     /// of the logits; every row's argmax key, each block of a row folding its chunk's best into
     /// the row's key with an atomic max (a row is ~31 blocks, not one block walking the whole
-    /// vocabulary); then one block per drawn row overwriting its key with the race's winner.
+    /// vocabulary); then one block per drawn row overwriting its key with the race's winner (a
+    /// row without candidates keeps its argmax, as the CPU path takes it).
     pub(super) fn draw_rows(logits: &Tensor, draws: &[Draw], masks: &[Option<&[u32]>], adjust: &[Adjust]) -> Result<Vec<u32>> {
         let (rows, vocab) = logits.dims2()?;
         if rows == 0 || vocab == 0 {

@@ -13,7 +13,7 @@ use crate::job::{Event, Job};
 use crate::sampler::Sampler;
 use crate::shared::{SharedCache, WorkerStats};
 use crate::structured::{Constraint, Progress, TokenMask};
-use strata_kernels::sampling::{draw_rows, Adjust, Draw};
+use strata_kernels::sampling::{draw_rows, Draw};
 
 /// A running row: one sequence of the batch.
 pub(super) struct Row {
@@ -59,16 +59,6 @@ impl Row {
     /// rather than being chosen where the logits are.
     fn needs_logits(&self) -> bool {
         self.job.opts.logprobs.is_some()
-    }
-
-    /// The adjustments of its logits at position `j` of a step that feeds `drafted` (the
-    /// drafts before `j`) after the row's tokens, as row `index` of the step's logits.
-    fn adjustments_at(&self, index: u32, vocab: usize, drafted: &[u32]) -> Vec<Adjust> {
-        if drafted.is_empty() || !self.sampler.adjusts() {
-            return self.sampler.adjustments(index, vocab, &self.context, &self.generated);
-        }
-        let (context, generated) = ([&self.context[..], drafted].concat(), [&self.generated[..], drafted].concat());
-        self.sampler.adjustments(index, vocab, &context, &generated)
     }
 
     /// The structure's masks for a step that feeds `drafts` after the row's tokens (allowed
@@ -127,7 +117,8 @@ impl Scores {
                         continue;
                     }
                     draws.push(row.sampler.draw(row.generated.len() + j));
-                    adjust.extend(row.adjustments_at((i * width + j) as u32, vocab, &drafted[..j]));
+                    let index = (i * width + j) as u32;
+                    adjust.extend(row.sampler.adjustments(index, vocab, &row.context, &row.generated, &drafted[..j]));
                 }
             }
             ids = draw_rows(&logits.reshape((b * width, ()))?, &draws, flat, &adjust)?;
