@@ -16,7 +16,7 @@ use strata_engine::{
 use strata_model::{synthetic, GenerationConfig, Model, ModelFolder, Tokenizer};
 use strata_server::{HttpLimits, ResponseStore, ServerConfig};
 
-use crate::common::{machine, open_model, parse_device, DTypeArg};
+use crate::common::{machine, open_model, parse_device, DTypeArg, KvCacheArgs};
 use crate::draft::DraftArgs;
 use crate::serve::{PoolArgs, ServedText};
 use crate::serving::{LocalServer, ServingArgs, Target};
@@ -45,6 +45,8 @@ pub struct Args {
     dtype: Vec<DTypeArg>,
     #[arg(long, default_value = "cpu")]
     device: String,
+    #[command(flatten)]
+    kv: KvCacheArgs,
     /// Prompt tokens per prefill forward (default: 512 on CPU, 2048 on GPU).
     #[arg(long)]
     prefill_chunk: Option<usize>,
@@ -287,9 +289,9 @@ pub fn run(mut a: Args) -> Result<()> {
     let (name, source) = Source::open(&a)?;
     let machine = machine();
     let cuda_graphs = !a.no_cuda_graphs;
-    let load = |dtype: DTypeArg| source.load(dtype, &device, cuda_graphs);
+    let load = |dtype: DTypeArg| a.kv.apply(source.load(dtype, &device, cuda_graphs)?);
     if a.cache_ttft {
-        return cache_ttft(&a, &name, &machine, load, |dtype| source.identity(dtype));
+        return cache_ttft(&a, &name, &machine, load, |dtype| source.identity(&a.kv.identity_dtype(dtype)?));
     }
     if a.serving.is_on() {
         if a.json_schema.is_some() {
@@ -343,7 +345,8 @@ pub fn run(mut a: Args) -> Result<()> {
                     "{}",
                     serde_json::json!({
                         "model": name, "device": a.device, "machine": machine, "threads": candle_core::utils::get_num_threads(),
-                        "dtype": dtype.name(), "concurrency": c, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
+                        "dtype": dtype.name(), "kv_cache_dtype": a.kv.policy()?.to_string(),
+                        "concurrency": c, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
                         "prefill_tok_s": m.prefill_tok_s, "aggregate_decode_tok_s": m.aggregate_decode_tok_s,
                         "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,
                         "draft": a.draft.describe().trim_start_matches(", "), "acceptance": m.acceptance,
@@ -442,11 +445,11 @@ impl Source {
         Grammars::new(&text.tokenizer, vocab_size, eos).map_err(anyhow::Error::msg)
     }
 
-    /// The SSD tier's key for this model at `dtype`.
-    fn identity(&self, dtype: DTypeArg) -> Result<Identity> {
+    /// The SSD tier's key for this model at `dtype` (see [`KvCacheArgs::identity_dtype`]).
+    fn identity(&self, dtype: &str) -> Result<Identity> {
         match self {
-            Source::Folder(f) => crate::cache::folder_identity(&f.path, dtype.name()),
-            Source::Synthetic(name) => Ok(crate::cache::synthetic_identity(name, dtype.name())),
+            Source::Folder(f) => crate::cache::folder_identity(&f.path, dtype),
+            Source::Synthetic(name) => Ok(crate::cache::synthetic_identity(name, dtype)),
         }
     }
 
@@ -477,7 +480,7 @@ fn serve_and_measure(a: &Args, name: &str, source: &Source, device: &Device, mac
     let open_files = strata_server::raise_open_files_limit();
     let mut sweeps = Vec::new();
     for &dtype in &a.dtype {
-        let model = source.load(dtype, device, !a.no_cuda_graphs)?;
+        let model = a.kv.apply(source.load(dtype, device, !a.no_cuda_graphs)?)?;
         let speculation = source.speculation(&a.draft, &model, dtype, device, !a.no_cuda_graphs)?;
         let config = ServerConfig {
             model_name: name.to_string(),

@@ -4,7 +4,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
-use strata_model::ModelFolder;
+use strata_model::{Model, ModelFolder};
+use strata_state::{KvFormat, KvPolicy};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum DTypeArg {
@@ -31,6 +32,63 @@ impl DTypeArg {
             DTypeArg::F32 => "f32",
             DTypeArg::Bf16 => "bf16",
         }
+    }
+}
+
+/// How attention KV is stored: `--kv-cache-dtype` and its options, for every command that loads
+/// a model.
+#[derive(Clone, Debug, clap::Args)]
+pub struct KvCacheArgs {
+    /// How attention keys and values are stored: auto (as computed, in --dtype);
+    /// affine2..affine8 (that many bits a coordinate, a bf16 scale and bias per group of
+    /// --kv-group-size); turbo1..turbo8 or turbo-k<bits>[ip]v<bits> (TurboQuant, keys and values
+    /// at their own bits, `ip` for unbiased inner-product keys), e.g. turbo4, turbo-k4v3.
+    #[arg(long, default_value = "auto", value_parser = clap::value_parser!(KvFormat))]
+    pub kv_cache_dtype: KvFormat,
+    /// Coordinates per affine group along the head dimension: 32, 64 or 128 (default 64).
+    #[arg(long)]
+    pub kv_group_size: Option<usize>,
+    /// Layers whose KV stays unquantized, counted among the layers that hold KV (full or
+    /// sliding-window attention), negative from the last: e.g. 0,-1 for the first and last.
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    pub kv_unquantized_layers: Vec<isize>,
+    /// Delays quantization: queries before this position read unquantized keys and values (a
+    /// row keeps its first N positions both ways), later ones read codes (mlx-lm's
+    /// `quantized_kv_start`).
+    #[arg(long, default_value_t = 0)]
+    pub quantized_kv_start: usize,
+}
+
+impl KvCacheArgs {
+    /// The formats asked for.
+    pub fn policy(&self) -> Result<KvPolicy> {
+        let format = match (self.kv_cache_dtype, self.kv_group_size) {
+            (format, None) => format,
+            (KvFormat::Affine { bits, .. }, Some(group)) => {
+                format!("affine{bits}-g{group}").parse().map_err(|e: String| anyhow::anyhow!("--kv-group-size {group}: {e}"))?
+            }
+            (format, Some(_)) => bail!("--kv-group-size applies to affine formats, not --kv-cache-dtype {format}"),
+        };
+        if !format.is_quantized() && (!self.kv_unquantized_layers.is_empty() || self.quantized_kv_start > 0) {
+            bail!("--kv-unquantized-layers and --quantized-kv-start need a quantized --kv-cache-dtype");
+        }
+        Ok(KvPolicy { format, unquantized: self.kv_unquantized_layers.clone(), start: self.quantized_kv_start })
+    }
+
+    /// Stores `model`'s KV as asked.
+    pub fn apply(&self, mut model: Model) -> Result<Model> {
+        model.set_kv_format(self.policy()?)?;
+        Ok(model)
+    }
+
+    /// `dtype`'s name with the KV formats, for cache identities (codes are never read as another
+    /// format's; unquantized KV keeps the plain dtype name).
+    pub fn identity_dtype(&self, dtype: DTypeArg) -> Result<String> {
+        let policy = self.policy()?;
+        Ok(match policy.format {
+            KvFormat::Auto => dtype.name().to_string(),
+            _ => format!("{}+kv-{policy}", dtype.name()),
+        })
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::{mpsc, Arc};
 use anyhow::{bail, Result};
 use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, FinishReason, GenerationOptions, Job, SamplingChoice, Worker};
 
-use crate::common::{open_model, parse_device, parse_tokens, DTypeArg};
+use crate::common::{open_model, parse_device, parse_tokens, DTypeArg, KvCacheArgs};
 use crate::draft::DraftArgs;
 
 #[derive(clap::Args)]
@@ -55,6 +55,8 @@ pub struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    #[command(flatten)]
+    kv: KvCacheArgs,
     /// Prompt tokens per prefill forward (default: 512 on CPU, 2048 on GPU).
     #[arg(long)]
     prefill_chunk: Option<usize>,
@@ -115,7 +117,7 @@ pub fn run(a: Args) -> Result<()> {
     }
     .resolve(&folder.generation)
     .map_err(anyhow::Error::msg)?;
-    let model = folder.load(dtype.dtype(), &device)?;
+    let model = a.kv.apply(folder.load(dtype.dtype(), &device)?)?;
     let speculation = a.draft.speculation(
         folder.config.vocab_size,
         || Ok(folder.load(dtype.dtype(), &device)?),

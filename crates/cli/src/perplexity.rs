@@ -14,7 +14,7 @@ use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor, D};
 use strata_model::{Logits, Model};
 
-use crate::common::{open_model, parse_device, DTypeArg};
+use crate::common::{open_model, parse_device, DTypeArg, KvCacheArgs};
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -45,6 +45,8 @@ pub struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    #[command(flatten)]
+    kv: KvCacheArgs,
     /// Print, as the last line, a JSON object with the figures.
     #[arg(long)]
     json: bool,
@@ -136,25 +138,27 @@ pub fn run(a: Args) -> Result<()> {
     let stride = a.stride.unwrap_or(a.ctx / 2);
     let model =
         if a.dequantize { folder.load_dequantized(dtype.dtype(), &device)? } else { folder.load(dtype.dtype(), &device)? };
+    let model = a.kv.apply(model)?;
     let bos = folder.tokenizer.bos().map(|(_, id)| id);
     let started = Instant::now();
     let s = score(&model, bos, &tokens, a.ctx, stride, a.chunk)?;
     let seconds = started.elapsed().as_secs_f64();
     let rate = s.positions as f64 / seconds;
     eprintln!(
-        "perplexity {:.4} over {} tokens of {} (ctx {}, stride {stride}, {} windows); {:.1} tokens/s ({})",
+        "perplexity {:.4} over {} tokens of {} (ctx {}, stride {stride}, {} windows, KV {}); {:.1} tokens/s ({})",
         s.perplexity(),
         s.tokens,
         a.file.display(),
         a.ctx,
         s.windows,
+        model.kv_format(),
         rate,
         crate::common::machine()
     );
     if a.json {
         let json = serde_json::json!({
             "perplexity": s.perplexity(), "nll_sum": s.nll, "tokens_scored": s.tokens, "windows": s.windows,
-            "ctx": a.ctx, "stride": stride, "max_tokens": a.max_tokens, "seconds": seconds, "tokens_per_second": rate,
+            "ctx": a.ctx, "stride": stride, "max_tokens": a.max_tokens, "kv_cache_dtype": model.kv_format().to_string(), "seconds": seconds, "tokens_per_second": rate,
         });
         println!("{json}");
     }

@@ -12,7 +12,7 @@ use strata_model::{ChatTemplate, GenerationConfig, Model, ModelFolder, Tokenizer
 use strata_server::{AppState, Cutoff, HttpLimits, ResponseStore, ServerConfig, Shared};
 
 use crate::cache::{folder_identity, CacheArgs};
-use crate::common::{parse_device, DTypeArg};
+use crate::common::{parse_device, DTypeArg, KvCacheArgs};
 use crate::draft::DraftArgs;
 
 /// `--kv-cache-memory` on the CPU when neither it nor `--state-budget-bytes` is given.
@@ -47,6 +47,8 @@ pub struct Args {
     /// cpu, cuda or cuda:N.
     #[arg(long, default_value = "cpu")]
     device: String,
+    #[command(flatten)]
+    kv: KvCacheArgs,
     /// Prompt tokens per prefill forward; a joining prompt holds running streams up for at most
     /// one chunk per step (default: 512 on CPU, 2048 on GPU).
     #[arg(long)]
@@ -134,8 +136,8 @@ pub fn run(a: Args) -> Result<()> {
         bail!("--max-context {max_context} is more than the model's {model_max} positions (max_position_embeddings)");
     }
     let engine = a.pool.engine_config(&device, a.prefill_chunk)?;
-    let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, dtype.name()))?;
-    let model = folder.load(dtype.dtype(), &device)?;
+    let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, &a.kv.identity_dtype(dtype)?))?;
+    let model = a.kv.apply(folder.load(dtype.dtype(), &device)?)?;
     if model.state_cost().bytes(max_context).is_none() {
         bail!(
             "--max-context {max_context} (by default the model's max_position_embeddings): the state of that many tokens \
@@ -294,6 +296,8 @@ pub fn start(
     let worker = Worker::spawn(model, engine, cache, speculation).context("cannot start the engine")?;
     let pool = worker.pool_stats();
     tracing::info!(
+        kv_cache_dtype = %pool.kv_format,
+        kv_bytes_per_token = pool.kv_bytes_per_token,
         kv_block_size = pool.block_size,
         kv_blocks = pool.blocks_total,
         kv_tokens = pool.blocks_total * pool.block_size,

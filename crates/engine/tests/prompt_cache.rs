@@ -15,7 +15,7 @@ use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, GenerationOptio
 use strata_model::ModelFolder;
 
 mod common;
-use common::{fixtures, prompt_tokens};
+use common::{assert_same, fixtures, greedy, prompt_tokens, run, run_with, HangUp};
 
 fn cache(ssd: Option<&Path>, checkpoint_every: usize) -> CacheConfig {
     let ssd = ssd.map(|dir| SsdConfig {
@@ -43,76 +43,6 @@ fn engine(dir: &Path, cache: CacheConfig) -> Worker {
         None,
     )
     .unwrap()
-}
-
-struct Run {
-    cached: usize,
-    tokens: Vec<u32>,
-    /// Log-probabilities of the whole vocabulary at every step.
-    logprobs: Vec<Vec<(u32, f32)>>,
-}
-
-struct Channel(mpsc::Sender<Event>, Option<usize>);
-
-impl EventSink for Channel {
-    fn send(&mut self, event: Event) -> bool {
-        let token = matches!(event, Event::Token(_));
-        let alive = self.0.send(event).is_ok();
-        if let (true, Some(left)) = (token, self.1.as_mut()) {
-            *left -= 1;
-            return alive && *left > 0;
-        }
-        alive
-    }
-    fn is_closed(&self) -> bool {
-        self.1 == Some(0)
-    }
-}
-
-/// Runs `prompt`; with `hang_up_after`, the requester goes away after that many tokens.
-fn run_with(worker: &Worker, prompt: &[u32], opts: GenerationOptions, hang_up_after: Option<usize>) -> Run {
-    let (tx, rx) = mpsc::channel();
-    worker.submit(Job::new(prompt.to_vec(), opts, Box::new(Channel(tx, hang_up_after)))).unwrap();
-    let mut run = Run { cached: usize::MAX, tokens: Vec::new(), logprobs: Vec::new() };
-    loop {
-        match rx.recv_timeout(Duration::from_secs(120)).expect("the engine answers") {
-            Event::Started { cached_tokens } => run.cached = cached_tokens,
-            Event::Token(s) => {
-                run.tokens.push(s.id);
-                run.logprobs.push(s.top_logprobs);
-            }
-            Event::Finished(_) => return run,
-            Event::Failed(e) => panic!("generation failed: {e}"),
-        }
-    }
-}
-
-fn greedy(max_tokens: usize, stop_tokens: Vec<u32>) -> GenerationOptions {
-    GenerationOptions {
-        max_tokens,
-        sampling: SamplingParams::greedy(),
-        stop_tokens,
-        prefill_chunk: 8,
-        logprobs: Some(512),
-        grammar: None,
-    }
-}
-
-fn run(worker: &Worker, prompt: &[u32], max_tokens: usize) -> Run {
-    run_with(worker, prompt, greedy(max_tokens, vec![]), None)
-}
-
-fn assert_same(cold: &Run, warm: &Run, what: &str) {
-    assert_eq!(cold.tokens, warm.tokens, "{what}: tokens differ from the cold run");
-    for (step, (a, b)) in cold.logprobs.iter().zip(&warm.logprobs).enumerate() {
-        let mut a = a.clone();
-        let mut b = b.clone();
-        a.sort_by_key(|x| x.0);
-        b.sort_by_key(|x| x.0);
-        assert_eq!(a.len(), 512);
-        let worst = a.iter().zip(&b).map(|(x, y)| (x.1 - y.1).abs()).fold(0f32, f32::max);
-        assert!(worst <= 1e-5, "{what}: step {step} log-probabilities differ by {worst}");
-    }
 }
 
 #[test]
@@ -302,7 +232,7 @@ fn a_burst_after_restart_restores_only_what_admission_can_take() {
                 let (events, answer) = mpsc::channel();
                 let sink: Box<dyn EventSink> = match gate.take() {
                     Some(gate) => Box::new(Gate { events, gate, tokens: 0 }),
-                    None => Box::new(Channel(events, None)),
+                    None => Box::new(HangUp(events, None)),
                 };
                 worker.submit(Job::new(prompt.clone(), opts.clone(), sink)).unwrap();
                 answer

@@ -35,7 +35,9 @@ fn run(model: &Model, tokens: &[u32]) -> BatchState {
 /// A fresh attention-only state: trimmable, unlike the fixture's.
 fn kv_template() -> BatchState {
     let kv = KvShape { kv_heads: 2, head_dim: 8 };
-    StateSpec { layers: vec![LayerSpec::Attention(kv)], dtype: DType::F32 }.new_state(1, &Device::Cpu).unwrap()
+    StateSpec { layers: vec![LayerSpec::Attention(kv)], dtype: DType::F32, kv: strata_state::KvPolicy::default() }
+        .new_state(1, &Device::Cpu)
+        .unwrap()
 }
 
 fn kv_state(len: usize) -> BatchState {

@@ -211,6 +211,30 @@ impl Turbo {
     pub fn distortion(&self) -> f64 {
         self.codebook.distortion
     }
+
+    /// The rotation `R` (`[dim, dim]`, row-major): a vector is coded as `R·x`, decoded as
+    /// `Rᵀ·ŷ`.
+    pub fn rotation(&self) -> &[f32] {
+        &self.rotation
+    }
+
+    /// Whether codes are of the MSE variant, which [`Turbo::decode_rotated`] reads.
+    pub fn is_mse(&self) -> bool {
+        self.sketch.is_none()
+    }
+
+    /// An MSE code decoded short of the last rotation: `ŷ·norm`, whose product with `R·q` is
+    /// the decoded vector's with `q` (attention rotates each query once instead of every key,
+    /// and its weighted sum of values once instead of every value).
+    pub fn decode_rotated(&self, code: &[u8], out: &mut [f32]) {
+        debug_assert!(self.is_mse(), "the inner-product variant's sketch is not rotated");
+        let mut codes = BitReader::new(&code[..self.code_bytes()], self.mse_bits());
+        let at = self.code_bytes();
+        let norm = bf16::from_le_bytes([code[at], code[at + 1]]).to_f32();
+        for o in &mut out[..self.dim] {
+            *o = self.codebook.centroids[codes.next() as usize] * norm;
+        }
+    }
 }
 
 impl KvCodec for Turbo {
@@ -600,5 +624,25 @@ mod tests {
         assert_ne!(code(5), code(6));
         assert!(Turbo::new(64, 1, TurboVariant::InnerProduct, 0).is_err());
         assert!(Turbo::new(20, 4, TurboVariant::Mse, 0).is_err());
+    }
+
+    /// An MSE code decoded short of the rotation, turned back by `Rᵀ`, is the decoded vector.
+    #[test]
+    fn rotated_decodes_turn_back_into_the_decoded_vectors() {
+        for (d, bits) in [(32, 3), (128, 4)] {
+            let codec = Turbo::new(d, bits, TurboVariant::Mse, 9).unwrap();
+            for x in unit_vectors(d, 20, 3) {
+                let mut code = vec![0u8; codec.bytes()];
+                codec.encode(&x, &mut code);
+                let (mut decoded, mut rotated) = (vec![0f32; d], vec![0f32; d]);
+                codec.decode(&code, &mut decoded);
+                codec.decode_rotated(&code, &mut rotated);
+                for (i, want) in decoded.iter().enumerate() {
+                    let back: f32 = (0..d).map(|j| codec.rotation()[j * d + i] * rotated[j]).sum();
+                    assert!((back - want).abs() < 1e-5, "d {d}, coordinate {i}: {back} vs {want}");
+                }
+            }
+        }
+        assert!(!Turbo::new(32, 3, TurboVariant::InnerProduct, 9).unwrap().is_mse());
     }
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
-use strata_state::{BatchState, StateCost, StateSpec};
+use strata_state::{BatchState, KvPolicy, StateCost, StateSpec};
 
 use crate::config::Qwen35Config;
 use crate::dense::{Dense, DenseConfig};
@@ -129,6 +129,30 @@ impl Model {
             Model::Dense(m) => m.state_spec(),
             Model::Gemma3(m) => m.state_spec(),
         }
+    }
+
+    /// Stores attention KV in `kv` (`--kv-cache-dtype`) in every state built from now on; an
+    /// error when the model's head dimension does not fit the format, or the device cannot read
+    /// its codes.
+    pub fn set_kv_format(&mut self, kv: KvPolicy) -> Result<()> {
+        if kv.format.is_quantized() && !self.device().is_cpu() {
+            return Err(ModelError::Invalid(format!(
+                "--kv-cache-dtype {}: quantized KV runs on the CPU only so far (the CUDA kernels that read codes are not built yet)",
+                kv.format
+            )));
+        }
+        self.state_spec().with_kv(kv.clone())?;
+        match self {
+            Model::Qwen35(m) => m.set_kv_format(kv),
+            Model::Dense(m) => m.set_kv_format(kv),
+            Model::Gemma3(m) => m.set_kv_format(kv),
+        }
+        Ok(())
+    }
+
+    /// How attention KV is stored.
+    pub fn kv_format(&self) -> KvPolicy {
+        self.state_spec().kv
     }
 
     /// Fresh state for `rows` empty sequences.

@@ -58,6 +58,14 @@ fn all_stats(state: &AppState) -> Value {
         },
         "prompt_cache": cache_stats(state),
         "kv_pool": {
+            "kv_cache_dtype": pool.kv_format,
+            "bytes_per_token": {
+                "full_attention": pool.kv_bytes_per_token,
+                "sliding_window": pool.window_kv_bytes_per_token,
+                // A delayed format's unquantized copy of a row's first positions.
+                "delayed_first_positions": pool.delayed_bytes_per_token,
+            },
+            "quantized_kv_start": pool.delayed_positions,
             "block_size": pool.block_size,
             "blocks_total": pool.blocks_total,
             "blocks_used": pool.blocks_used,

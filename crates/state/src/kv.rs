@@ -7,12 +7,13 @@
 //! alone (one-off runs, snapshots, restored entries) own their buffers; a served batch is
 //! paged. The two answer the same questions with the same bits.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use strata_kernels::attention::{self, PagedKv, Scoring};
 
+use crate::format::{KvCoding, Prefix};
 use crate::paged::{PagedLayout, PagedRows};
-use crate::spec::{KvShape, StateCost, Storage};
-use crate::{buffer_bytes, Result, StateError};
+use crate::spec::{KvShape, StateCost, Storage, StoreContext};
+use crate::{buffer_bytes, KvFormat, KvPart, Result, StateError};
 
 #[derive(Clone, Debug)]
 struct KvRow {
@@ -27,11 +28,16 @@ enum Rows {
     Paged(PagedRows),
 }
 
+/// Positions are stored as the layer's [`KvCoding`] writes them: `[.., width]` with `width`
+/// the head dimension, or a code's bytes for a quantized format (see `format.rs`); everything
+/// but writing and reading moves stored tensors as they are.
 #[derive(Clone, Debug)]
 pub struct KvStore {
     rows: Rows,
+    /// Per row, a delayed format's unquantized first positions (see `format.rs`).
+    prefixes: Vec<Option<Prefix>>,
     shape: KvShape,
-    dtype: DType,
+    coding: KvCoding,
     device: Device,
 }
 
@@ -40,28 +46,32 @@ impl Storage for KvStore {
     const NAME: &'static str = "attention KV";
     const PARTS: &'static [&'static str] = &["k", "v"];
 
-    fn empty(shape: &KvShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let mut store = Self { rows: Rows::Owned(Vec::new()), shape: *shape, dtype, device: device.clone() };
+    fn empty(shape: &KvShape, rows: usize, cx: &StoreContext, device: &Device) -> Result<Self> {
+        let coding = KvCoding::new(cx.kv, shape, cx.layer, cx.dtype, cx.kv_start)?;
+        let mut store =
+            Self { rows: Rows::Owned(Vec::new()), prefixes: Vec::new(), shape: *shape, coding, device: device.clone() };
         store.rows = Rows::Owned((0..rows).map(|_| store.empty_row(0)).collect::<Result<_>>()?);
+        store.prefixes = (0..rows).map(|_| store.coding.empty_prefix(shape, device)).collect::<Result<_>>()?;
         Ok(store)
     }
 
-    fn cost(shape: &KvShape, dtype: DType) -> StateCost {
-        StateCost { bytes_per_token: shape.bytes_per_token(dtype), ..StateCost::default() }
-    }
-}
-
-impl KvShape {
-    /// Bytes per stored position (keys + values).
-    pub(crate) fn bytes_per_token(&self, dtype: DType) -> usize {
-        2 * self.kv_heads * self.head_dim * dtype.size_in_bytes()
+    /// Codes for every position; a delayed format's first positions unquantized as well.
+    fn cost(shape: &KvShape, cx: &StoreContext) -> StateCost {
+        let delayed = cx.kv.is_quantized() && cx.kv_start > 0;
+        StateCost {
+            bytes_per_token: cx.kv.bytes_per_token(shape, cx.dtype),
+            prefix_bytes_per_token: if delayed { KvFormat::Auto.bytes_per_token(shape, cx.dtype) } else { 0 },
+            prefix_positions: if delayed { cx.kv_start } else { 0 },
+            ..StateCost::default()
+        }
     }
 }
 
 impl KvStore {
     /// A store of `paged`'s rows.
-    pub(crate) fn paged(shape: KvShape, dtype: DType, device: &Device, paged: PagedRows) -> KvStore {
-        KvStore { rows: Rows::Paged(paged), shape, dtype, device: device.clone() }
+    pub(crate) fn paged(shape: KvShape, coding: KvCoding, device: &Device, paged: PagedRows) -> Result<KvStore> {
+        let prefixes = (0..paged.rows()).map(|_| coding.empty_prefix(&shape, device)).collect::<Result<_>>()?;
+        Ok(KvStore { rows: Rows::Paged(paged), prefixes, shape, coding, device: device.clone() })
     }
 
     pub(crate) fn paged_rows(&self) -> Option<&PagedRows> {
@@ -78,12 +88,21 @@ impl KvStore {
     }
 
     fn empty_row(&self, capacity: usize) -> Result<KvRow> {
-        let shape = (self.shape.kv_heads, capacity, self.shape.head_dim);
-        Ok(KvRow {
-            k: Tensor::zeros(shape, self.dtype, &self.device)?,
-            v: Tensor::zeros(shape, self.dtype, &self.device)?,
-            len: 0,
-        })
+        let zeros = |part| {
+            let width = self.coding.width(&self.shape, part);
+            Tensor::zeros((self.shape.kv_heads, capacity, width), self.coding.stored_dtype(), &self.device)
+        };
+        Ok(KvRow { k: zeros(KvPart::Keys)?, v: zeros(KvPart::Values)?, len: 0 })
+    }
+
+    /// `k`, `v` (`[.., Hkv, T, D]`) as this layer stores them.
+    fn encode(&self, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((self.coding.encode(k, KvPart::Keys)?, self.coding.encode(v, KvPart::Values)?))
+    }
+
+    /// Stored keys and values as attention reads them.
+    fn decode(&self, (k, v): (Tensor, Tensor)) -> Result<(Tensor, Tensor)> {
+        Ok((self.coding.decode(&k, KvPart::Keys)?, self.coding.decode(&v, KvPart::Values)?))
     }
 
     /// Whether the rows live in a block pool (see [`crate::KvPool`]).
@@ -122,31 +141,41 @@ impl KvStore {
 
     /// Bytes of stored positions (not of spare capacity).
     pub fn bytes(&self) -> usize {
-        self.lens().iter().sum::<usize>() * self.shape.bytes_per_token(self.dtype)
+        self.lens().iter().sum::<usize>() * self.coding.bytes_per_token(&self.shape) + self.prefix_bytes()
+    }
+
+    /// Bytes of delayed rows' unquantized first positions.
+    fn prefix_bytes(&self) -> usize {
+        let held: usize = self.prefixes.iter().flatten().map(Prefix::len).sum();
+        held * KvFormat::Auto.bytes_per_token(&self.shape, self.coding.dtype())
     }
 
     /// Bytes of the buffers held: spare capacity of grown rows included, or the whole blocks
     /// a paged row holds (a block shared by rows counts for each).
     pub fn allocated_bytes(&self) -> usize {
         match &self.rows {
-            Rows::Owned(rows) => rows.iter().map(|r| buffer_bytes(&r.k) + buffer_bytes(&r.v)).sum(),
-            Rows::Paged(paged) => paged.held_positions() * self.shape.bytes_per_token(self.dtype),
+            Rows::Owned(rows) => {
+                rows.iter().map(|r| buffer_bytes(&r.k) + buffer_bytes(&r.v)).sum::<usize>() + self.prefix_bytes()
+            }
+            Rows::Paged(paged) => paged.held_positions() * self.coding.bytes_per_token(&self.shape) + self.prefix_bytes(),
         }
     }
 
     /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns its whole history.
     pub fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let len = self.len(row);
+        self.coding.extend_prefix(&mut self.prefixes[row], len, k, v)?;
+        let (k, v) = self.encode(k, v)?;
         match &mut self.rows {
             Rows::Owned(_) => {
                 let t = k.dim(1)?;
                 self.reserve(row, t)?;
-                let dtype = self.dtype;
                 let r = &mut self.owned_mut()[row];
-                r.k.slice_set(&k.to_dtype(dtype)?.contiguous()?, 1, r.len)?;
-                r.v.slice_set(&v.to_dtype(dtype)?.contiguous()?, 1, r.len)?;
+                r.k.slice_set(&k.contiguous()?, 1, r.len)?;
+                r.v.slice_set(&v.contiguous()?, 1, r.len)?;
                 r.len += t;
             }
-            Rows::Paged(paged) => paged.append(row, k, v)?,
+            Rows::Paged(paged) => paged.append(row, &k, &v)?,
         }
         self.history(row)
     }
@@ -154,18 +183,27 @@ impl KvStore {
     /// Appends `k[r]`, `v[r]` (`k`, `v` `[rows, Hkv, T, D]`) to every row `r` and returns each
     /// row's whole history; one write for all rows where the device allows.
     pub fn append_rows(&mut self, k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
+        self.append_stored(k, v)?;
+        (0..self.rows()).map(|row| self.history(row)).collect()
+    }
+
+    /// [`KvStore::append_rows`] without reading the histories back.
+    fn append_stored(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
+        for row in 0..self.rows() {
+            let len = self.len(row);
+            self.coding.extend_prefix(&mut self.prefixes[row], len, &k.get(row)?, &v.get(row)?)?;
+        }
         if let Rows::Paged(paged) = &mut self.rows {
-            Self::append_paged(paged, k, v)?;
-            return (0..self.rows()).map(|row| self.history(row)).collect();
+            return Self::append_paged(paged, &self.coding, k, v);
         }
         let t = k.dim(2)?;
         self.reserve_rows(t)?;
-        let (k, v) = (k.to_dtype(self.dtype)?, v.to_dtype(self.dtype)?);
+        let (k, v) = self.encode(k, v)?;
         let rows = self.owned_mut();
         attention::write_rows(&k, &rows.iter().map(|r| (&r.k, r.len)).collect::<Vec<_>>())?;
         attention::write_rows(&v, &rows.iter().map(|r| (&r.v, r.len)).collect::<Vec<_>>())?;
         rows.iter_mut().for_each(|r| r.len += t);
-        (0..self.rows()).map(|row| self.history(row)).collect()
+        Ok(())
     }
 
     /// The rows of an owned store. Only called where `self.rows` was matched as owned.
@@ -204,6 +242,11 @@ impl KvStore {
     /// The one attention every family's full-attention layers go through: on CUDA, paged rows
     /// of a few positions are written and read through their block tables in place.
     pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
+        if !self.coding.is_plain() {
+            let lens = self.lens();
+            self.append_stored(k, v)?;
+            return self.attend_coded(q, &lens, scoring, gate);
+        }
         if let Rows::Paged(paged) = &mut self.rows {
             let t = k.dim(2)?;
             paged.reserve_rows(t)?;
@@ -216,7 +259,7 @@ impl KvStore {
         }
         if let Rows::Paged(paged) = &mut self.rows {
             if paged.rows() > 1 {
-                Self::append_paged(paged, k, v)?;
+                Self::append_paged(paged, &self.coding, k, v)?;
                 // Rows equally long (prompts prefilled together) attend as one batch.
                 if let Some((keys, values)) = paged.stacked_history()? {
                     return Ok(match gate {
@@ -224,12 +267,52 @@ impl KvStore {
                         None => attention::causal_attention_batch(q, &keys, &values, scoring)?,
                     });
                 }
-                let history = (0..paged.rows()).map(|row| paged.history(row)).collect::<Result<Vec<_>>>()?;
+                let history = (0..self.rows()).map(|row| self.history(row)).collect::<Result<Vec<_>>>()?;
                 return Self::attend_rows(q, &history, scoring, gate);
             }
         }
         let history = self.append_rows(k, v)?;
         Self::attend_rows(q, &history, scoring, gate)
+    }
+
+    /// Attention over quantized rows whose lengths before this chunk were `lens`: over every
+    /// row's codes, read as the coding reads them; for a delayed format, row by row, each row's
+    /// queries before the start over its unquantized first positions instead.
+    fn attend_coded(&self, q: &Tensor, lens: &[usize], scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
+        let stored = (0..self.rows()).map(|row| self.stored(row)).collect::<Result<Vec<_>>>()?;
+        if !self.is_delayed() {
+            return self.attend_codes(q, &stored, scoring, gate);
+        }
+        // Query positions run along dim 2 of `q` and of the ungated output, dim 1 of a gated one.
+        let (t, out_dim) = (q.dim(2)?, if gate.is_some() { 1 } else { 2 });
+        let mut rows = Vec::with_capacity(stored.len());
+        for (row, (stored, &len)) in stored.into_iter().zip(lens).enumerate() {
+            let mut pieces = Vec::new();
+            for s in self.coding.segments(len, t) {
+                let q = q.narrow(0, row, 1)?.narrow(2, s.offset, s.count)?;
+                let gate = gate.map(|g| g.narrow(0, row, 1)?.narrow(1, s.offset, s.count)).transpose()?;
+                pieces.push(match (s.plain, &self.prefixes[row]) {
+                    (true, Some(prefix)) => {
+                        Self::attend_rows(&q, &[prefix.range(0, len + s.offset + s.count)?], scoring, gate.as_ref())?
+                    }
+                    _ => self.attend_codes(&q, std::slice::from_ref(&stored), scoring, gate.as_ref())?,
+                });
+            }
+            rows.push(Tensor::cat(&pieces, out_dim)?);
+        }
+        Ok(Tensor::cat(&rows, 0)?)
+    }
+
+    /// Attention of `q` over rows' `stored` codes as [`KvCoding::read`] reads them.
+    fn attend_codes(&self, q: &Tensor, stored: &[(Tensor, Tensor)], scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
+        let read = |(k, v): &(Tensor, Tensor)| Ok((self.coding.read(k, KvPart::Keys)?, self.coding.read(v, KvPart::Values)?));
+        let kv = stored.iter().map(read).collect::<Result<Vec<_>>>()?;
+        let out = attention::causal_attention_rows(&self.coding.rotate_queries(q)?, &kv, scoring)?;
+        let out = self.coding.unrotate_output(&out)?;
+        Ok(match gate {
+            Some(gate) => attention::sigmoid_gate(&out, gate)?,
+            None => out,
+        })
     }
 
     fn attend_rows(q: &Tensor, history: &[(Tensor, Tensor)], scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
@@ -240,14 +323,17 @@ impl KvStore {
     }
 
     /// Writes `k`, `v` (`[B, Hkv, T, D]`) after every paged row's positions.
-    fn append_paged(paged: &mut PagedRows, k: &Tensor, v: &Tensor) -> Result<()> {
+    fn append_paged(paged: &mut PagedRows, coding: &KvCoding, k: &Tensor, v: &Tensor) -> Result<()> {
         let t = k.dim(2)?;
         paged.reserve_rows(t)?;
-        let layout = paged.layout();
-        let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
-        if attention::write_paged(k, v, &kernel_view(&layout, &lens))? {
-            return paged.commit_written(t);
+        if coding.is_plain() {
+            let layout = paged.layout();
+            let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
+            if attention::write_paged(k, v, &kernel_view(&layout, &lens))? {
+                return paged.commit_written(t);
+            }
         }
+        let (k, v) = (coding.encode(k, KvPart::Keys)?, coding.encode(v, KvPart::Values)?);
         for row in 0..paged.rows() {
             paged.append(row, &k.get(row)?, &v.get(row)?)?;
         }
@@ -297,9 +383,16 @@ impl KvStore {
         Ok(())
     }
 
-    /// `row`'s stored keys and values, `[Hkv, len, D]`: views of an owned row's buffers, or
-    /// copies gathered from a paged row's blocks.
+    /// `row`'s keys and values as attention reads them, `[Hkv, len, D]`: views of an owned
+    /// row's buffers, or copies gathered from a paged row's blocks (decoded, for a quantized
+    /// format).
     pub fn history(&self, row: usize) -> Result<(Tensor, Tensor)> {
+        self.decode(self.stored(row)?)
+    }
+
+    /// `row`'s positions as stored (`[Hkv, len, width]`, see [`KvStore`]): what persistence
+    /// writes and [`KvStore::single_row`] reads back.
+    pub fn stored(&self, row: usize) -> Result<(Tensor, Tensor)> {
         match &self.rows {
             Rows::Owned(rows) => {
                 let r = &rows[row];
@@ -307,6 +400,21 @@ impl KvStore {
             }
             Rows::Paged(paged) => paged.history(row),
         }
+    }
+
+    /// The format positions are stored in.
+    pub fn format(&self) -> KvFormat {
+        self.coding.format()
+    }
+
+    /// Whether the format is delayed (rows keep their first positions unquantized too).
+    pub fn is_delayed(&self) -> bool {
+        self.coding.start() > 0
+    }
+
+    /// A delayed row's unquantized first positions (`[Hkv, n, D]` each); `None` for other formats.
+    pub fn prefix(&self, row: usize) -> Option<(Tensor, Tensor)> {
+        self.prefixes[row].as_ref().map(|p| (p.k.clone(), p.v.clone()))
     }
 
     /// Cuts `row` back to its first `len` positions.
@@ -318,21 +426,25 @@ impl KvStore {
                     return Err(StateError::Untrimmable { kind: "attention KV", from: r.len, to: len });
                 }
                 r.len = len;
-                Ok(())
             }
-            Rows::Paged(paged) => paged.trim(row, len),
+            Rows::Paged(paged) => paged.trim(row, len)?,
         }
+        self.prefixes[row].as_mut().map_or(Ok(()), |p| p.trim(len))
     }
 
     /// Appends `other`'s rows after this store's: a paged row of the same pool joins by its
     /// block table (no copy); any other row is copied in.
     pub fn merge(&mut self, other: &KvStore) -> Result<()> {
+        if !self.coding.same_as(&other.coding) {
+            return Err(StateError::KindMismatch("attention KV of another format", "attention KV"));
+        }
+        self.prefixes.extend(other.prefixes.iter().cloned());
         match (&mut self.rows, &other.rows) {
             (Rows::Owned(a), Rows::Owned(b)) => a.extend(b.iter().cloned()),
             (Rows::Paged(a), Rows::Paged(b)) if a.same_pool(b) => a.merge(b),
             _ => {
                 for row in 0..other.rows() {
-                    let (k, v) = other.history(row)?;
+                    let (k, v) = other.stored(row)?;
                     let at = self.rows();
                     match &mut self.rows {
                         Rows::Owned(rows) => {
@@ -358,16 +470,18 @@ impl KvStore {
             Rows::Owned(rows) => *rows = keep.iter().map(|&r| rows[r].clone()).collect(),
             Rows::Paged(paged) => paged.filter(keep),
         }
+        self.prefixes = keep.iter().map(|&r| self.prefixes[r].clone()).collect();
         Ok(())
     }
 
     /// One single-row store per row, each keeping its row's buffers or blocks.
     pub fn split(self) -> Vec<KvStore> {
-        let one = |rows| KvStore { rows, ..self.clone_empty() };
-        match &self.rows {
-            Rows::Owned(rows) => rows.iter().map(|r| one(Rows::Owned(vec![r.clone()]))).collect(),
-            Rows::Paged(paged) => paged.split().into_iter().map(|p| one(Rows::Paged(p))).collect(),
-        }
+        let rows: Vec<Rows> = match &self.rows {
+            Rows::Owned(rows) => rows.iter().map(|r| Rows::Owned(vec![r.clone()])).collect(),
+            Rows::Paged(paged) => paged.split().into_iter().map(Rows::Paged).collect(),
+        };
+        let one = |(rows, prefix)| KvStore { rows, prefixes: vec![prefix], ..self.clone_empty() };
+        rows.into_iter().zip(self.prefixes.iter().cloned()).map(one).collect()
     }
 
     /// An owned single-row copy of `row`, in buffers of its own (a paged row's blocks are
@@ -377,9 +491,10 @@ impl KvStore {
         if row >= n {
             return Err(StateError::RowOutOfRange { row, rows: n });
         }
-        let (k, v) = self.history(row)?;
+        let (k, v) = self.stored(row)?;
         Ok(KvStore {
             rows: Rows::Owned(vec![KvRow { k: k.force_contiguous()?, v: v.force_contiguous()?, len: k.dim(1)? }]),
+            prefixes: vec![self.prefixes[row].clone()],
             ..self.clone_empty()
         })
     }
@@ -392,37 +507,52 @@ impl KvStore {
             return Err(StateError::RowOutOfRange { row, rows: n });
         }
         match &self.rows {
-            Rows::Paged(paged) => Ok(KvStore { rows: Rows::Paged(paged.row(row)), ..self.clone_empty() }),
+            Rows::Paged(paged) => Ok(KvStore {
+                rows: Rows::Paged(paged.row(row)),
+                prefixes: vec![self.prefixes[row].clone()],
+                ..self.clone_empty()
+            }),
             Rows::Owned(_) => self.extract(row),
         }
     }
 
-    /// A single-row store holding `k`, `v` (`[Hkv, len, D]`) in its own buffers, shaped like
-    /// this store's rows; the error names what does not match.
-    pub fn single_row(&self, k: Tensor, v: Tensor) -> Result<KvStore> {
-        for (name, t) in [("k", &k), ("v", &v)] {
-            let (h, _, d) = t.dims3()?;
-            if (h, d) != (self.shape.kv_heads, self.shape.head_dim) || t.dtype() != self.dtype {
+    /// A single-row store holding `k`, `v` (`[Hkv, len, width]`, as [`KvStore::stored`] gives
+    /// them) in its own buffers, and a delayed format's `prefix` ([`KvStore::prefix`]), shaped
+    /// like this store's rows; the error names what does not match.
+    pub fn single_row(&self, k: Tensor, v: Tensor, prefix: Option<(Tensor, Tensor)>) -> Result<KvStore> {
+        for (name, t, part) in [("k", &k, KvPart::Keys), ("v", &v, KvPart::Values)] {
+            let (h, _, width) = t.dims3()?;
+            let (want, dtype) = (self.coding.width(&self.shape, part), self.coding.stored_dtype());
+            if (h, width) != (self.shape.kv_heads, want) || t.dtype() != dtype {
                 return Err(StateError::BadPart(format!(
-                    "attention {name} is {:?} {:?}, expected [{}, len, {}] {:?}",
+                    "attention {name} is {:?} {:?}, expected [{}, len, {want}] {dtype:?} ({} KV)",
                     t.dtype(),
                     t.dims(),
                     self.shape.kv_heads,
-                    self.shape.head_dim,
-                    self.dtype
+                    self.coding.format(),
                 )));
             }
         }
-        if k.dims() != v.dims() {
-            return Err(StateError::BadPart(format!("attention k {:?} and v {:?} differ in shape", k.dims(), v.dims())));
+        if k.dim(1)? != v.dim(1)? {
+            return Err(StateError::BadPart(format!("attention k {:?} and v {:?} differ in length", k.dims(), v.dims())));
         }
         let len = k.dim(1)?;
+        let prefix =
+            prefix.map(|(k, v)| Ok::<_, StateError>(Prefix { k: k.to_device(&self.device)?, v: v.to_device(&self.device)? }));
+        let prefix = prefix.transpose()?;
+        self.coding.check_prefix(&prefix, &self.shape, len)?;
         let row = KvRow { k: k.to_device(&self.device)?, v: v.to_device(&self.device)?, len };
-        Ok(KvStore { rows: Rows::Owned(vec![row]), ..self.clone_empty() })
+        Ok(KvStore { rows: Rows::Owned(vec![row]), prefixes: vec![prefix], ..self.clone_empty() })
     }
 
     fn clone_empty(&self) -> KvStore {
-        KvStore { rows: Rows::Owned(Vec::new()), shape: self.shape, dtype: self.dtype, device: self.device.clone() }
+        KvStore {
+            rows: Rows::Owned(Vec::new()),
+            prefixes: Vec::new(),
+            shape: self.shape,
+            coding: self.coding.clone(),
+            device: self.device.clone(),
+        }
     }
 }
 
@@ -433,6 +563,8 @@ fn kernel_view<'a>(layout: &'a PagedLayout, lens: &'a [usize]) -> PagedKv<'a> {
 
 #[cfg(test)]
 mod tests {
+    use candle_core::DType;
+
     use super::*;
 
     fn seq(h: usize, t: usize, d: usize, base: f32) -> Tensor {
@@ -442,7 +574,8 @@ mod tests {
 
     #[test]
     fn append_grow_trim_extract() {
-        let mut kv = KvStore::empty(&KvShape { kv_heads: 2, head_dim: 3 }, 2, DType::F32, &Device::Cpu).unwrap();
+        let cx = StoreContext { layer: 0, dtype: DType::F32, kv: crate::KvFormat::Auto, kv_start: 0 };
+        let mut kv = KvStore::empty(&KvShape { kv_heads: 2, head_dim: 3 }, 2, &cx, &Device::Cpu).unwrap();
         let mut all = Vec::new();
         for step in 0..40 {
             let k = seq(2, 1, 3, step as f32 * 100.0);

@@ -6,6 +6,7 @@
 //! merge, filter and extract, what it persists), and a kind the code does not handle is a
 //! compile error. This crate knows tensors, never models.
 
+mod format;
 mod kv;
 mod paged;
 mod pool;
@@ -14,12 +15,13 @@ mod slots;
 mod spec;
 mod window;
 
+pub use format::{KvFormat, KvPart, KvPolicy};
 pub use kv::KvStore;
 pub use paged::PagedLayout;
 pub use pool::{PoolSize, PoolStats, StatePool};
 pub use recurrent::{RecurrentRound, RecurrentShape, RecurrentState};
 pub use slots::SlotLayout;
-pub use spec::{KvShape, LayerSpec, StateCost, StateSpec, Storage, WindowShape};
+pub use spec::{KvShape, LayerSpec, StateCost, StateSpec, Storage, StoreContext, WindowShape};
 pub use window::{WindowKvStore, ROUND_SLACK};
 
 use candle_core::Tensor;
@@ -44,7 +46,12 @@ pub enum StateError {
     RoundOpen,
     #[error("stored state does not fit this model: {0}")]
     BadPart(String),
+    #[error("{0}")]
+    Format(String),
 }
+
+/// What a delayed KV format's layer persists: the codes, then the unquantized first positions.
+const DELAYED_KV_PARTS: &[&str] = &["k", "v", "k_prefix", "v_prefix"];
 
 /// The state of one layer for every row of a batch.
 #[derive(Clone, Debug)]
@@ -69,6 +76,8 @@ impl LayerState {
     /// The names this layer's kind persists a row's tensors under, in order.
     fn part_names(&self) -> &'static [&'static str] {
         match self {
+            LayerState::Attention(s) if s.is_delayed() => DELAYED_KV_PARTS,
+            LayerState::Window(s) if s.is_delayed() => DELAYED_KV_PARTS,
             LayerState::Attention(_) => KvStore::PARTS,
             LayerState::Recurrent(_) => RecurrentState::PARTS,
             LayerState::Window(_) => WindowKvStore::PARTS,
@@ -194,20 +203,15 @@ impl LayerState {
         if self.rows() != 1 {
             return Err(StateError::BadPart(format!("only single-row state is stored, this has {} rows", self.rows())));
         }
-        let tensors = match self {
-            LayerState::Attention(s) => {
-                let (k, v) = s.history(0)?;
-                vec![k.force_contiguous()?, v.force_contiguous()?]
-            }
-            LayerState::Recurrent(s) => {
-                let (conv, ssm) = s.tensors()?;
-                vec![conv, ssm]
-            }
-            LayerState::Window(s) => {
-                let (k, v) = s.held(0)?;
-                vec![k, v]
-            }
+        let (kv, prefix) = match self {
+            LayerState::Attention(s) => (s.stored(0)?, s.prefix(0)),
+            LayerState::Recurrent(s) => (s.tensors()?, None),
+            LayerState::Window(s) => (s.held(0)?, s.prefix(0)),
         };
+        let mut tensors = vec![kv.0.force_contiguous()?, kv.1.force_contiguous()?];
+        if let Some((k, v)) = prefix {
+            tensors.extend([k.force_contiguous()?, v.force_contiguous()?]);
+        }
         Ok(self.part_names().iter().copied().zip(tensors).collect())
     }
 
@@ -216,10 +220,15 @@ impl LayerState {
     pub fn from_parts(&self, position: usize, mut part: impl FnMut(&str) -> Result<Tensor>) -> Result<LayerState> {
         let names = self.part_names();
         let mut read = |i: usize| part(names[i]);
+        let (first, second) = (read(0)?, read(1)?);
+        let prefix = match names.len() {
+            4 => Some((read(2)?, read(3)?)),
+            _ => None,
+        };
         Ok(match self {
-            LayerState::Attention(s) => LayerState::Attention(s.single_row(read(0)?, read(1)?)?),
-            LayerState::Recurrent(s) => LayerState::Recurrent(s.single_row(read(0)?, read(1)?)?),
-            LayerState::Window(s) => LayerState::Window(s.single_row(read(0)?, read(1)?, position)?),
+            LayerState::Attention(s) => LayerState::Attention(s.single_row(first, second, prefix)?),
+            LayerState::Recurrent(s) => LayerState::Recurrent(s.single_row(first, second)?),
+            LayerState::Window(s) => LayerState::Window(s.single_row(first, second, position, prefix)?),
         })
     }
 

@@ -3,22 +3,24 @@
 //! positions.
 //!
 //! Position `p` of a row lives in pool row `table[p / block_size] * block_size + p % block_size`
-//! of the layer's key and value tensors (`[blocks * block_size, Hkv, D]`, token-major, as the
-//! CUDA kernels read them).
+//! of the layer's key and value tensors (`[blocks * block_size, Hkv, width]`, token-major, as the
+//! CUDA kernels read them; `width` is the head dimension, or a code's bytes for quantized KV).
 
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 
+use crate::format::KvCoding;
 use crate::pool::{grown, lock, tensor_bytes, Ids, Pool, PoolSize};
 use crate::spec::KvShape;
-use crate::{Result, StateError};
+use crate::{KvPart, Result, StateError};
 
 /// One attention layer's blocks: its key and value tensors, plus one scratch block past them.
 #[derive(Debug)]
 pub(crate) struct LayerBlocks {
     shape: KvShape,
-    /// `[(blocks + 1) * block_size, Hkv, D]` each; the last block is the scratch block.
+    pub(crate) coding: KvCoding,
+    /// `[(blocks + 1) * block_size, Hkv, width]` each; the last block is the scratch block.
     k: Tensor,
     v: Tensor,
     ids: Ids,
@@ -26,15 +28,23 @@ pub(crate) struct LayerBlocks {
 }
 
 impl LayerBlocks {
-    pub(crate) fn new(shape: KvShape, blocks: usize, block_size: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let dims = ((blocks + 1) * block_size, shape.kv_heads, shape.head_dim);
-        Ok(Self {
+    pub(crate) fn new(shape: KvShape, coding: KvCoding, blocks: usize, block_size: usize, device: &Device) -> Result<Self> {
+        let mut layer = Self {
             shape,
-            k: Tensor::zeros(dims, dtype, device)?,
-            v: Tensor::zeros(dims, dtype, device)?,
+            k: Tensor::zeros(0, DType::U8, device)?,
+            v: Tensor::zeros(0, DType::U8, device)?,
+            coding,
             ids: Ids::new(blocks),
             block_size,
-        })
+        };
+        (layer.k, layer.v) = (layer.zeros(blocks, KvPart::Keys, device)?, layer.zeros(blocks, KvPart::Values, device)?);
+        Ok(layer)
+    }
+
+    /// A `part` tensor of `blocks` blocks and the scratch block.
+    fn zeros(&self, blocks: usize, part: KvPart, device: &Device) -> Result<Tensor> {
+        let dims = ((blocks + 1) * self.block_size, self.shape.kv_heads, self.coding.width(&self.shape, part));
+        Ok(Tensor::zeros(dims, self.coding.stored_dtype(), device)?)
     }
 
     pub(crate) fn ids(&self) -> &Ids {
@@ -62,9 +72,8 @@ impl LayerBlocks {
     /// block moves to the new end; what it holds is nobody's).
     fn grow(&mut self) -> Result<()> {
         let (old, new) = (self.ids.len(), grown(self.ids.len()));
-        let dims = ((new + 1) * self.block_size, self.shape.kv_heads, self.shape.head_dim);
-        let (k, v) =
-            (Tensor::zeros(dims, self.k.dtype(), self.k.device())?, Tensor::zeros(dims, self.v.dtype(), self.v.device())?);
+        let device = self.k.device().clone();
+        let (k, v) = (self.zeros(new, KvPart::Keys, &device)?, self.zeros(new, KvPart::Values, &device)?);
         if old > 0 {
             k.slice_set(&self.k.narrow(0, 0, old * self.block_size)?, 0, 0)?;
             v.slice_set(&self.v.narrow(0, 0, old * self.block_size)?, 0, 0)?;
@@ -223,15 +232,14 @@ impl PagedRows {
         }
     }
 
-    /// Writes `k`, `v` (`[Hkv, T, D]`) after `row`'s positions.
+    /// Writes `k`, `v` (`[Hkv, T, width]`, as stored) after `row`'s positions.
     pub(crate) fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<()> {
         let t = k.dim(1)?;
         self.reserve(row, t)?;
         let bs = self.pool.block_size;
         let r = &mut self.rows[row];
         let layer = lock(&self.pool.kv[self.layer]);
-        let dtype = layer.k.dtype();
-        let (k, v) = (k.to_dtype(dtype)?.transpose(0, 1)?.contiguous()?, v.to_dtype(dtype)?.transpose(0, 1)?.contiguous()?);
+        let (k, v) = (k.transpose(0, 1)?.contiguous()?, v.transpose(0, 1)?.contiguous()?);
         let mut done = 0;
         while done < t {
             let at = r.len + done;
@@ -245,7 +253,7 @@ impl PagedRows {
         Ok(())
     }
 
-    /// Copies of `row`'s stored keys and values, `[Hkv, len, D]` contiguous.
+    /// Copies of `row`'s stored keys and values, `[Hkv, len, width]` contiguous.
     pub(crate) fn history(&self, row: usize) -> Result<(Tensor, Tensor)> {
         let (bs, r) = (self.pool.block_size, &self.rows[row]);
         let ids: Vec<u32> = (0..r.len).map(|p| r.table.blocks[p / bs] * bs as u32 + (p % bs) as u32).collect();
@@ -255,7 +263,7 @@ impl PagedRows {
         Ok((gather(&layer.k)?, gather(&layer.v)?))
     }
 
-    /// Every row's stored keys and values as one batch `[B, Hkv, len, D]` (one gather), when
+    /// Every row's stored keys and values as one batch `[B, Hkv, len, width]` (one gather), when
     /// the rows are equally long; `None` otherwise.
     pub(crate) fn stacked_history(&self) -> Result<Option<(Tensor, Tensor)>> {
         let (bs, len) = (self.pool.block_size, self.rows.first().map_or(0, |r| r.len));
@@ -265,10 +273,10 @@ impl PagedRows {
         let ids: Vec<u32> =
             self.rows.iter().flat_map(|r| (0..len).map(move |p| r.table.blocks[p / bs] * bs as u32 + (p % bs) as u32)).collect();
         let layer = lock(&self.pool.kv[self.layer]);
-        let (_, heads, dim) = layer.k.dims3()?;
         let ids = Tensor::from_vec(ids, self.rows.len() * len, layer.k.device())?;
         let gather = |t: &Tensor| -> Result<Tensor> {
-            Ok(t.index_select(&ids, 0)?.reshape((self.rows.len(), len, heads, dim))?.transpose(1, 2)?.contiguous()?)
+            let (_, heads, width) = t.dims3()?;
+            Ok(t.index_select(&ids, 0)?.reshape((self.rows.len(), len, heads, width))?.transpose(1, 2)?.contiguous()?)
         };
         Ok(Some((gather(&layer.k)?, gather(&layer.v)?)))
     }
@@ -325,6 +333,7 @@ mod tests {
         StateSpec {
             layers: vec![LayerSpec::Attention(kv), LayerSpec::Recurrent(recurrent), LayerSpec::Attention(kv)],
             dtype: DType::F32,
+            kv: crate::KvPolicy::default(),
         }
     }
 
@@ -440,7 +449,12 @@ mod tests {
                 blocks_used_peak: 3,
                 blocks_shared: 1,
                 slots_total: 2,
-                slots_used: 1
+                slots_used: 1,
+                kv_format: crate::KvFormat::Auto,
+                kv_bytes_per_token: 2 * 2 * HEADS * DIM * 4,
+                window_kv_bytes_per_token: 0,
+                delayed_bytes_per_token: 0,
+                delayed_positions: 0,
             }
         );
         let (after, _) = attention(&mut a, 0).history(0).unwrap();

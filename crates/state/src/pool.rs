@@ -18,10 +18,11 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use candle_core::{Device, Tensor};
 
+use crate::format::KvCoding;
 use crate::paged::{LayerBlocks, PagedRows};
 use crate::slots::{LayerSlots, SlottedRows};
 use crate::spec::{LayerSpec, StateSpec, Storage};
-use crate::{BatchState, KvStore, LayerState, RecurrentState, Result, StateError, WindowKvStore};
+use crate::{BatchState, KvFormat, KvStore, LayerState, RecurrentState, Result, StateError, WindowKvStore};
 
 /// How many blocks (or slots) a pool holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -74,6 +75,15 @@ pub struct PoolStats {
     pub blocks_shared: usize,
     pub slots_total: usize,
     pub slots_used: usize,
+    /// The format attention KV is stored in (`--kv-cache-dtype`).
+    pub kv_format: KvFormat,
+    /// Bytes a position costs over the full-attention layers, over the sliding-window layers
+    /// (while it is within their windows), and more while it is among the first
+    /// `delayed_positions` of a delayed format (their unquantized copy).
+    pub kv_bytes_per_token: usize,
+    pub window_kv_bytes_per_token: usize,
+    pub delayed_bytes_per_token: usize,
+    pub delayed_positions: usize,
 }
 
 /// Reference-counted ids (blocks or slots) handed out from `0..len`.
@@ -163,10 +173,11 @@ impl StatePool {
         }
         let mut kv = Vec::new();
         let mut recurrent = Vec::new();
-        for layer in &spec.layers {
+        for (layer, cx) in spec.layers.iter().zip(spec.contexts()) {
             match layer {
                 LayerSpec::Attention(shape) => {
-                    kv.push(Mutex::new(LayerBlocks::new(*shape, blocks.initial(), block_size, spec.dtype, device)?))
+                    let coding = KvCoding::new(cx.kv, shape, cx.layer, cx.dtype, cx.kv_start)?;
+                    kv.push(Mutex::new(LayerBlocks::new(*shape, coding, blocks.initial(), block_size, device)?))
                 }
                 LayerSpec::Recurrent(shape) => {
                     recurrent.push(Mutex::new(LayerSlots::new(*shape, slots.initial(), spec.dtype, device)?))
@@ -209,22 +220,23 @@ impl StatePool {
         let (pool, spec) = (&self.pool, &self.pool.spec);
         let (mut kv, mut recurrent) = (0, 0);
         let mut layers = Vec::with_capacity(spec.layers.len());
-        for layer in &spec.layers {
+        for (layer, cx) in spec.layers.iter().zip(spec.contexts()) {
             layers.push(match layer {
                 LayerSpec::Attention(shape) => {
                     kv += 1;
+                    let coding = lock(&pool.kv[kv - 1]).coding.clone();
                     LayerState::Attention(KvStore::paged(
                         *shape,
-                        spec.dtype,
+                        coding,
                         &pool.device,
                         PagedRows::new(pool.clone(), kv - 1, rows),
-                    ))
+                    )?)
                 }
                 LayerSpec::Recurrent(_) => {
                     recurrent += 1;
                     LayerState::Recurrent(RecurrentState::slotted(SlottedRows::new(pool.clone(), recurrent - 1, rows)?))
                 }
-                LayerSpec::Window(shape) => LayerState::Window(WindowKvStore::empty(shape, rows, spec.dtype, &pool.device)?),
+                LayerSpec::Window(shape) => LayerState::Window(WindowKvStore::empty(shape, rows, &cx, &pool.device)?),
             });
         }
         Ok(BatchState { layers, positions: vec![0; rows] })
@@ -248,7 +260,16 @@ impl StatePool {
     }
 
     pub fn stats(&self) -> PoolStats {
-        let mut stats = PoolStats { block_size: self.pool.block_size, ..PoolStats::default() };
+        let cost = self.pool.spec.cost();
+        let mut stats = PoolStats {
+            block_size: self.pool.block_size,
+            kv_format: self.pool.spec.kv.format,
+            kv_bytes_per_token: cost.bytes_per_token,
+            window_kv_bytes_per_token: cost.window_bytes_per_token,
+            delayed_bytes_per_token: cost.prefix_bytes_per_token,
+            delayed_positions: cost.prefix_positions,
+            ..PoolStats::default()
+        };
         if let Some(first) = self.pool.kv.first() {
             let blocks = lock(first);
             let ids = blocks.ids();
@@ -277,8 +298,9 @@ impl StateSpec {
     pub(crate) fn kv_bytes_per_token(&self) -> usize {
         self.layers
             .iter()
-            .filter_map(|layer| match layer {
-                LayerSpec::Attention(shape) => Some(shape.bytes_per_token(self.dtype)),
+            .zip(self.contexts())
+            .filter_map(|(layer, cx)| match layer {
+                LayerSpec::Attention(shape) => Some(cx.kv.bytes_per_token(shape, self.dtype)),
                 _ => None,
             })
             .sum()

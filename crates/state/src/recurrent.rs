@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use crate::slots::{SlotLayout, SlottedRows};
-use crate::spec::{StateCost, Storage};
+use crate::spec::{StateCost, Storage, StoreContext};
 use crate::{buffer_bytes, select_rows, Result, StateError};
 
 /// Per row, the conv window `[K-1, conv_dim]` (compute dtype) and the recurrent matrix
@@ -52,14 +52,14 @@ impl Storage for RecurrentState {
     const PARTS: &'static [&'static str] = &["conv", "ssm"];
 
     /// Zero state: the conv window in `dtype`, the matrix in f32.
-    fn empty(shape: &RecurrentShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
-        let conv = Tensor::zeros((rows, shape.conv_kernel - 1, shape.conv_dim), dtype, device)?;
+    fn empty(shape: &RecurrentShape, rows: usize, cx: &StoreContext, device: &Device) -> Result<Self> {
+        let conv = Tensor::zeros((rows, shape.conv_kernel - 1, shape.conv_dim), cx.dtype, device)?;
         let ssm = Tensor::zeros((rows, shape.value_heads, shape.value_dim, shape.key_dim), DType::F32, device)?;
         Ok(Self::owned(conv, ssm))
     }
 
-    fn cost(shape: &RecurrentShape, dtype: DType) -> StateCost {
-        let conv = (shape.conv_kernel - 1) * shape.conv_dim * dtype.size_in_bytes();
+    fn cost(shape: &RecurrentShape, cx: &StoreContext) -> StateCost {
+        let conv = (shape.conv_kernel - 1) * shape.conv_dim * cx.dtype.size_in_bytes();
         StateCost { bytes_per_row: conv + shape.value_heads * shape.value_dim * shape.key_dim * 4, ..StateCost::default() }
     }
 }

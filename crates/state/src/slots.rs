@@ -239,7 +239,7 @@ mod tests {
     const SHAPE: RecurrentShape = RecurrentShape { conv_kernel: 3, conv_dim: 4, value_heads: 2, value_dim: 3, key_dim: 2 };
 
     fn spec() -> StateSpec {
-        StateSpec { layers: vec![LayerSpec::Recurrent(SHAPE)], dtype: DType::F32 }
+        StateSpec { layers: vec![LayerSpec::Recurrent(SHAPE)], dtype: DType::F32, kv: crate::KvPolicy::default() }
     }
 
     fn recurrent(state: &mut BatchState) -> &mut RecurrentState {

@@ -9,7 +9,7 @@
 
 use candle_core::{DType, Device};
 
-use crate::{BatchState, KvStore, LayerState, RecurrentShape, RecurrentState, Result, WindowKvStore};
+use crate::{BatchState, KvFormat, KvPolicy, KvStore, LayerState, RecurrentShape, RecurrentState, Result, WindowKvStore};
 
 /// What one layer's state is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,12 +36,25 @@ pub struct WindowShape {
     pub window: usize,
 }
 
-/// A model's whole declared state: a spec per layer, and the element type its KV and conv
-/// windows are stored in (recurrent matrices are always f32).
+/// A model's whole declared state: a spec per layer, the compute dtype its KV and conv windows
+/// are stored in (recurrent matrices are always f32), and the format of its attention KV.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateSpec {
     pub layers: Vec<LayerSpec>,
     pub dtype: DType,
+    pub kv: KvPolicy,
+}
+
+/// What a layer's storage is built with besides its shape.
+#[derive(Clone, Copy, Debug)]
+pub struct StoreContext {
+    /// The layer's index in the model (TurboQuant seeds its rotations with it).
+    pub layer: usize,
+    pub dtype: DType,
+    /// The format of this layer's KV (for layers that hold KV), and where it starts when
+    /// delayed (see [`KvPolicy::start`]).
+    pub kv: KvFormat,
+    pub kv_start: usize,
 }
 
 /// One storage kind: how a layer's state is held, and what it can do.
@@ -54,10 +67,10 @@ pub trait Storage: Sized {
     const PARTS: &'static [&'static str];
 
     /// Empty state for `rows` fresh sequences.
-    fn empty(shape: &Self::Shape, rows: usize, dtype: DType, device: &Device) -> Result<Self>;
+    fn empty(shape: &Self::Shape, rows: usize, cx: &StoreContext, device: &Device) -> Result<Self>;
 
     /// What one sequence's state of this kind costs.
-    fn cost(shape: &Self::Shape, dtype: DType) -> StateCost;
+    fn cost(shape: &Self::Shape, cx: &StoreContext) -> StateCost;
 }
 
 /// Memory cost of one sequence's state; see [`StateSpec::cost`].
@@ -70,6 +83,10 @@ pub struct StateCost {
     /// What a position costs while it is among the last `window_positions` (sliding-window KV).
     pub window_bytes_per_token: usize,
     pub window_positions: usize,
+    /// What a position costs more when it is among the first `prefix_positions` (a delayed KV
+    /// format's unquantized copy).
+    pub prefix_bytes_per_token: usize,
+    pub prefix_positions: usize,
 }
 
 impl StateCost {
@@ -78,11 +95,12 @@ impl StateCost {
     /// cannot overflow, a token count from a request or a flag can.)
     pub fn bytes(&self, tokens: usize) -> Option<usize> {
         let window = tokens.min(self.window_positions).checked_mul(self.window_bytes_per_token)?;
-        tokens.checked_mul(self.bytes_per_token)?.checked_add(window)?.checked_add(self.bytes_per_row)
+        let prefix = tokens.min(self.prefix_positions).checked_mul(self.prefix_bytes_per_token)?;
+        tokens.checked_mul(self.bytes_per_token)?.checked_add(window)?.checked_add(prefix)?.checked_add(self.bytes_per_row)
     }
 
-    /// The cost of holding both: layers' costs add. Windowed costs add only for one window
-    /// length, which is all a model declares today; the longer is kept, so the sum never
+    /// The cost of holding both: layers' costs add. Windowed (and prefix) costs add only for
+    /// one length, which is all a model declares today; the longer is kept, so the sum never
     /// under-counts.
     fn plus(self, other: StateCost) -> StateCost {
         StateCost {
@@ -90,6 +108,8 @@ impl StateCost {
             bytes_per_row: self.bytes_per_row + other.bytes_per_row,
             window_bytes_per_token: self.window_bytes_per_token + other.window_bytes_per_token,
             window_positions: self.window_positions.max(other.window_positions),
+            prefix_bytes_per_token: self.prefix_bytes_per_token + other.prefix_bytes_per_token,
+            prefix_positions: self.prefix_positions.max(other.prefix_positions),
         }
     }
 }
@@ -97,30 +117,67 @@ impl StateCost {
 impl StateSpec {
     /// What one sequence's state costs: the sum over layers of their storage kinds' costs.
     pub fn cost(&self) -> StateCost {
-        self.layers.iter().map(|layer| layer.cost(self.dtype)).fold(StateCost::default(), StateCost::plus)
+        let costs = self.layers.iter().zip(self.contexts()).map(|(layer, cx)| layer.cost(&cx));
+        costs.fold(StateCost::default(), StateCost::plus)
     }
 
     /// Fresh state for `rows` empty sequences, each layer in the storage its spec declares.
     pub fn new_state(&self, rows: usize, device: &Device) -> Result<BatchState> {
-        let layers = self.layers.iter().map(|layer| layer.empty(rows, self.dtype, device)).collect::<Result<_>>()?;
-        Ok(BatchState { layers, positions: vec![0; rows] })
+        let layers = self.layers.iter().zip(self.contexts()).map(|(layer, cx)| layer.empty(rows, &cx, device));
+        Ok(BatchState { layers: layers.collect::<Result<_>>()?, positions: vec![0; rows] })
+    }
+
+    /// What each layer's storage is built with. (The policy's layer names were checked by
+    /// [`StateSpec::with_kv`]; a spec built without it stores every layer in its format.)
+    pub(crate) fn contexts(&self) -> Vec<StoreContext> {
+        let kv_layers = self.layers.iter().filter(|l| l.holds_kv()).count();
+        let mut kv_index = 0;
+        let mut contexts = Vec::with_capacity(self.layers.len());
+        for (layer, spec) in self.layers.iter().enumerate() {
+            let mut kv = KvFormat::Auto;
+            if spec.holds_kv() {
+                kv = self.kv.format_at(kv_index, kv_layers).unwrap_or(self.kv.format);
+                kv_index += 1;
+            }
+            contexts.push(StoreContext { layer, dtype: self.dtype, kv, kv_start: self.kv.start });
+        }
+        contexts
+    }
+
+    /// This spec with its attention KV (full and sliding-window) stored as `kv` says; an error
+    /// names a layer whose shape the format cannot code, or a named layer the model lacks.
+    pub fn with_kv(self, kv: KvPolicy) -> Result<StateSpec> {
+        let kv_layers = self.layers.iter().filter(|l| l.holds_kv()).count();
+        let shapes = self.layers.iter().filter_map(|layer| match layer {
+            LayerSpec::Attention(shape) | LayerSpec::Window(WindowShape { kv: shape, .. }) => Some(shape),
+            LayerSpec::Recurrent(_) => None,
+        });
+        for (i, shape) in shapes.enumerate() {
+            kv.format_at(i, kv_layers)?.check(shape)?;
+        }
+        Ok(StateSpec { kv, ..self })
     }
 }
 
 impl LayerSpec {
-    fn cost(&self, dtype: DType) -> StateCost {
+    /// Whether the layer holds attention KV (full or sliding-window).
+    fn holds_kv(&self) -> bool {
+        matches!(self, LayerSpec::Attention(_) | LayerSpec::Window(_))
+    }
+
+    fn cost(&self, cx: &StoreContext) -> StateCost {
         match self {
-            LayerSpec::Attention(shape) => KvStore::cost(shape, dtype),
-            LayerSpec::Window(shape) => WindowKvStore::cost(shape, dtype),
-            LayerSpec::Recurrent(shape) => RecurrentState::cost(shape, dtype),
+            LayerSpec::Attention(shape) => KvStore::cost(shape, cx),
+            LayerSpec::Window(shape) => WindowKvStore::cost(shape, cx),
+            LayerSpec::Recurrent(shape) => RecurrentState::cost(shape, cx),
         }
     }
 
-    fn empty(&self, rows: usize, dtype: DType, device: &Device) -> Result<LayerState> {
+    fn empty(&self, rows: usize, cx: &StoreContext, device: &Device) -> Result<LayerState> {
         Ok(match self {
-            LayerSpec::Attention(shape) => LayerState::Attention(KvStore::empty(shape, rows, dtype, device)?),
-            LayerSpec::Window(shape) => LayerState::Window(WindowKvStore::empty(shape, rows, dtype, device)?),
-            LayerSpec::Recurrent(shape) => LayerState::Recurrent(RecurrentState::empty(shape, rows, dtype, device)?),
+            LayerSpec::Attention(shape) => LayerState::Attention(KvStore::empty(shape, rows, cx, device)?),
+            LayerSpec::Window(shape) => LayerState::Window(WindowKvStore::empty(shape, rows, cx, device)?),
+            LayerSpec::Recurrent(shape) => LayerState::Recurrent(RecurrentState::empty(shape, rows, cx, device)?),
         })
     }
 }
@@ -145,14 +202,22 @@ mod tests {
                 LayerSpec::Recurrent(recurrent),
             ],
             dtype: DType::F16,
+            kv: KvPolicy::default(),
         }
     }
 
     #[test]
     fn state_bytes_are_counted_without_wrapping() {
-        let cost = StateCost { bytes_per_token: 1 << 10, bytes_per_row: 100, window_bytes_per_token: 8, window_positions: 512 };
-        assert_eq!(cost.bytes(3), Some(3 * 1024 + 3 * 8 + 100));
-        assert_eq!(cost.bytes(1000), Some(1000 * 1024 + 512 * 8 + 100));
+        let cost = StateCost {
+            bytes_per_token: 1 << 10,
+            bytes_per_row: 100,
+            window_bytes_per_token: 8,
+            window_positions: 512,
+            prefix_bytes_per_token: 4,
+            prefix_positions: 10,
+        };
+        assert_eq!(cost.bytes(3), Some(3 * 1024 + 3 * 8 + 3 * 4 + 100));
+        assert_eq!(cost.bytes(1000), Some(1000 * 1024 + 512 * 8 + 10 * 4 + 100));
         // 2^56 tokens of 2^10 bytes wrapped to a few KB.
         assert_eq!(cost.bytes(1 << 56), None);
         assert_eq!(cost.bytes(usize::MAX / 1024), None, "the window and row bytes on top overflow");
@@ -172,7 +237,8 @@ mod tests {
                 bytes_per_token: kv_token,
                 bytes_per_row: recurrent_row,
                 window_bytes_per_token: kv_token,
-                window_positions: window_held
+                window_positions: window_held,
+                ..StateCost::default()
             }
         );
         let mut state = spec.new_state(1, &Device::Cpu).unwrap();

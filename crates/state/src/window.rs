@@ -13,12 +13,13 @@
 //! `ROUND_SLACK` appended (a ring would avoid the move but hand out two pieces to join, a copy
 //! of the whole window on every decode step).
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 
 use strata_kernels::attention;
 
-use crate::spec::{StateCost, Storage, WindowShape};
-use crate::{buffer_bytes, Result, StateError};
+use crate::format::{KvCoding, Prefix};
+use crate::spec::{StateCost, Storage, StoreContext, WindowShape};
+use crate::{buffer_bytes, KvFormat, KvPart, Result, StateError};
 
 /// Positions kept beyond the window, so that this many fed positions can be rolled back after
 /// older ones were dropped (a verify forward feeds at most 64).
@@ -26,8 +27,8 @@ pub const ROUND_SLACK: usize = 64;
 
 #[derive(Clone, Debug)]
 struct WindowRow {
-    /// `[Hkv, slots, D]`; position `p` lives in slot `p - start`. `slots` grows by doubling up
-    /// to the store's capacity.
+    /// `[Hkv, slots, width]` (as [`crate::KvStore`] stores positions); position `p` lives in
+    /// slot `p - start`. `slots` grows by doubling up to the store's capacity.
     k: Tensor,
     v: Tensor,
     /// The position in slot 0.
@@ -41,8 +42,10 @@ struct WindowRow {
 #[derive(Clone, Debug)]
 pub struct WindowKvStore {
     rows: Vec<WindowRow>,
+    /// Per row, a delayed format's unquantized first positions (see `format.rs`).
+    prefixes: Vec<Option<Prefix>>,
     shape: WindowShape,
-    dtype: DType,
+    coding: KvCoding,
     device: Device,
 }
 
@@ -51,20 +54,26 @@ impl Storage for WindowKvStore {
     const NAME: &'static str = "sliding-window KV";
     const PARTS: &'static [&'static str] = &["k", "v"];
 
-    fn empty(shape: &WindowShape, rows: usize, dtype: DType, device: &Device) -> Result<Self> {
+    fn empty(shape: &WindowShape, rows: usize, cx: &StoreContext, device: &Device) -> Result<Self> {
         if shape.window == 0 {
             return Err(StateError::BadPart("a sliding window of 0 positions".into()));
         }
-        let mut store = Self { rows: Vec::new(), shape: *shape, dtype, device: device.clone() };
+        let coding = KvCoding::new(cx.kv, &shape.kv, cx.layer, cx.dtype, cx.kv_start)?;
+        let mut store = Self { rows: Vec::new(), prefixes: Vec::new(), shape: *shape, coding, device: device.clone() };
         store.rows = (0..rows).map(|_| store.empty_row(0, 0)).collect::<Result<_>>()?;
+        store.prefixes = (0..rows).map(|_| store.coding.empty_prefix(&shape.kv, device)).collect::<Result<_>>()?;
         Ok(store)
     }
 
-    /// A full buffer's positions at the per-token cost: what a row holds at most.
-    fn cost(shape: &WindowShape, dtype: DType) -> StateCost {
+    /// A full buffer's positions at the per-token cost: what a row holds at most (and, for a
+    /// delayed format, its unquantized first positions).
+    fn cost(shape: &WindowShape, cx: &StoreContext) -> StateCost {
+        let delayed = cx.kv.is_quantized() && cx.kv_start > 0;
         StateCost {
-            window_bytes_per_token: shape.kv.bytes_per_token(dtype),
+            window_bytes_per_token: cx.kv.bytes_per_token(&shape.kv, cx.dtype),
             window_positions: Self::capacity_for(shape.window),
+            prefix_bytes_per_token: if delayed { KvFormat::Auto.bytes_per_token(&shape.kv, cx.dtype) } else { 0 },
+            prefix_positions: if delayed { cx.kv_start } else { 0 },
             ..StateCost::default()
         }
     }
@@ -87,14 +96,11 @@ impl WindowKvStore {
     }
 
     fn empty_row(&self, slots: usize, start: usize) -> Result<WindowRow> {
-        let shape = (self.shape.kv.kv_heads, slots, self.shape.kv.head_dim);
-        Ok(WindowRow {
-            k: Tensor::zeros(shape, self.dtype, &self.device)?,
-            v: Tensor::zeros(shape, self.dtype, &self.device)?,
-            start,
-            len: start,
-            oldest: start,
-        })
+        let zeros = |part| {
+            let width = self.coding.width(&self.shape.kv, part);
+            Tensor::zeros((self.shape.kv.kv_heads, slots, width), self.coding.stored_dtype(), &self.device)
+        };
+        Ok(WindowRow { k: zeros(KvPart::Keys)?, v: zeros(KvPart::Values)?, start, len: start, oldest: start })
     }
 
     pub fn rows(&self) -> usize {
@@ -112,19 +118,33 @@ impl WindowKvStore {
     /// Bytes of held positions.
     pub fn bytes(&self) -> usize {
         let held: usize = self.rows.iter().map(|r| r.len - r.oldest).sum();
-        held * self.shape.kv.bytes_per_token(self.dtype)
+        held * self.coding.bytes_per_token(&self.shape.kv) + self.prefix_bytes()
+    }
+
+    /// Bytes of delayed rows' unquantized first positions.
+    fn prefix_bytes(&self) -> usize {
+        let held: usize = self.prefixes.iter().flatten().map(Prefix::len).sum();
+        held * KvFormat::Auto.bytes_per_token(&self.shape.kv, self.coding.dtype())
     }
 
     /// Bytes of the buffers held, free slots included.
     pub fn allocated_bytes(&self) -> usize {
-        self.rows.iter().map(|r| buffer_bytes(&r.k) + buffer_bytes(&r.v)).sum()
+        self.rows.iter().map(|r| buffer_bytes(&r.k) + buffer_bytes(&r.v)).sum::<usize>() + self.prefix_bytes()
     }
 
     /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns the keys and values the `T` new
     /// queries need, in position order: the held positions within the window of the first new
     /// query, then the new ones. The caller masks each query to its own window.
     pub fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (k, v) = (k.to_dtype(self.dtype)?.contiguous()?, v.to_dtype(self.dtype)?.contiguous()?);
+        self.coding.extend_prefix(&mut self.prefixes[row], self.rows[row].len, k, v)?;
+        let (k, v) = self.append_stored(row, k, v)?;
+        Ok((self.coding.decode(&k, KvPart::Keys)?, self.coding.decode(&v, KvPart::Values)?))
+    }
+
+    /// [`WindowKvStore::append`], returning what the queries need as stored.
+    fn append_stored(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let k = self.coding.encode(k, KvPart::Keys)?.contiguous()?;
+        let v = self.coding.encode(v, KvPart::Values)?.contiguous()?;
         let t = k.dim(1)?;
         let (len, oldest) = (self.rows[row].len, self.rows[row].oldest);
         let end = len + t;
@@ -158,8 +178,54 @@ impl WindowKvStore {
     /// each row's window (`scoring` masks each query to it): `[B, Hq, T, D]`. The sliding-window
     /// twin of [`crate::KvStore::attend`].
     pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, scoring: attention::Scoring) -> Result<Tensor> {
-        let held = (0..self.rows()).map(|r| self.append(r, &k.get(r)?, &v.get(r)?)).collect::<Result<Vec<_>>>()?;
-        Ok(attention::causal_attention_rows(q, &held, scoring)?)
+        let lens: Vec<usize> = self.rows.iter().map(|r| r.len).collect();
+        let mut held = Vec::with_capacity(self.rows());
+        for (row, &len) in lens.iter().enumerate() {
+            let (k, v) = (k.get(row)?, v.get(row)?);
+            self.coding.extend_prefix(&mut self.prefixes[row], len, &k, &v)?;
+            held.push(self.append_stored(row, &k, &v)?);
+        }
+        if !self.is_delayed() {
+            return self.attend_codes(q, &held, scoring);
+        }
+        // A delayed format: per row, the queries before the start over the unquantized first
+        // positions (from the first query's window on), the others over the codes.
+        let t = q.dim(2)?;
+        let mut rows = Vec::with_capacity(held.len());
+        for (row, (held, &len)) in held.into_iter().zip(&lens).enumerate() {
+            let mut pieces = Vec::new();
+            for s in self.coding.segments(len, t) {
+                let q = q.narrow(0, row, 1)?.narrow(2, s.offset, s.count)?;
+                pieces.push(match (s.plain, &self.prefixes[row]) {
+                    (true, Some(prefix)) => {
+                        let keys = prefix.range(len.saturating_sub(self.shape.window - 1), len + s.offset + s.count)?;
+                        attention::causal_attention_rows(&q, &[keys], scoring)?
+                    }
+                    _ => self.attend_codes(&q, std::slice::from_ref(&held), scoring)?,
+                });
+            }
+            rows.push(Tensor::cat(&pieces, 2)?);
+        }
+        Ok(Tensor::cat(&rows, 0)?)
+    }
+
+    /// Attention of `q` over rows' `stored` positions as the coding reads them (see
+    /// `KvCoding::read`).
+    fn attend_codes(&self, q: &Tensor, stored: &[(Tensor, Tensor)], scoring: attention::Scoring) -> Result<Tensor> {
+        let read = |(k, v): &(Tensor, Tensor)| Ok((self.coding.read(k, KvPart::Keys)?, self.coding.read(v, KvPart::Values)?));
+        let kv = stored.iter().map(read).collect::<Result<Vec<_>>>()?;
+        let out = attention::causal_attention_rows(&self.coding.rotate_queries(q)?, &kv, scoring)?;
+        self.coding.unrotate_output(&out)
+    }
+
+    /// Whether the format is delayed (rows keep their first positions unquantized too).
+    pub fn is_delayed(&self) -> bool {
+        self.coding.start() > 0
+    }
+
+    /// A delayed row's unquantized first positions (`[Hkv, n, D]` each); `None` for other formats.
+    pub fn prefix(&self, row: usize) -> Option<(Tensor, Tensor)> {
+        self.prefixes[row].as_ref().map(|p| (p.k.clone(), p.v.clone()))
     }
 
     /// Makes slots for positions up to `end`, growing the buffer, or once it is full moving the
@@ -217,14 +283,15 @@ impl WindowKvStore {
             return Err(StateError::Untrimmable { kind: "sliding-window KV", from: self.rows[row].len, to: len });
         }
         self.rows[row].len = len;
-        Ok(())
+        self.prefixes[row].as_mut().map_or(Ok(()), |p| p.trim(len))
     }
 
     pub fn merge(&mut self, other: &WindowKvStore) -> Result<()> {
-        if other.shape.window != self.shape.window {
-            return Err(StateError::KindMismatch("sliding-window KV", "sliding-window KV of another window"));
+        if other.shape.window != self.shape.window || !self.coding.same_as(&other.coding) {
+            return Err(StateError::KindMismatch("sliding-window KV", "sliding-window KV of another window or format"));
         }
         self.rows.extend(other.rows.iter().cloned());
+        self.prefixes.extend(other.prefixes.iter().cloned());
         Ok(())
     }
 
@@ -234,13 +301,14 @@ impl WindowKvStore {
             return Err(StateError::RowOutOfRange { row: bad, rows: n });
         }
         self.rows = keep.iter().map(|&r| self.rows[r].clone()).collect();
+        self.prefixes = keep.iter().map(|&r| self.prefixes[r].clone()).collect();
         Ok(())
     }
 
     /// One single-row store per row, each keeping its row's buffers.
     pub fn split(self) -> Vec<WindowKvStore> {
-        let one = |row| WindowKvStore { rows: vec![row], shape: self.shape, dtype: self.dtype, device: self.device.clone() };
-        self.rows.iter().cloned().map(one).collect()
+        let one = |(row, prefix)| WindowKvStore { rows: vec![row], prefixes: vec![prefix], ..self.clone_empty() };
+        self.rows.iter().cloned().zip(self.prefixes.iter().cloned()).map(one).collect()
     }
 
     /// An owned single-row copy of `row`, in a buffer sized for its held positions (not the
@@ -249,33 +317,35 @@ impl WindowKvStore {
         let n = self.rows.len();
         let src = self.rows.get(row).ok_or(StateError::RowOutOfRange { row, rows: n })?;
         let (k, v) = self.held(row)?;
-        self.single_row(k, v, src.len)
+        self.single_row(k, v, src.len, self.prefix(row))
     }
 
-    /// The held positions of `row` in order (`[Hkv, n, D]` each): what persistence stores.
+    /// The held positions of `row` in order, as stored (`[Hkv, n, width]` each): what
+    /// persistence stores.
     pub fn held(&self, row: usize) -> Result<(Tensor, Tensor)> {
         let (k, v) = self.held_views(row)?;
         Ok((k.force_contiguous()?, v.force_contiguous()?))
     }
 
-    /// A single-row store at `position` holding `k`, `v` (`[Hkv, n, D]`, the last `n` positions
-    /// before `position`), shaped like this store; the error names what does not fit.
-    pub fn single_row(&self, k: Tensor, v: Tensor, position: usize) -> Result<WindowKvStore> {
-        for (name, t) in [("k", &k), ("v", &v)] {
-            let (h, _, d) = t.dims3()?;
-            if (h, d) != (self.shape.kv.kv_heads, self.shape.kv.head_dim) || t.dtype() != self.dtype {
+    /// A single-row store at `position` holding `k`, `v` (`[Hkv, n, width]` as stored, the last
+    /// `n` positions before `position`) and a delayed format's `prefix`, shaped like this store;
+    /// the error names what does not fit.
+    pub fn single_row(&self, k: Tensor, v: Tensor, position: usize, prefix: Option<(Tensor, Tensor)>) -> Result<WindowKvStore> {
+        for (name, t, part) in [("k", &k, KvPart::Keys), ("v", &v, KvPart::Values)] {
+            let (h, _, width) = t.dims3()?;
+            let (want, dtype) = (self.coding.width(&self.shape.kv, part), self.coding.stored_dtype());
+            if (h, width) != (self.shape.kv.kv_heads, want) || t.dtype() != dtype {
                 return Err(StateError::BadPart(format!(
-                    "sliding-window {name} is {:?} {:?}, expected [{}, n, {}] {:?}",
+                    "sliding-window {name} is {:?} {:?}, expected [{}, n, {want}] {dtype:?} ({} KV)",
                     t.dtype(),
                     t.dims(),
                     self.shape.kv.kv_heads,
-                    self.shape.kv.head_dim,
-                    self.dtype
+                    self.coding.format(),
                 )));
             }
         }
         let held = k.dim(1)?;
-        if k.dims() != v.dims() {
+        if k.dim(1)? != v.dim(1)? {
             return Err(StateError::BadPart(format!("sliding-window k {:?} and v {:?} differ", k.dims(), v.dims())));
         }
         let needed = position.min(self.shape.window - 1);
@@ -290,16 +360,28 @@ impl WindowKvStore {
         row.k.slice_set(&k.to_device(&self.device)?, 1, 0)?;
         row.v.slice_set(&v.to_device(&self.device)?, 1, 0)?;
         row.len = position;
-        Ok(WindowKvStore { rows: vec![row], ..self.clone_empty() })
+        let prefix =
+            prefix.map(|(k, v)| Ok::<_, StateError>(Prefix { k: k.to_device(&self.device)?, v: v.to_device(&self.device)? }));
+        let prefix = prefix.transpose()?;
+        self.coding.check_prefix(&prefix, &self.shape.kv, position)?;
+        Ok(WindowKvStore { rows: vec![row], prefixes: vec![prefix], ..self.clone_empty() })
     }
 
     fn clone_empty(&self) -> WindowKvStore {
-        WindowKvStore { rows: Vec::new(), shape: self.shape, dtype: self.dtype, device: self.device.clone() }
+        WindowKvStore {
+            rows: Vec::new(),
+            prefixes: Vec::new(),
+            shape: self.shape,
+            coding: self.coding.clone(),
+            device: self.device.clone(),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use candle_core::DType;
+
     use super::*;
 
     /// `[1, t, 1]` holding the positions `start..start + t` as values.
@@ -323,7 +405,13 @@ mod tests {
     #[test]
     fn appends_hand_out_each_window_in_order() {
         let window = 5;
-        let mut kv = WindowKvStore::empty(&shape(window), 2, DType::F32, &Device::Cpu).unwrap();
+        let mut kv = WindowKvStore::empty(
+            &shape(window),
+            2,
+            &crate::StoreContext { layer: 0, dtype: DType::F32, kv: crate::KvFormat::Auto, kv_start: 0 },
+            &Device::Cpu,
+        )
+        .unwrap();
         let (capacity, kept) = (kv.capacity(), window - 1 + ROUND_SLACK);
         let mut chunks = vec![1, 3, 2, 7, 1, 1, 40, 1, 70, 2, 1, 130, 1];
         chunks.extend([1; 300]);
@@ -346,7 +434,13 @@ mod tests {
     #[test]
     fn trims_only_while_the_window_is_held() {
         let window = 4;
-        let mut kv = WindowKvStore::empty(&shape(window), 1, DType::F32, &Device::Cpu).unwrap();
+        let mut kv = WindowKvStore::empty(
+            &shape(window),
+            1,
+            &crate::StoreContext { layer: 0, dtype: DType::F32, kv: crate::KvFormat::Auto, kv_start: 0 },
+            &Device::Cpu,
+        )
+        .unwrap();
         let capacity = kv.capacity();
         kv.append(0, &positions(0, 10), &positions(0, 10)).unwrap();
         assert!(kv.can_trim());
@@ -379,7 +473,13 @@ mod tests {
 
     #[test]
     fn extract_copies_only_the_held_positions() {
-        let mut kv = WindowKvStore::empty(&shape(4), 1, DType::F32, &Device::Cpu).unwrap();
+        let mut kv = WindowKvStore::empty(
+            &shape(4),
+            1,
+            &crate::StoreContext { layer: 0, dtype: DType::F32, kv: crate::KvFormat::Auto, kv_start: 0 },
+            &Device::Cpu,
+        )
+        .unwrap();
         // A chunk past the capacity: the row's buffer is full-size, and holds the last 67.
         kv.append(0, &positions(0, 300), &positions(0, 300)).unwrap();
         let per_slot = 2 * 4;
@@ -393,12 +493,18 @@ mod tests {
     #[test]
     fn held_positions_round_trip_through_single_row() {
         let window = 6;
-        let kv0 = WindowKvStore::empty(&shape(window), 1, DType::F32, &Device::Cpu).unwrap();
+        let kv0 = WindowKvStore::empty(
+            &shape(window),
+            1,
+            &crate::StoreContext { layer: 0, dtype: DType::F32, kv: crate::KvFormat::Auto, kv_start: 0 },
+            &Device::Cpu,
+        )
+        .unwrap();
         for total in [0, 3, 5, 50, 69, 70, 71, 200] {
             let mut kv = kv0.clone();
             kv.append(0, &positions(0, total), &positions(0, total)).unwrap();
             let (k, v) = kv.held(0).unwrap();
-            let mut back = kv0.single_row(k, v, total).unwrap();
+            let mut back = kv0.single_row(k, v, total, None).unwrap();
             assert_eq!(back.can_trim(), kv.can_trim());
             // Both continue identically.
             let a = kv.append(0, &positions(total, 2), &positions(total, 2)).unwrap().0;
@@ -406,7 +512,7 @@ mod tests {
             assert_eq!(values(&a), values(&b), "after {total}");
         }
         let k = positions(0, 2);
-        assert!(kv0.single_row(k.clone(), k.clone(), 40).is_err(), "too few positions for the window");
-        assert!(kv0.single_row(k.clone(), k, 1).is_err(), "more positions than consumed");
+        assert!(kv0.single_row(k.clone(), k.clone(), 40, None).is_err(), "too few positions for the window");
+        assert!(kv0.single_row(k.clone(), k, 1, None).is_err(), "more positions than consumed");
     }
 }

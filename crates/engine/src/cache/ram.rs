@@ -146,6 +146,7 @@ mod tests {
         let spec = StateSpec {
             layers: vec![LayerSpec::Attention(kv), LayerSpec::Window(WindowShape { kv, window: 4 })],
             dtype: DType::F32,
+            kv: strata_state::KvPolicy::default(),
         };
         let [kv, window] = spec.new_state(1, &Device::Cpu).unwrap().layers.try_into().unwrap();
         // 17 positions: the KV buffer doubled from 16 to 32 slots; the window's buffer too

@@ -7,7 +7,7 @@ pub mod config;
 mod norm;
 
 use candle_core::{DType, Device, Tensor};
-use strata_state::{BatchState, KvShape, LayerSpec, LayerState, StateSpec};
+use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, StateSpec};
 
 use self::attention::Attention;
 use self::norm::RmsNorm;
@@ -33,6 +33,8 @@ pub struct Dense {
     lm_head: Linear,
     rotary: Rotary,
     dtype: DType,
+    /// How attention KV is stored (`--kv-cache-dtype`).
+    kv: KvPolicy,
     device: Device,
 }
 
@@ -70,6 +72,7 @@ impl Dense {
             lm_head,
             rotary,
             dtype,
+            kv: KvPolicy::default(),
             device: src.device().clone(),
         })
     }
@@ -86,10 +89,15 @@ impl Dense {
         &self.device
     }
 
+    /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]).
+    pub fn set_kv_format(&mut self, kv: KvPolicy) {
+        self.kv = kv;
+    }
+
     /// Every layer holds full-attention KV.
     pub fn state_spec(&self) -> StateSpec {
         let kv = KvShape { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim };
-        StateSpec { layers: vec![LayerSpec::Attention(kv); self.layers.len()], dtype: self.dtype }
+        StateSpec { layers: vec![LayerSpec::Attention(kv); self.layers.len()], dtype: self.dtype, kv: self.kv.clone() }
     }
 
     /// Runs `tokens` (`[B, T]`, u32) through the model, each row continuing from its own

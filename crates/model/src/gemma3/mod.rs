@@ -8,7 +8,7 @@ pub mod config;
 
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention::Scoring;
-use strata_state::{BatchState, KvShape, LayerSpec, LayerState, StateSpec, WindowShape};
+use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, StateSpec, WindowShape};
 
 use crate::error::{ModelError, Result};
 use crate::qwen3_5::layers::{Linear, Matrix, RmsNorm, Rotary};
@@ -58,6 +58,8 @@ pub struct Gemma3 {
     global_rotary: Rotary,
     local_rotary: Rotary,
     dtype: DType,
+    /// How attention KV is stored (`--kv-cache-dtype`).
+    kv: KvPolicy,
     device: Device,
 }
 
@@ -114,6 +116,7 @@ impl Gemma3 {
             global_rotary: rotary(d, cfg.global_rope),
             local_rotary: rotary(d, cfg.local_rope),
             dtype,
+            kv: KvPolicy::default(),
             device: src.device().clone(),
         })
     }
@@ -130,13 +133,18 @@ impl Gemma3 {
         &self.device
     }
 
+    /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]).
+    pub fn set_kv_format(&mut self, kv: KvPolicy) {
+        self.kv = kv;
+    }
+
     /// Global layers hold every position's KV, local ones a sliding window's.
     pub fn state_spec(&self) -> StateSpec {
         let kv = KvShape { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim };
         let window = WindowShape { kv, window: self.cfg.sliding_window };
         let layers =
             self.layers.iter().map(|l| if l.sliding { LayerSpec::Window(window) } else { LayerSpec::Attention(kv) }).collect();
-        StateSpec { layers, dtype: self.dtype }
+        StateSpec { layers, dtype: self.dtype, kv: self.kv.clone() }
     }
 
     /// Runs `tokens` (`[B, T]`, u32), each row continuing from its own position in `state`, and

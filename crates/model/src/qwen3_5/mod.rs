@@ -9,7 +9,7 @@ pub mod layers;
 mod mtp;
 
 use candle_core::{DType, Device, Tensor};
-use strata_state::{BatchState, KvShape, LayerSpec, LayerState, StateSpec};
+use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, StateSpec};
 
 use self::attention::Attention;
 use self::deltanet::GatedDeltaNet;
@@ -116,6 +116,8 @@ pub struct Qwen35 {
     lm_head: Linear,
     rotary: Rotary,
     dtype: DType,
+    /// How attention KV is stored (`--kv-cache-dtype`).
+    kv: KvPolicy,
     device: Device,
     /// Whether every weight matrix is a plain tensor (none kept block-quantized).
     #[cfg(feature = "cuda")]
@@ -152,6 +154,7 @@ impl Qwen35 {
             lm_head,
             rotary: Rotary::new(cfg.rotary_dim(), cfg.rope_theta),
             dtype,
+            kv: KvPolicy::default(),
             device: src.device().clone(),
             #[cfg(feature = "cuda")]
             plain_weights: src.plain.get(),
@@ -198,6 +201,11 @@ impl Qwen35 {
         &self.device
     }
 
+    /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]).
+    pub fn set_kv_format(&mut self, kv: KvPolicy) {
+        self.kv = kv;
+    }
+
     /// What each layer's state is: KV for full attention, a conv window and recurrent matrix
     /// for Gated DeltaNet.
     pub fn state_spec(&self) -> StateSpec {
@@ -211,7 +219,7 @@ impl Qwen35 {
                 LayerKind::Full => LayerSpec::Attention(kv),
             })
             .collect();
-        StateSpec { layers, dtype: self.dtype }
+        StateSpec { layers, dtype: self.dtype, kv: self.kv.clone() }
     }
 
     /// Opens a speculative round on `state`: forwards until [`Qwen35::close_round`] can be

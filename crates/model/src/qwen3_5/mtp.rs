@@ -11,7 +11,7 @@
 //! (the public definition as vLLM and SGLang serve it; transformers does not run the head).
 
 use candle_core::{DType, Device, Tensor};
-use strata_state::{BatchState, KvShape, LayerSpec, StateSpec};
+use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, StateSpec};
 
 use super::layers::{Linear, Matrix, Residual, RmsNorm, Rotary};
 use super::{DecoderLayer, Qwen35, Round};
@@ -77,7 +77,9 @@ impl MtpHead {
     /// Fresh (empty) KV history for `rows` sequences.
     pub fn new_state(&self, rows: usize) -> Result<BatchState> {
         let kv = KvShape { kv_heads: self.kv_heads, head_dim: self.head_dim };
-        Ok(StateSpec { layers: vec![LayerSpec::Attention(kv)], dtype: self.dtype }.new_state(rows, &self.device)?)
+        // The draft head's own KV stays unquantized: it only proposes, the target verifies.
+        let spec = StateSpec { layers: vec![LayerSpec::Attention(kv)], dtype: self.dtype, kv: KvPolicy::default() };
+        Ok(spec.new_state(rows, &self.device)?)
     }
 
     /// Runs the head over `tokens` `[B, T]` (each position's next token) and `hidden`

@@ -106,7 +106,7 @@ pub(super) fn plan(identity: &Identity, snap: &Snapshot) -> Result<Plan, SsdErro
 
 /// A tensor-table row for `t`, hash still unknown (the widest placeholder, see [`layout`]).
 fn record(name: &str, t: &Tensor) -> Result<TensorRecord, SsdError> {
-    if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+    if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16 | DType::U8) {
         return Err(SsdError::Unstorable(format!("tensor `{name}` is {}, which the codec does not store", t.dtype().as_str())));
     }
     Ok(TensorRecord {
@@ -198,6 +198,8 @@ fn host_bytes(t: &Tensor) -> Result<Vec<u8>, SsdError> {
         DType::F32 => flat.to_vec1::<f32>().map_err(unstorable)?.iter().flat_map(|x| x.to_le_bytes()).collect(),
         DType::BF16 => flat.to_vec1::<half::bf16>().map_err(unstorable)?.iter().flat_map(|x| x.to_le_bytes()).collect(),
         DType::F16 => flat.to_vec1::<half::f16>().map_err(unstorable)?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        // Quantized KV codes.
+        DType::U8 => flat.to_vec1::<u8>().map_err(unstorable)?,
         other => return Err(SsdError::Unstorable(format!("dtype {} has no codec", other.as_str()))),
     })
 }

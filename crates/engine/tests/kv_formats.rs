@@ -1,0 +1,158 @@
+//! Quantized KV (`--kv-cache-dtype`, also delayed and with a layer left unquantized) through the
+//! engine, on every fixture with every format its head dimension takes: a request gives the same greedy tokens and log-probabilities (every
+//! vocabulary entry, within 1e-5) whether it runs cold, from a RAM hit, or from the SSD tier
+//! after a restart; the same tokens with speculative decoding (drafts rejected and rolled back,
+//! rows batched) and when resumed from a checkpoint after a crash — each the same format's
+//! uninterrupted run. And the format is in force: its log-probabilities are not the unquantized
+//! ones.
+
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+use strata_engine::cache::{Identity, SsdOptions};
+use strata_engine::{CacheConfig, DraftSource, EngineConfig, GenerationOptions, SamplingParams, Speculation, SsdConfig, Worker};
+use strata_model::{Model, ModelFolder};
+use strata_state::{KvFormat, KvPolicy};
+
+mod common;
+use common::{assert_same, fixtures, greedy, prompt_tokens, run, run_with};
+
+/// The formats under test, each run on every fixture whose head dimension it codes: alone, and
+/// then delayed to position 20 (within the fixtures' prompts) and with the last KV layer left
+/// unquantized.
+const FORMATS: [&str; 5] = ["turbo3", "turbo-k4ipv2", "affine4-g32", "affine8-g128", "affine3-g64"];
+
+fn load(dir: &Path, policy: &KvPolicy) -> Model {
+    let mut model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+    model.set_kv_format(policy.clone()).unwrap();
+    model
+}
+
+/// The policies of [`FORMATS`] that `dir`'s model can store its KV in.
+fn policies(dir: &Path) -> Vec<KvPolicy> {
+    let spec = load(dir, &KvPolicy::default()).state_spec();
+    let formats = FORMATS.iter().map(|f| f.parse::<KvFormat>().unwrap());
+    let policies = formats.flat_map(|format| {
+        [
+            KvPolicy::from(format),
+            KvPolicy { format, start: 20, ..KvPolicy::default() },
+            KvPolicy { format, unquantized: vec![-1], ..KvPolicy::default() },
+        ]
+    });
+    // Leaving the last layer unquantized needs another layer to quantize.
+    let kv_layers = spec.layers.iter().filter(|l| !matches!(l, strata_state::LayerSpec::Recurrent(_))).count();
+    policies.filter(|p| spec.clone().with_kv(p.clone()).is_ok() && (p.unquantized.is_empty() || kv_layers > 1)).collect()
+}
+
+fn cache(ssd: Option<&Path>, format: &KvPolicy, checkpoint_every: usize) -> CacheConfig {
+    let ssd = ssd.map(|dir| SsdConfig {
+        options: SsdOptions { dir: dir.to_path_buf(), max_bytes: 1 << 30, verify: false },
+        identity: Identity { model: "fixture".into(), config_hash: 1, tokenizer_hash: 2, dtype: format!("f32+kv-{format}") },
+        queue: 256,
+    });
+    CacheConfig { ram_bytes: 1 << 30, stride: 8, ssd, checkpoint_every }
+}
+
+fn engine(dir: &Path, format: &KvPolicy, cache: CacheConfig, speculation: Option<Speculation>) -> Worker {
+    let config = EngineConfig {
+        max_batch: 4,
+        prefill_chunk: 8,
+        state_budget_bytes: 1 << 30,
+        kv_cache_bytes: None,
+        kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+        gpu_memory_utilization: None,
+    };
+    Worker::spawn(load(dir, format), config, cache, speculation).unwrap()
+}
+
+#[test]
+fn quantized_kv_is_exact_under_cache_hits_restarts_speculation_and_resumes() {
+    let mut ran = Vec::new();
+    for dir in fixtures() {
+        let prompt = prompt_tokens(&dir);
+        let plain = run(&engine(&dir, &KvPolicy::default(), CacheConfig::off(), None), &prompt, 12);
+        for policy in policies(&dir) {
+            let format = &policy;
+            let what = |case: &str| format!("{}, {format}: {case}", dir.display());
+            ran.push(policy.to_string());
+            let ssd = tempfile::tempdir().unwrap();
+            let worker = engine(&dir, format, cache(Some(ssd.path()), format, 0), None);
+            let cold = run(&worker, &prompt, 12);
+            assert_eq!(cold.cached, 0);
+            let worst = plain.logprobs[0].iter().zip(&cold.logprobs[0]).map(|(a, b)| (a.1 - b.1).abs()).fold(0f32, f32::max);
+            assert!(worst > 1e-4, "{}: the quantized run's log-probabilities are the unquantized ones", what("in force"));
+
+            let warm = run(&worker, &prompt, 12);
+            assert_eq!(warm.cached, prompt.len() - 1, "{}", what("RAM hit"));
+            assert_same(&cold, &warm, &what("RAM hit"));
+            assert_eq!(worker.shutdown(Duration::from_secs(60)), 0, "every queued write lands");
+            drop(worker);
+            let restarted = engine(&dir, format, cache(Some(ssd.path()), format, 0), None);
+            let from_ssd = run(&restarted, &prompt, 12);
+            assert_eq!(from_ssd.cached, prompt.len() - 1, "{}", what("SSD hit"));
+            assert_eq!(restarted.cache_stats().ssd_hits.load(Ordering::Relaxed), 1);
+            assert_same(&cold, &from_ssd, &what("SSD hit after restart"));
+
+            // Speculation: a draft model with other weights (often wrong, so rounds are rolled
+            // back), two rows batched.
+            let other = fixtures().into_iter().find(|d| *d != dir).unwrap();
+            let draft = ModelFolder::open(&other).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+            let speculation = Speculation { source: DraftSource::Model(Box::new(draft)), tokens: 4 };
+            let speculative = engine(&dir, format, CacheConfig::off(), Some(speculation));
+            let both = run_with_both(&speculative, &prompt);
+            assert_eq!(both[0], cold.tokens, "{}", what("speculative decoding"));
+            assert_eq!(both[1], cold.tokens, "{}", what("speculative decoding, batched"));
+
+            // A sampled generation interrupted by a crash resumes from its checkpoint (requests
+            // asking for log-probabilities are not checkpointed).
+            let sampled = GenerationOptions {
+                sampling: SamplingParams { temperature: 1.0, seed: Some(5), ..SamplingParams::greedy() },
+                logprobs: None,
+                ..greedy(20, vec![])
+            };
+            let whole = run_with(&engine(&dir, format, CacheConfig::off(), None), &prompt, sampled.clone(), None).tokens;
+            let ssd = tempfile::tempdir().unwrap();
+            let crashed = engine(&dir, format, cache(Some(ssd.path()), format, 4), None);
+            let partial = run_with(&crashed, &prompt, sampled.clone(), Some(9)).tokens;
+            assert_eq!(partial, whole[..9]);
+            assert_eq!(crashed.shutdown(Duration::from_secs(60)), 0);
+            drop(crashed);
+            let restarted = engine(&dir, format, cache(Some(ssd.path()), format, 4), None);
+            let resumed = run_with(&restarted, &prompt, sampled, None);
+            assert_eq!(restarted.cache_stats().checkpoint_resumes.load(Ordering::Relaxed), 1, "{}", what("resumed"));
+            assert_eq!(resumed.tokens, whole, "{}", what("checkpoint resume"));
+        }
+    }
+    for kind in ["turbo", "affine"] {
+        assert!(ran.iter().any(|f| f.starts_with(kind)), "no fixture ran {kind} KV: {ran:?}");
+    }
+}
+
+/// Two copies of `prompt` submitted at once; each one's greedy tokens.
+fn run_with_both(worker: &Worker, prompt: &[u32]) -> Vec<Vec<u32>> {
+    let (tx_a, rx_a) = std::sync::mpsc::channel();
+    let (tx_b, rx_b) = std::sync::mpsc::channel();
+    for tx in [tx_a, tx_b] {
+        let job = strata_engine::Job::new(prompt.to_vec(), greedy(12, vec![]), Box::new(common::HangUp(tx, None)));
+        worker.submit(job).unwrap();
+    }
+    [rx_a, rx_b]
+        .iter()
+        .map(|rx| {
+            let mut tokens = Vec::new();
+            loop {
+                match rx.recv_timeout(Duration::from_secs(120)).expect("the engine answers") {
+                    strata_engine::Event::Token(s) => tokens.push(s.id),
+                    strata_engine::Event::Finished(g) => {
+                        assert!(g.accepted_tokens < g.drafted_tokens, "some drafts were rejected and rolled back");
+                        return tokens;
+                    }
+                    strata_engine::Event::Failed(e) => panic!("generation failed: {e}"),
+                    _ => {}
+                }
+            }
+        })
+        .collect()
+}
