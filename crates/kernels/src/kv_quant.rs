@@ -445,7 +445,8 @@ impl Normals {
     }
 }
 
-/// Packs `bits`-wide codes little-endian, least significant bit first.
+/// Packs `bits`-wide codes (at most 8) little-endian, least significant bit first: code `n`
+/// takes bits `n·bits ..` of the byte stream, so it spans at most two bytes.
 struct BitWriter<'a> {
     out: &'a mut [u8],
     bits: u32,
@@ -459,9 +460,11 @@ impl<'a> BitWriter<'a> {
     }
 
     fn push(&mut self, code: u32) {
-        for b in 0..self.bits {
-            let i = self.at + b as usize;
-            self.out[i / 8] |= (((code >> b) & 1) as u8) << (i % 8);
+        let (byte, shift) = (self.at / 8, self.at % 8);
+        let v = (code & ((1 << self.bits) - 1)) << shift;
+        self.out[byte] |= v as u8;
+        if shift + self.bits as usize > 8 {
+            self.out[byte + 1] |= (v >> 8) as u8;
         }
         self.at += self.bits as usize;
     }
@@ -479,13 +482,13 @@ impl<'a> BitReader<'a> {
     }
 
     fn next(&mut self) -> u32 {
-        let mut v = 0;
-        for b in 0..self.bits {
-            let i = self.at + b as usize;
-            v |= u32::from(self.code[i / 8] >> (i % 8) & 1) << b;
+        let (byte, shift) = (self.at / 8, self.at % 8);
+        let mut window = u32::from(self.code[byte]);
+        if shift + self.bits as usize > 8 {
+            window |= u32::from(self.code[byte + 1]) << 8;
         }
         self.at += self.bits as usize;
-        v
+        (window >> shift) & ((1 << self.bits) - 1)
     }
 }
 
@@ -644,5 +647,24 @@ mod tests {
             }
         }
         assert!(!Turbo::new(32, 3, TurboVariant::InnerProduct, 9).unwrap().is_mse());
+    }
+
+    /// Codes of every width pack least significant bit first, each `bits` wide from bit
+    /// `n · bits` of the stream, and read back as written.
+    #[test]
+    fn codes_pack_lsb_first_and_read_back() {
+        for bits in 1..=8u32 {
+            let codes: Vec<u32> = (0..37u32).map(|n| n.wrapping_mul(2_654_435_761) >> (32 - bits)).collect();
+            let mut out = vec![0u8; (codes.len() * bits as usize).div_ceil(8)];
+            let mut writer = BitWriter::new(&mut out, bits);
+            codes.iter().for_each(|&c| writer.push(c));
+            for (n, &c) in codes.iter().enumerate() {
+                let bit = |b: usize| u32::from(out[b / 8] >> (b % 8) & 1);
+                let packed = (0..bits as usize).map(|b| bit(n * bits as usize + b) << b).sum::<u32>();
+                assert_eq!(packed, c, "{bits} bits, code {n}");
+            }
+            let mut reader = BitReader::new(&out, bits);
+            assert!(codes.iter().all(|&c| reader.next() == c), "{bits} bits read back");
+        }
     }
 }
