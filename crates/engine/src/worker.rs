@@ -35,12 +35,13 @@ impl EngineConfig {
         let memory = strata_kernels::device_memory(device).map_err(strata_model::ModelError::from)?;
         let blocks = match (self.kv_cache_bytes, self.gpu_memory_utilization, memory) {
             (Some(bytes), ..) => {
-                let slots = spec.cost().bytes_per_row.saturating_mul(rows);
+                let slots = spec.cost().row_bytes_besides_kv().saturating_mul(rows);
                 let blocks = bytes.checked_sub(slots).map_or(0, |kv| StatePool::blocks_in(&spec, self.kv_block_size, kv));
                 if blocks <= rows {
                     return Err(SpawnError::Memory(format!(
-                        "--kv-cache-memory {bytes} holds {blocks} KV blocks after the recurrent state of {rows} rows \
-                         ({slots} bytes): not one block per row; raise it or lower --max-num-seqs"
+                        "--kv-cache-memory {bytes} holds {blocks} KV blocks after the recurrent state (and delayed KV's \
+                         unquantized first positions) of {rows} rows ({slots} bytes): not one block per row; raise it or \
+                         lower --max-num-seqs"
                     )));
                 }
                 PoolSize::Fixed(blocks)
@@ -95,7 +96,7 @@ impl MemoryPlan {
     /// KV blocks for the pool, after the rows' recurrent slots.
     fn blocks(&self, spec: &strata_state::StateSpec, config: &EngineConfig) -> Result<usize, SpawnError> {
         let rows = config.max_batch + 1;
-        let per_row = spec.cost().bytes_per_row;
+        let per_row = spec.cost().row_bytes_besides_kv();
         let slots = per_row.saturating_mul(rows);
         let gib = |b: usize| b as f64 / (1u64 << 30) as f64;
         let too_small = |what: String| {

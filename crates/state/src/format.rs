@@ -328,7 +328,9 @@ impl KvCoding {
         let (keys, values) = (heads(KvPart::Keys)?, heads(KvPart::Values)?);
         let (key_rotations, value_rotations) = (rotations(&keys, shape)?, rotations(&values, shape)?);
         let codecs = Arc::new(LayerCodecs { format, keys, values, key_rotations, value_rotations });
-        built.lock().unwrap_or_else(|e| e.into_inner()).insert(key, codecs.clone());
+        // Another thread may have built the same codecs meanwhile: every coding of a layer
+        // shares the first (merges compare codings by identity).
+        let codecs = built.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_insert(codecs).clone();
         Ok(Self { dtype, codecs: Some(codecs), start })
     }
 
@@ -467,16 +469,20 @@ impl KvCoding {
 
     /// Each head's rows of `x` times its KV head's rotation transposed (`R·x` per vector,
     /// `forward`) or not (`Rᵀ·x`).
+    /// In f32 whatever the compute dtype, so that reading rotated costs no precision.
     fn turn(&self, x: &Tensor, part: KvPart, forward: bool) -> Result<Tensor> {
         let Some(r) = self.codecs.as_ref().and_then(|c| c.rotations(part)) else {
             return Ok(x.clone());
         };
         let (b, hq, t, d) = x.dims4()?;
         let hkv = r.dim(0)?;
-        let r = if forward { r.transpose(1, 2)? } else { r.clone() };
-        let r = r.to_device(x.device())?.to_dtype(x.dtype())?.unsqueeze(0)?.broadcast_as((b, hkv, d, d))?.contiguous()?;
-        let grouped = x.contiguous()?.reshape((b, hkv, hq / hkv * t, d))?;
-        Ok(grouped.matmul(&r)?.reshape((b, hq, t, d))?)
+        let r = if forward { r.t()? } else { r.clone() };
+        let r = r.to_device(x.device())?.contiguous()?;
+        // Every row's vectors of one KV head's query heads as one `[Hkv, B·G·T, D]` batch.
+        let grouped = x.to_dtype(DType::F32)?.reshape((b, hkv, hq / hkv * t, d))?.transpose(0, 1)?.contiguous()?;
+        let turned = grouped.reshape((hkv, b * hq / hkv * t, d))?.matmul(&r)?;
+        let turned = turned.reshape((hkv, b, hq / hkv * t, d))?.transpose(0, 1)?.reshape((b, hq, t, d))?;
+        Ok(turned.to_dtype(x.dtype())?)
     }
 
     /// `x` (`[.., Hkv, T, D]`, heads third from last) as stored: in the compute dtype, or
@@ -784,24 +790,30 @@ mod tests {
 
         let kv = KvShape { kv_heads: 1, head_dim: 32 };
         let layers = vec![LayerSpec::Attention(kv), LayerSpec::Window(WindowShape { kv, window: 6 })];
-        let affine: KvFormat = "affine3-g32".parse().unwrap();
         let spec = |kv: KvPolicy| StateSpec { layers: layers.clone(), dtype: DType::F32, kv };
         let start = 10;
-        let delayed = spec(KvPolicy { format: affine, start, ..KvPolicy::default() });
-        let random = |t: usize, heads: usize| Tensor::randn(0f32, 1.0, (1, heads, t, 32), &Device::Cpu).unwrap();
-        let attend = |state: &mut BatchState, q: &Tensor, k: &Tensor, v: &Tensor| -> Vec<Tensor> {
-            let scoring = |window| Scoring { scale: 0.2, window };
-            state
-                .layers
-                .iter_mut()
-                .map(|layer| match layer {
-                    LayerState::Attention(s) => s.attend(q, k, v, scoring(None), None).unwrap(),
-                    LayerState::Window(s) => s.attend(q, k, v, scoring(Some(6))).unwrap(),
-                    LayerState::Recurrent(_) => unreachable!(),
-                })
-                .collect()
-        };
-        for chunks in [vec![4, 9, 3, 1], vec![12, 5], vec![1; 17]] {
+        for (format, chunks) in [
+            ("affine3-g32", vec![4, 9, 3, 1]),
+            ("affine3-g32", vec![12, 5]),
+            ("affine3-g32", vec![1; 17]),
+            ("turbo3", vec![4, 9, 3, 1]),
+            ("turbo-k3ipv2", vec![12, 5]),
+        ] {
+            let affine: KvFormat = format.parse().unwrap();
+            let delayed = spec(KvPolicy { format: affine, start, ..KvPolicy::default() });
+            let random = |t: usize, heads: usize| Tensor::randn(0f32, 1.0, (1, heads, t, 32), &Device::Cpu).unwrap();
+            let attend = |state: &mut BatchState, q: &Tensor, k: &Tensor, v: &Tensor| -> Vec<Tensor> {
+                let scoring = |window| Scoring { scale: 0.2, window };
+                state
+                    .layers
+                    .iter_mut()
+                    .map(|layer| match layer {
+                        LayerState::Attention(s) => s.attend(q, k, v, scoring(None), None).unwrap(),
+                        LayerState::Window(s) => s.attend(q, k, v, scoring(Some(6))).unwrap(),
+                        LayerState::Recurrent(_) => unreachable!(),
+                    })
+                    .collect()
+            };
             let mut states = [delayed.clone(), spec(KvPolicy::default()), spec(affine.into())]
                 .map(|spec| spec.new_state(1, &Device::Cpu).unwrap());
             let mut len = 0;

@@ -82,9 +82,16 @@ impl KvStore {
     }
 
     /// Where a kernel writing and reading the rows in place finds them: the pool's tensors and
-    /// the rows' block tables; `None` for rows in buffers of their own.
+    /// the rows' block tables; `None` for rows in buffers of their own. The tensors hold codes
+    /// for a quantized format (see [`KvStore::is_plain`]).
     pub fn paged_layout(&self) -> Option<PagedLayout> {
         self.paged_rows().map(PagedRows::layout)
+    }
+
+    /// Whether positions are stored as computed (what device kernels writing and reading them
+    /// in place take), not quantized.
+    pub fn is_plain(&self) -> bool {
+        self.coding.is_plain()
     }
 
     fn empty_row(&self, capacity: usize) -> Result<KvRow> {
@@ -161,11 +168,11 @@ impl KvStore {
         }
     }
 
-    /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns its whole history.
-    pub fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns its whole history ([`KvStore::history`]:
+    /// decoded codes, also before a delayed format's start).
+    pub fn append(&mut self, row: usize, k_new: &Tensor, v_new: &Tensor) -> Result<(Tensor, Tensor)> {
         let len = self.len(row);
-        self.coding.extend_prefix(&mut self.prefixes[row], len, k, v)?;
-        let (k, v) = self.encode(k, v)?;
+        let (k, v) = self.encode(k_new, v_new)?;
         match &mut self.rows {
             Rows::Owned(_) => {
                 let t = k.dim(1)?;
@@ -177,11 +184,14 @@ impl KvStore {
             }
             Rows::Paged(paged) => paged.append(row, &k, &v)?,
         }
+        // After the write, which may fail (a full pool), so that the prefix never runs ahead.
+        self.coding.extend_prefix(&mut self.prefixes[row], len, k_new, v_new)?;
         self.history(row)
     }
 
     /// Appends `k[r]`, `v[r]` (`k`, `v` `[rows, Hkv, T, D]`) to every row `r` and returns each
-    /// row's whole history; one write for all rows where the device allows.
+    /// row's whole history ([`KvStore::history`]); one write for all rows where the device
+    /// allows.
     pub fn append_rows(&mut self, k: &Tensor, v: &Tensor) -> Result<Vec<(Tensor, Tensor)>> {
         self.append_stored(k, v)?;
         (0..self.rows()).map(|row| self.history(row)).collect()
@@ -189,20 +199,21 @@ impl KvStore {
 
     /// [`KvStore::append_rows`] without reading the histories back.
     fn append_stored(&mut self, k: &Tensor, v: &Tensor) -> Result<()> {
-        for row in 0..self.rows() {
-            let len = self.len(row);
+        let lens = self.lens();
+        if let Rows::Paged(paged) = &mut self.rows {
+            Self::append_paged(paged, &self.coding, k, v)?;
+        } else {
+            let t = k.dim(2)?;
+            self.reserve_rows(t)?;
+            let (k, v) = self.encode(k, v)?;
+            let rows = self.owned_mut();
+            attention::write_rows(&k, &rows.iter().map(|r| (&r.k, r.len)).collect::<Vec<_>>())?;
+            attention::write_rows(&v, &rows.iter().map(|r| (&r.v, r.len)).collect::<Vec<_>>())?;
+            rows.iter_mut().for_each(|r| r.len += t);
+        }
+        for (row, len) in lens.into_iter().enumerate() {
             self.coding.extend_prefix(&mut self.prefixes[row], len, &k.get(row)?, &v.get(row)?)?;
         }
-        if let Rows::Paged(paged) = &mut self.rows {
-            return Self::append_paged(paged, &self.coding, k, v);
-        }
-        let t = k.dim(2)?;
-        self.reserve_rows(t)?;
-        let (k, v) = self.encode(k, v)?;
-        let rows = self.owned_mut();
-        attention::write_rows(&k, &rows.iter().map(|r| (&r.k, r.len)).collect::<Vec<_>>())?;
-        attention::write_rows(&v, &rows.iter().map(|r| (&r.v, r.len)).collect::<Vec<_>>())?;
-        rows.iter_mut().for_each(|r| r.len += t);
         Ok(())
     }
 
@@ -343,14 +354,25 @@ impl KvStore {
     /// Each row's whole key and value buffers `[Hkv, capacity, D]`, for kernels that write a
     /// step's positions in place themselves (a captured decode step); they stay these buffers
     /// while appends fit the capacity. [`KvStore::commit_written`] then counts what was written.
+    /// Only for unquantized KV.
     pub fn buffers(&self) -> Result<Vec<(Tensor, Tensor)>> {
+        self.plain_only("row buffers")?;
         Ok(self.not_paged("row buffers")?.iter().map(|r| (r.k.clone(), r.v.clone())).collect())
+    }
+
+    /// An error for a quantized store: device kernels write positions as computed.
+    fn plain_only(&self, what: &str) -> Result<()> {
+        match self.is_plain() {
+            true => Ok(()),
+            false => Err(StateError::Format(format!("{what}: written in place only for unquantized KV, not {}", self.format()))),
+        }
     }
 
     /// Counts `t` more positions in every row, written into [`KvStore::buffers`] (or the blocks
     /// of [`KvStore::paged_layout`]) by a device kernel rather than through
     /// [`KvStore::append_rows`].
     pub fn commit_written(&mut self, t: usize) -> Result<()> {
+        self.plain_only("counting written positions")?;
         if let Rows::Paged(paged) = &mut self.rows {
             return paged.commit_written(t);
         }
@@ -438,7 +460,6 @@ impl KvStore {
         if !self.coding.same_as(&other.coding) {
             return Err(StateError::KindMismatch("attention KV of another format", "attention KV"));
         }
-        self.prefixes.extend(other.prefixes.iter().cloned());
         match (&mut self.rows, &other.rows) {
             (Rows::Owned(a), Rows::Owned(b)) => a.extend(b.iter().cloned()),
             (Rows::Paged(a), Rows::Paged(b)) if a.same_pool(b) => a.merge(b),
@@ -446,6 +467,8 @@ impl KvStore {
                 for row in 0..other.rows() {
                     let (k, v) = other.stored(row)?;
                     let at = self.rows();
+                    // A row and its prefix join together, whatever fails after.
+                    self.prefixes.push(other.prefixes[row].clone());
                     match &mut self.rows {
                         Rows::Owned(rows) => {
                             rows.push(KvRow { k: k.force_contiguous()?, v: v.force_contiguous()?, len: k.dim(1)? })
@@ -456,8 +479,10 @@ impl KvStore {
                         }
                     }
                 }
+                return Ok(());
             }
         }
+        self.prefixes.extend(other.prefixes.iter().cloned());
         Ok(())
     }
 

@@ -99,6 +99,13 @@ impl StateCost {
         tokens.checked_mul(self.bytes_per_token)?.checked_add(window)?.checked_add(prefix)?.checked_add(self.bytes_per_row)
     }
 
+    /// The most a row holds besides its full-attention and sliding-window KV: its fixed state
+    /// and a delayed format's unquantized first positions (what a pool of KV blocks must leave
+    /// room for per row).
+    pub fn row_bytes_besides_kv(&self) -> usize {
+        self.bytes_per_row + self.prefix_positions * self.prefix_bytes_per_token
+    }
+
     /// The cost of holding both: layers' costs add. Windowed (and prefix) costs add only for
     /// one length, which is all a model declares today; the longer is kept, so the sum never
     /// under-counts.
@@ -152,8 +159,15 @@ impl StateSpec {
             LayerSpec::Attention(shape) | LayerSpec::Window(WindowShape { kv: shape, .. }) => Some(shape),
             LayerSpec::Recurrent(_) => None,
         });
+        let mut quantized = 0;
         for (i, shape) in shapes.enumerate() {
-            kv.format_at(i, kv_layers)?.check(shape)?;
+            let format = kv.format_at(i, kv_layers)?;
+            format.check(shape)?;
+            quantized += usize::from(format.is_quantized());
+        }
+        if kv.format.is_quantized() && quantized == 0 && kv_layers > 0 {
+            let named = format!("--kv-unquantized-layers names every one of the {kv_layers} layers holding KV");
+            return Err(crate::StateError::Format(format!("{named}: use --kv-cache-dtype auto")));
         }
         Ok(StateSpec { kv, ..self })
     }

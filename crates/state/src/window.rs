@@ -135,10 +135,12 @@ impl WindowKvStore {
     /// Appends `k`, `v` (`[Hkv, T, D]`) to `row` and returns the keys and values the `T` new
     /// queries need, in position order: the held positions within the window of the first new
     /// query, then the new ones. The caller masks each query to its own window.
+    /// (Decoded codes, also before a delayed format's start.)
     pub fn append(&mut self, row: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        self.coding.extend_prefix(&mut self.prefixes[row], self.rows[row].len, k, v)?;
-        let (k, v) = self.append_stored(row, k, v)?;
-        Ok((self.coding.decode(&k, KvPart::Keys)?, self.coding.decode(&v, KvPart::Values)?))
+        let len = self.rows[row].len;
+        let (held_k, held_v) = self.append_stored(row, k, v)?;
+        self.coding.extend_prefix(&mut self.prefixes[row], len, k, v)?;
+        Ok((self.coding.decode(&held_k, KvPart::Keys)?, self.coding.decode(&held_v, KvPart::Values)?))
     }
 
     /// [`WindowKvStore::append`], returning what the queries need as stored.
@@ -182,8 +184,8 @@ impl WindowKvStore {
         let mut held = Vec::with_capacity(self.rows());
         for (row, &len) in lens.iter().enumerate() {
             let (k, v) = (k.get(row)?, v.get(row)?);
-            self.coding.extend_prefix(&mut self.prefixes[row], len, &k, &v)?;
             held.push(self.append_stored(row, &k, &v)?);
+            self.coding.extend_prefix(&mut self.prefixes[row], len, &k, &v)?;
         }
         if !self.is_delayed() {
             return self.attend_codes(q, &held, scoring);

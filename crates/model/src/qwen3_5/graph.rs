@@ -106,7 +106,8 @@ impl Pooled {
         for layer in &mut state.layers {
             match layer {
                 LayerState::Attention(store) => {
-                    if !store.is_paged() {
+                    // The graph's kernels read and write keys and values as computed, in place.
+                    if !store.is_paged() || !store.is_plain() {
                         return Ok(None);
                     }
                     store.reserve_rows(1)?;
