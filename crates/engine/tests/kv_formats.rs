@@ -12,12 +12,12 @@ use std::time::Duration;
 
 use candle_core::{DType, Device};
 use strata_engine::cache::{Identity, SsdOptions};
-use strata_engine::{CacheConfig, DraftSource, EngineConfig, GenerationOptions, SamplingParams, Speculation, SsdConfig, Worker};
+use strata_engine::{CacheConfig, DraftSource, GenerationOptions, SamplingParams, Speculation, SsdConfig, Worker};
 use strata_model::{Model, ModelFolder};
 use strata_state::{KvFormat, KvPolicy};
 
 mod common;
-use common::{assert_same, fixtures, greedy, prompt_tokens, run, run_with};
+use common::{assert_same, fixtures, greedy, prompt_tokens, run, run_with, small_engine};
 
 /// The formats under test, each run on every fixture whose head dimension it codes: alone, and
 /// then delayed to position 20 (within the fixtures' prompts) and with the last KV layer left
@@ -56,15 +56,7 @@ fn cache(ssd: Option<&Path>, format: &KvPolicy, checkpoint_every: usize) -> Cach
 }
 
 fn engine(dir: &Path, format: &KvPolicy, cache: CacheConfig, speculation: Option<Speculation>) -> Worker {
-    let config = EngineConfig {
-        max_batch: 4,
-        prefill_chunk: 8,
-        state_budget_bytes: 1 << 30,
-        kv_cache_bytes: None,
-        kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
-        gpu_memory_utilization: None,
-    };
-    Worker::spawn(load(dir, format), config, cache, speculation).unwrap()
+    small_engine(load(dir, format), cache, speculation)
 }
 
 #[test]

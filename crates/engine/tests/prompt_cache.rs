@@ -15,7 +15,7 @@ use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, GenerationOptio
 use strata_model::ModelFolder;
 
 mod common;
-use common::{assert_same, fixtures, greedy, prompt_tokens, run, run_with, HangUp};
+use common::{assert_same, fixtures, greedy, prompt_tokens, run, run_with, small_engine, HangUp};
 
 fn cache(ssd: Option<&Path>, checkpoint_every: usize) -> CacheConfig {
     let ssd = ssd.map(|dir| SsdConfig {
@@ -28,21 +28,7 @@ fn cache(ssd: Option<&Path>, checkpoint_every: usize) -> CacheConfig {
 
 /// A fresh engine on the fixture in `dir` (each worker owns its model).
 fn engine(dir: &Path, cache: CacheConfig) -> Worker {
-    let model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
-    Worker::spawn(
-        model,
-        EngineConfig {
-            max_batch: 4,
-            prefill_chunk: 8,
-            state_budget_bytes: 1 << 30,
-            kv_cache_bytes: None,
-            kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
-            gpu_memory_utilization: None,
-        },
-        cache,
-        None,
-    )
-    .unwrap()
+    small_engine(ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap(), cache, None)
 }
 
 #[test]

@@ -22,6 +22,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Tensor};
+use strata_kernels::attention::{self, Scoring};
 use strata_kernels::kv_quant::{Affine, KvCodec, Turbo, TurboVariant};
 
 use crate::spec::KvShape;
@@ -259,10 +260,11 @@ struct LayerCodecs {
     format: KvFormat,
     keys: Vec<HeadCodec>,
     values: Vec<HeadCodec>,
-    /// Per half, TurboQuant MSE codes' rotations `[Hkv, D, D]` (f32): attention reads such codes
-    /// short of the rotation (see [`KvCoding::read`]).
-    key_rotations: Option<Tensor>,
-    value_rotations: Option<Tensor>,
+    /// Per half of TurboQuant MSE codes, what attention multiplies row vectors by, `[Hkv, D, D]`
+    /// f32, contiguous (see [`KvCoding::read`]): queries by `Rᵀ` (each becomes `R·q`) to meet
+    /// keys read short of their rotation, the output by `R` (`Rᵀ·y`) to undo the values'.
+    key_turns: Option<Tensor>,
+    value_turns: Option<Tensor>,
 }
 
 /// How one attention layer writes and reads its positions: the layer's format, its compute
@@ -326,8 +328,9 @@ impl KvCoding {
         }
         let heads = |part| (0..shape.kv_heads).map(|h| format.codec(shape.head_dim, layer, h, part)).collect::<Result<Vec<_>>>();
         let (keys, values) = (heads(KvPart::Keys)?, heads(KvPart::Values)?);
-        let (key_rotations, value_rotations) = (rotations(&keys, shape)?, rotations(&values, shape)?);
-        let codecs = Arc::new(LayerCodecs { format, keys, values, key_rotations, value_rotations });
+        let key_turns = rotations(&keys, shape)?.map(|r| r.t()?.contiguous()).transpose()?;
+        let value_turns = rotations(&values, shape)?;
+        let codecs = Arc::new(LayerCodecs { format, keys, values, key_turns, value_turns });
         // Another thread may have built the same codecs meanwhile: every coding of a layer
         // shares the first (merges compare codings by identity).
         let codecs = built.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_insert(codecs).clone();
@@ -435,49 +438,46 @@ impl KvCoding {
     /// [`KvCoding::rotate_queries`] and the output back by [`KvCoding::unrotate_output`], which
     /// reads every key and value in `O(D)` instead of `O(D²)`.
     pub(crate) fn read(&self, stored: &Tensor, part: KvPart) -> Result<Tensor> {
-        let Some(codecs) = self.codecs.as_ref().filter(|c| c.rotations(part).is_some()) else {
+        if self.codecs.as_ref().and_then(|c| c.rotations(part)).is_none() {
             return self.decode(stored, part);
-        };
-        let codecs = codecs.of(part);
-        let dims = stored.dims().to_vec();
-        let (heads, t, width) = three_last(&dims)?;
-        let d = codecs[0].get().dim();
-        let codes = stored.flatten_all()?.to_vec1::<u8>()?;
-        let mut out = vec![0f32; codes.len() / width * d];
-        for (i, (code, x)) in codes.chunks_exact(width).zip(out.chunks_exact_mut(d)).enumerate() {
-            match &codecs[i / t % heads] {
-                HeadCodec::Turbo(turbo) => turbo.decode_rotated(code, x),
-                HeadCodec::Affine(_) => unreachable!("rotations exist only for TurboQuant heads"),
-            }
         }
-        let mut shape = dims;
-        *shape.last_mut().expect("three dims") = d;
-        Ok(Tensor::from_vec(out, shape, stored.device())?.to_dtype(self.dtype)?)
+        self.decode_with(stored, part, |codec, code, x| match codec {
+            HeadCodec::Turbo(turbo) => turbo.decode_rotated(code, x),
+            HeadCodec::Affine(_) => unreachable!("rotations exist only for TurboQuant heads"),
+        })
+    }
+
+    /// Attention of `q` (`[B, Hq, T, D]`) over rows' `stored` keys and values as
+    /// [`KvCoding::read`] reads them, ungated: `[B, Hq, T, D]`.
+    pub(crate) fn attend(&self, q: &Tensor, stored: &[(Tensor, Tensor)], scoring: Scoring) -> Result<Tensor> {
+        let read = |(k, v): &(Tensor, Tensor)| Ok((self.read(k, KvPart::Keys)?, self.read(v, KvPart::Values)?));
+        let kv = stored.iter().map(read).collect::<Result<Vec<_>>>()?;
+        let out = attention::causal_attention_rows(&self.rotate_queries(q)?, &kv, scoring)?;
+        self.unrotate_output(&out)
     }
 
     /// `q` (`[B, Hq, T, D]`) as it meets keys [`KvCoding::read`] returns: each query head turned
     /// by its KV head's key rotation when keys are read rotated.
-    pub(crate) fn rotate_queries(&self, q: &Tensor) -> Result<Tensor> {
-        self.turn(q, KvPart::Keys, true)
+    fn rotate_queries(&self, q: &Tensor) -> Result<Tensor> {
+        self.turn(q, KvPart::Keys)
     }
 
     /// Attention output (`[B, Hq, T, D]`) over values [`KvCoding::read`] returns, turned back
     /// when values are read rotated.
-    pub(crate) fn unrotate_output(&self, out: &Tensor) -> Result<Tensor> {
-        self.turn(out, KvPart::Values, false)
+    fn unrotate_output(&self, out: &Tensor) -> Result<Tensor> {
+        self.turn(out, KvPart::Values)
     }
 
-    /// Each head's rows of `x` times its KV head's rotation transposed (`R·x` per vector,
-    /// `forward`) or not (`Rᵀ·x`).
-    /// In f32 whatever the compute dtype, so that reading rotated costs no precision.
-    fn turn(&self, x: &Tensor, part: KvPart, forward: bool) -> Result<Tensor> {
+    /// Each head's rows of `x` times its KV head's turn for `part` (see
+    /// [`LayerCodecs::key_turns`]). In f32 whatever the compute dtype, so that reading rotated
+    /// costs no precision.
+    fn turn(&self, x: &Tensor, part: KvPart) -> Result<Tensor> {
         let Some(r) = self.codecs.as_ref().and_then(|c| c.rotations(part)) else {
             return Ok(x.clone());
         };
         let (b, hq, t, d) = x.dims4()?;
         let hkv = r.dim(0)?;
-        let r = if forward { r.t()? } else { r.clone() };
-        let r = r.to_device(x.device())?.contiguous()?;
+        let r = r.to_device(x.device())?;
         // Every row's vectors of one KV head's query heads as one `[Hkv, B·G·T, D]` batch.
         let grouped = x.to_dtype(DType::F32)?.reshape((b, hkv, hq / hkv * t, d))?.transpose(0, 1)?.contiguous()?;
         let turned = grouped.reshape((hkv, b * hq / hkv * t, d))?.matmul(&r)?;
@@ -507,17 +507,23 @@ impl KvCoding {
 
     /// Stored `part` (`[.., Hkv, T, width]`) as keys or values in the compute dtype.
     pub(crate) fn decode(&self, stored: &Tensor, part: KvPart) -> Result<Tensor> {
-        let Some(codecs) = &self.codecs else {
+        if self.codecs.is_none() {
             return Ok(stored.clone());
-        };
-        let codecs = codecs.of(part);
+        }
+        self.decode_with(stored, part, |codec, code, x| codec.get().decode(code, x))
+    }
+
+    /// Stored codes of `part` (a quantized layer's) turned into `[.., Hkv, T, D]` values in the
+    /// compute dtype, each vector by `decode` with its head's codec.
+    fn decode_with(&self, stored: &Tensor, part: KvPart, decode: impl Fn(&HeadCodec, &[u8], &mut [f32])) -> Result<Tensor> {
+        let codecs = self.codecs.as_ref().expect("called for quantized layers").of(part);
         let dims = stored.dims().to_vec();
         let (heads, t, width) = three_last(&dims)?;
         let d = codecs[0].get().dim();
         let codes = stored.flatten_all()?.to_vec1::<u8>()?;
         let mut out = vec![0f32; codes.len() / width * d];
         for (i, (code, x)) in codes.chunks_exact(width).zip(out.chunks_exact_mut(d)).enumerate() {
-            codecs[i / t % heads].get().decode(code, x);
+            decode(&codecs[i / t % heads], code, x);
         }
         let mut shape = dims;
         *shape.last_mut().expect("three dims") = d;
@@ -535,8 +541,8 @@ impl LayerCodecs {
 
     fn rotations(&self, part: KvPart) -> Option<&Tensor> {
         match part {
-            KvPart::Keys => self.key_rotations.as_ref(),
-            KvPart::Values => self.value_rotations.as_ref(),
+            KvPart::Keys => self.key_turns.as_ref(),
+            KvPart::Values => self.value_turns.as_ref(),
         }
     }
 }

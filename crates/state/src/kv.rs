@@ -316,10 +316,7 @@ impl KvStore {
 
     /// Attention of `q` over rows' `stored` codes as [`KvCoding::read`] reads them.
     fn attend_codes(&self, q: &Tensor, stored: &[(Tensor, Tensor)], scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
-        let read = |(k, v): &(Tensor, Tensor)| Ok((self.coding.read(k, KvPart::Keys)?, self.coding.read(v, KvPart::Values)?));
-        let kv = stored.iter().map(read).collect::<Result<Vec<_>>>()?;
-        let out = attention::causal_attention_rows(&self.coding.rotate_queries(q)?, &kv, scoring)?;
-        let out = self.coding.unrotate_output(&out)?;
+        let out = self.coding.attend(q, stored, scoring)?;
         Ok(match gate {
             Some(gate) => attention::sigmoid_gate(&out, gate)?,
             None => out,

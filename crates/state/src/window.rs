@@ -188,7 +188,7 @@ impl WindowKvStore {
             self.coding.extend_prefix(&mut self.prefixes[row], len, &k, &v)?;
         }
         if !self.is_delayed() {
-            return self.attend_codes(q, &held, scoring);
+            return self.coding.attend(q, &held, scoring);
         }
         // A delayed format: per row, the queries before the start over the unquantized first
         // positions (from the first query's window on), the others over the codes.
@@ -203,21 +203,12 @@ impl WindowKvStore {
                         let keys = prefix.range(len.saturating_sub(self.shape.window - 1), len + s.offset + s.count)?;
                         attention::causal_attention_rows(&q, &[keys], scoring)?
                     }
-                    _ => self.attend_codes(&q, std::slice::from_ref(&held), scoring)?,
+                    _ => self.coding.attend(&q, std::slice::from_ref(&held), scoring)?,
                 });
             }
             rows.push(Tensor::cat(&pieces, 2)?);
         }
         Ok(Tensor::cat(&rows, 0)?)
-    }
-
-    /// Attention of `q` over rows' `stored` positions as the coding reads them (see
-    /// `KvCoding::read`).
-    fn attend_codes(&self, q: &Tensor, stored: &[(Tensor, Tensor)], scoring: attention::Scoring) -> Result<Tensor> {
-        let read = |(k, v): &(Tensor, Tensor)| Ok((self.coding.read(k, KvPart::Keys)?, self.coding.read(v, KvPart::Values)?));
-        let kv = stored.iter().map(read).collect::<Result<Vec<_>>>()?;
-        let out = attention::causal_attention_rows(&self.coding.rotate_queries(q)?, &kv, scoring)?;
-        self.coding.unrotate_output(&out)
     }
 
     /// Whether the format is delayed (rows keep their first positions unquantized too).

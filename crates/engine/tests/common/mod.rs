@@ -5,7 +5,8 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use candle_core::Device;
-use strata_engine::{Event, EventSink, GenerationOptions, Job, SamplingParams, Worker};
+use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Job, SamplingParams, Speculation, Worker};
+use strata_model::Model;
 
 /// Every Qwen3.5 fixture folder, and the Gemma 3 one (other dense ones live under
 /// `fixtures/dense/` and serve as drafts).
@@ -113,4 +114,18 @@ pub fn assert_same(cold: &Run, warm: &Run, what: &str) {
         let worst = a.iter().zip(&b).map(|(x, y)| (x.1 - y.1).abs()).fold(0f32, f32::max);
         assert!(worst <= 1e-5, "{what}: step {step} log-probabilities differ by {worst}");
     }
+}
+
+/// A fresh engine on `model`: 4 rows, prefill chunks of 8 positions, state in a growing pool.
+#[allow(dead_code)]
+pub fn small_engine(model: Model, cache: CacheConfig, speculation: Option<Speculation>) -> Worker {
+    let config = EngineConfig {
+        max_batch: 4,
+        prefill_chunk: 8,
+        state_budget_bytes: 1 << 30,
+        kv_cache_bytes: None,
+        kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
+        gpu_memory_utilization: None,
+    };
+    Worker::spawn(model, config, cache, speculation).unwrap()
 }
