@@ -1,7 +1,10 @@
 // Attention for a few queries per row over each row's KV history (decode steps, speculative
 // verify blocks; the history in the row's own buffers or in a paged pool) as flash-decoding, the
 // batched KV append, and the per-head RMSNorm + partial rotary embedding applied to q and k before it.
+#include <type_traits>
+
 #include "common.cuh"
+#include "kv_codes.cuh"
 
 // Warps per attention block. A decode step at batch 1 has one block per query head and split
 // (16 blocks for the 4B shape's heads under 512 keys), so the block's warps are what walks the
@@ -25,15 +28,17 @@ struct KvRow {
 };
 
 // Where attention_split finds a row's keys and values: the row's length, each KV head's first key
-// and value, and `at(j)`, position j's offset from those in elements (the same for keys and
-// values). The split kernel is generic over it so that contiguous rows and a paged pool run the
-// same arithmetic in the same order: their results are the same bits.
+// and value, `at(j)`, the index of position j's vector, and how far apart consecutive indices'
+// keys and values lie (`key_stride`, `value_stride`, in stored elements). The split kernel is
+// generic over it so that contiguous rows and a paged pool run the same arithmetic in the same
+// order: their results are the same bits.
 template <typename T>
 struct ContiguousRow {
     KvRow r;
     const int* lens;
     unsigned b;
     int D;
+    long long key_stride, value_stride;
     __device__ __forceinline__ int len() const { return lens ? lens[b] : (int)r.len; }
     __device__ __forceinline__ const T* keys(int kvh) const {
         return reinterpret_cast<const T*>(r.k) + kvh * r.k_head_stride;
@@ -41,7 +46,7 @@ struct ContiguousRow {
     __device__ __forceinline__ const T* values(int kvh) const {
         return reinterpret_cast<const T*>(r.v) + kvh * r.v_head_stride;
     }
-    __device__ __forceinline__ long long at(int j) const { return (long long)j * D; }
+    __device__ __forceinline__ long long at(int j) const { return j; }
 };
 
 // Rows in their own buffers [Hkv, capacity, D], through a KvRow table. `row` is called by every
@@ -50,53 +55,102 @@ template <typename T>
 struct ContiguousKv {
     const KvRow* rows;
     const int* lens;
-    __device__ __forceinline__ ContiguousRow<T> row(unsigned b, int D, int) const { return {rows[b], lens, b, D}; }
+    __device__ __forceinline__ ContiguousRow<T> row(unsigned b, int D, int) const {
+        return {rows[b], lens, b, D, D, D};
+    }
 };
 
-// Paged KV: every row's positions in blocks of 2^shift pool rows of one pool [rows, Hkv, D]
-// (token-major), position p at pool row table[p >> shift] * 2^shift + p % 2^shift. A power of
-// two so that finding a key's block is a shift, not a division, in the keys' inner loop. The
-// block-table entries of the split's keys are in shared memory (`blocks`, from table entry
-// `first`): the keys' loop reads them there instead of waiting on a global load for each key.
-template <typename T>
+// Paged KV: every row's positions in blocks of 2^shift pool rows of one pool [rows, Hkv, W]
+// (token-major; W the head dim, or a code's bytes), position p at pool row
+// table[p >> shift] * 2^shift + p % 2^shift. A power of two so that finding a key's block is a
+// shift, not a division, in the keys' inner loop. The block-table entries of the split's keys
+// are in shared memory (`blocks`, from table entry `first`): the keys' loop reads them there
+// instead of waiting on a global load for each key.
+template <typename S>
 struct PagedRow {
-    const T* k;
-    const T* v;
+    const S* k;
+    const S* v;
     const int* blocks;
-    int first, length, shift, D;
-    long long row_stride;
+    int first, length, shift;
+    int key_width, value_width;
+    long long key_stride, value_stride;
     __device__ __forceinline__ int len() const { return length; }
-    __device__ __forceinline__ const T* keys(int kvh) const { return k + (long long)kvh * D; }
-    __device__ __forceinline__ const T* values(int kvh) const { return v + (long long)kvh * D; }
+    __device__ __forceinline__ const S* keys(int kvh) const { return k + (long long)kvh * key_width; }
+    __device__ __forceinline__ const S* values(int kvh) const { return v + (long long)kvh * value_width; }
     __device__ __forceinline__ long long at(int j) const {
-        const long long row = ((long long)blocks[(j >> shift) - first] << shift) | (j & ((1 << shift) - 1));
-        return row * row_stride;
+        return ((long long)blocks[(j >> shift) - first] << shift) | (j & ((1 << shift) - 1));
     }
 };
 
 static_assert((SPLIT_KEYS & (SPLIT_KEYS - 1)) == 0, "a split starts a block of keys or lies in one");
 
-// The pools and each row's block table (`tables` [B, max_blocks]) and length (`lens` [B]).
-template <typename T>
+// The pools and each row's block table (`tables` [B, max_blocks]) and length (`lens` [B]); the
+// pools' vectors are `key_width` and `value_width` stored elements wide (S: the compute dtype,
+// or bytes of codes).
+template <typename S>
 struct PagedKv {
-    const T* k;
-    const T* v;
+    const S* k;
+    const S* v;
     const int* tables;
     const int* lens;
-    int max_blocks, shift, Hkv;
+    int max_blocks, shift, Hkv, key_width, value_width;
     // Copies the table entries of split `split`'s keys into shared memory, all the block's
     // threads at once, where they take one load's latency together: keys split * SPLIT_KEYS ..
     // lie in SPLIT_KEYS >> shift blocks from entry (split * SPLIT_KEYS) >> shift, or in one
     // where a block is longer than a split (SPLIT_KEYS is a power of two), and entries past the
     // table's width belong to no split that has a key. Called after await_previous_kernel.
-    __device__ __forceinline__ PagedRow<T> row(unsigned b, int D, int split) const {
+    __device__ __forceinline__ PagedRow<S> row(unsigned b, int, int split) const {
         __shared__ int staged[SPLIT_KEYS];
         const int* table = tables + (long long)b * max_blocks;
         const int first = (split * SPLIT_KEYS) >> shift;
         const int count = min(((SPLIT_KEYS - 1) >> shift) + 1, max_blocks - first);
         for (int e = threadIdx.x; e < count; e += blockDim.x) staged[e] = table[first + e];
         __syncthreads();
-        return {k, v, staged, first, lens[b], shift, D, (long long)Hkv * D};
+        return {k,     v, staged, first, lens[b], shift, key_width, value_width, (long long)Hkv * key_width,
+                (long long)Hkv * value_width};
+    }
+};
+
+// How the split kernel reads a key or value vector: a lane's PER_LANE coordinates, as f32, and
+// which coordinate its e-th is.
+//
+// As computed (T): coordinate lane + 32 e, so a warp's loads of one e are consecutive elements;
+// those past a runtime D (HEAD_DIM = 0) read as 0 and are never summed.
+template <typename T>
+struct PlainRead {
+    using Stored = T;
+    __device__ __forceinline__ static int dim(int lane, int e, int) { return lane + 32 * e; }
+    template <int PER_LANE, int HEAD_DIM>
+    __device__ __forceinline__ void read(const T* vec, int lane, int D, float (&out)[PER_LANE]) const {
+#pragma unroll
+        for (int e = 0; e < PER_LANE; ++e) {
+            const int d = lane + 32 * e;
+            out[e] = HEAD_DIM || d < D ? to_f32(vec[d]) : 0.0f;
+        }
+    }
+    template <int PER_LANE, int HEAD_DIM>
+    __device__ __forceinline__ void key(const T* vec, int lane, int D, float (&out)[PER_LANE]) const {
+        read<PER_LANE, HEAD_DIM>(vec, lane, D, out);
+    }
+    template <int PER_LANE, int HEAD_DIM>
+    __device__ __forceinline__ void value(const T* vec, int lane, int D, float (&out)[PER_LANE]) const {
+        read<PER_LANE, HEAD_DIM>(vec, lane, D, out);
+    }
+};
+
+// Codes (kv_codes.cuh): coordinates lane · PER_LANE + e, so a lane's codes are a few adjacent
+// bytes it loads at once. Keys and values each with their own format.
+struct CodedRead {
+    using Stored = uint8_t;
+    PartCodes keys, values;
+    __device__ __forceinline__ static int dim(int lane, int e, int per_lane) { return lane * per_lane + e; }
+    template <int PER_LANE, int HEAD_DIM>
+    __device__ __forceinline__ void key(const uint8_t* vec, int lane, int D, float (&out)[PER_LANE]) const {
+        read_lane<PER_LANE>(vec, lane, D, keys, out);
+    }
+    template <int PER_LANE, int HEAD_DIM>
+    __device__ __forceinline__ void value(const uint8_t* vec, int lane, int D, float (&out)[PER_LANE]) const {
+        read_lane<PER_LANE>(vec, lane, D, values, out);
     }
 };
 
@@ -121,9 +175,16 @@ struct PagedKv {
 // `*` and `+` (in its PTX, the score and weighted-sum terms and l · correction + p[0] fused, the
 // rest not; ptxas fused nothing further, every expf's result read by its own last FMUL only),
 // so the plain kernel kept its bits and the grouped kernels' partials are the same bits.
-template <int QG, int HEAD_DIM, typename T, typename Kv>
-__device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq, int Hkv, int Tq, int head_dim,
-                                int splits, float scale, int window) {
+//
+// `Read` says how vectors are stored (PlainRead: as computed; CodedRead: quantized, which takes
+// HEAD_DIM at compile time and lays a lane's coordinates side by side). The plain kernels'
+// loops below are the ones their bits were established with; the coded ones read a lane's
+// coordinates of a vector at once and then run the same sums.
+template <int QG, int HEAD_DIM, typename T, typename Kv, typename Read>
+__device__ void attention_split(const T* q, const Kv kv, const Read read, float* partial, int Hq, int Hkv, int Tq,
+                                int head_dim, int splits, float scale, int window) {
+    constexpr bool CODED = !std::is_same<typename Read::Stored, T>::value;
+    static_assert(!CODED || HEAD_DIM > 0, "coded kernels know D");
     static_assert(HEAD_DIM % 32 == 0 && HEAD_DIM <= MAX_HEAD_DIM, "a lane holds D / 32 elements");
     static_assert(QG >= 1 && QG <= ATTN_WARPS && (QG == 1 || HEAD_DIM > 0), "grouped blocks know D");
     constexpr int PER_LANE = HEAD_DIM ? HEAD_DIM / 32 : MAX_PER_LANE;
@@ -142,15 +203,15 @@ __device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq,
     const int from = max(first, split * SPLIT_KEYS), to = min(pos, (split + 1) * SPLIT_KEYS - 1);
     // The block's first query; query u of the group (head h + u) is Tq further per u.
     const long long query = ((long long)blockIdx.y * Hq + h) * Tq + i;
-    const T* kh = r.keys(kvh);
-    const T* vh = r.values(kvh);
+    const auto* kh = r.keys(kvh);
+    const auto* vh = r.values(kvh);
     float qv[QG][PER_LANE], acc[QG][PER_LANE];
 #pragma unroll
     for (int u = 0; u < QG; ++u) {
         const T* qr = q + (query + u * Tq) * D;
 #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) {
-            const int d = lane + 32 * e;
+            const int d = Read::dim(lane, e, PER_LANE);
             qv[u][e] = HEAD_DIM || d < D ? __fmul_rn(to_f32(qr[d]), scale) : 0.0f;
             acc[u][e] = 0.0f;
         }
@@ -175,16 +236,26 @@ __device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq,
         float s[QG][KEY_GROUP];
 #pragma unroll
         for (int g = 0; g < KEY_GROUP; ++g) {
-            const T* kj = kh + offset[g];
 #pragma unroll
             for (int u = 0; u < QG; ++u) s[u][g] = 0.0f;
+            if constexpr (CODED) {
+                float k[PER_LANE];
+                read.template key<PER_LANE, HEAD_DIM>(kh + offset[g] * r.key_stride, lane, D, k);
 #pragma unroll
-            for (int e = 0; e < PER_LANE; ++e) {
-                const int d = lane + 32 * e;
-                if (HEAD_DIM || d < D) {
-                    const float k = to_f32(kj[d]);
+                for (int e = 0; e < PER_LANE; ++e) {
 #pragma unroll
-                    for (int u = 0; u < QG; ++u) s[u][g] = __fmaf_rn(qv[u][e], k, s[u][g]);
+                    for (int u = 0; u < QG; ++u) s[u][g] = __fmaf_rn(qv[u][e], k[e], s[u][g]);
+                }
+            } else {
+                const T* kj = kh + offset[g] * r.key_stride;
+#pragma unroll
+                for (int e = 0; e < PER_LANE; ++e) {
+                    const int d = lane + 32 * e;
+                    if (HEAD_DIM || d < D) {
+                        const float k = to_f32(kj[d]);
+#pragma unroll
+                        for (int u = 0; u < QG; ++u) s[u][g] = __fmaf_rn(qv[u][e], k, s[u][g]);
+                    }
                 }
             }
         }
@@ -206,21 +277,42 @@ __device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq,
             }
             m[u] = m_new;
         }
-#pragma unroll
-        for (int e = 0; e < PER_LANE; ++e) {
-            const int d = lane + 32 * e;
-            if (!(HEAD_DIM || d < D)) continue;
-            float v[KEY_GROUP];
-#pragma unroll
-            for (int g = 0; g < KEY_GROUP; ++g) v[g] = j0 + g <= to ? to_f32(vh[offset[g] + d]) : 0.0f;
+        if constexpr (CODED) {
+            // Each element's sum as below (times the correction, then the keys in order), with
+            // a lane's coordinates of each value read at once.
 #pragma unroll
             for (int u = 0; u < QG; ++u) {
-                float x = __fmul_rn(acc[u][e], correction[u]);
 #pragma unroll
-                for (int g = 0; g < KEY_GROUP; ++g) {
-                    if (j0 + g <= to) x = __fmaf_rn(p[u][g], v[g], x);
+                for (int e = 0; e < PER_LANE; ++e) acc[u][e] = __fmul_rn(acc[u][e], correction[u]);
+            }
+#pragma unroll
+            for (int g = 0; g < KEY_GROUP; ++g) {
+                if (j0 + g > to) continue;
+                float v[PER_LANE];
+                read.template value<PER_LANE, HEAD_DIM>(vh + offset[g] * r.value_stride, lane, D, v);
+#pragma unroll
+                for (int u = 0; u < QG; ++u) {
+#pragma unroll
+                    for (int e = 0; e < PER_LANE; ++e) acc[u][e] = __fmaf_rn(p[u][g], v[e], acc[u][e]);
                 }
-                acc[u][e] = x;
+            }
+        } else {
+#pragma unroll
+            for (int e = 0; e < PER_LANE; ++e) {
+                const int d = lane + 32 * e;
+                if (!(HEAD_DIM || d < D)) continue;
+                float v[KEY_GROUP];
+#pragma unroll
+                for (int g = 0; g < KEY_GROUP; ++g) v[g] = j0 + g <= to ? to_f32(vh[offset[g] * r.value_stride + d]) : 0.0f;
+#pragma unroll
+                for (int u = 0; u < QG; ++u) {
+                    float x = __fmul_rn(acc[u][e], correction[u]);
+#pragma unroll
+                    for (int g = 0; g < KEY_GROUP; ++g) {
+                        if (j0 + g <= to) x = __fmaf_rn(p[u][g], v[g], x);
+                    }
+                    acc[u][e] = x;
+                }
             }
         }
     }
@@ -248,7 +340,7 @@ __device__ void attention_split(const T* q, const Kv kv, float* partial, int Hq,
             const float mine = m[u] == -INFINITY ? 0.0f : expf(m[u] - block_max[u]);
 #pragma unroll
             for (int e = 0; e < PER_LANE; ++e) {
-                const int d = lane + 32 * e;
+                const int d = Read::dim(lane, e, PER_LANE);
                 if (HEAD_DIM || d < D) warp_acc[warp][(u - u0) * D + d] = __fmul_rn(acc[u][e], mine);
             }
         }
@@ -431,16 +523,98 @@ __device__ void write_paged(const T* src, T* pool, const int* tables, const int*
         attention_split##SUFFIX##_##NAME(const T* q, const KvRow* rows, const int* lens, float* partial, int Hq,  \
                                          int Hkv, int Tq, int D, int splits, float scale, int window) {           \
         await_previous_kernel();                                                                                  \
-        attention_split<QG, HEAD_DIM, T>(q, ContiguousKv<T>{rows, lens}, partial, Hq, Hkv, Tq, D, splits, scale,  \
-                                         window);                                                                 \
+        attention_split<QG, HEAD_DIM, T>(q, ContiguousKv<T>{rows, lens}, PlainRead<T>{}, partial, Hq, Hkv, Tq, D, \
+                                         splits, scale, window);                                                  \
     }                                                                                                             \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_split_paged##SUFFIX##_##NAME(          \
         const T* q, const T* k, const T* v, const int* tables, const int* lens, int max_blocks, int shift,        \
         float* partial, int Hq, int Hkv, int Tq, int D, int splits, float scale, int window) {                    \
         await_previous_kernel();                                                                                  \
-        attention_split<QG, HEAD_DIM, T>(q, PagedKv<T>{k, v, tables, lens, max_blocks, shift, Hkv}, partial, Hq,  \
-                                         Hkv, Tq, D, splits, scale, window);                                      \
+        attention_split<QG, HEAD_DIM, T>(q, PagedKv<T>{k, v, tables, lens, max_blocks, shift, Hkv, D, D},         \
+                                         PlainRead<T>{}, partial, Hq, Hkv, Tq, D, splits, scale, window);         \
     }
+
+// The split kernel over a paged pool of codes (kv_codes.cuh), keys and values each described by
+// bits, group (0: TurboQuant), bytes per vector and centroids: attention_split_codes<SUFFIX>_NAME.
+#define CODED_SPLIT_KERNEL(T, NAME, QG, HEAD_DIM, SUFFIX)                                                         \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_split_codes##SUFFIX##_##NAME(          \
+        const T* q, const uint8_t* k, const uint8_t* v, const int* tables, const int* lens, int max_blocks,       \
+        int shift, float* partial, int Hq, int Hkv, int Tq, int D, int splits, float scale, int window,           \
+        int key_bits, int key_group, int key_width, const float* key_centroids, int value_bits, int value_group,  \
+        int value_width, const float* value_centroids) {                                                          \
+        await_previous_kernel();                                                                                  \
+        const CodedRead read{{key_bits, key_group, key_width, key_centroids, nullptr},                            \
+                             {value_bits, value_group, value_width, value_centroids, nullptr}};                   \
+        attention_split<QG, HEAD_DIM, T>(                                                                         \
+            q, PagedKv<uint8_t>{k, v, tables, lens, max_blocks, shift, Hkv, key_width, value_width}, read, partial, \
+            Hq, Hkv, Tq, D, splits, scale, window);                                                               \
+    }
+
+// Encodes vectors x [B, H, T, D] (strides sb, sh, st; TurboQuant's rotated copy `rotated`
+// contiguous f32) into codes, one warp per vector: into a paged pool [rows, H, width] at each
+// row's positions lens[b] - T .. through its block table (write_paged's addressing), or, without
+// tables, into out [B, H, T, width].
+constexpr int CODE_WARPS = 8;
+
+template <typename T>
+__device__ void encode_codes(const T* x, const float* rotated, uint8_t* out, const int* tables, const int* lens,
+                             int max_blocks, int shift, int B, int H, int Tn, int D, long long sb, long long sh,
+                             long long st, PartCodes codes) {
+    __shared__ uint8_t scratch[CODE_WARPS][MAX_HEAD_DIM];
+    const long long n = (long long)blockIdx.x * CODE_WARPS + threadIdx.x / 32;
+    if (n >= (long long)B * H * Tn) return;
+    const int t = n % Tn, h = (n / Tn) % H, b = n / ((long long)Tn * H);
+    long long at = n;
+    if (tables) {
+        const int p = lens[b] - Tn + t;
+        const long long block = tables[(long long)b * max_blocks + (p >> shift)];
+        at = ((block << shift) | (p & ((1 << shift) - 1))) * H + h;
+    }
+    encode_vector<T>(x + b * sb + h * sh + t * st, rotated ? rotated + n * D : nullptr, out + at * codes.width, D,
+                     codes, scratch[threadIdx.x / 32]);
+}
+
+// Each vector of x [B, H, T, D] (contiguous) times its head's matrix of m [Hm, D, D] (f32, heads
+// G·k .. G·k + G on matrix k, G = H / Hm) as a row vector, into out [B, H, T, D] f32: TurboQuant's
+// rotations. Block (k, i) takes TURN_VECTORS of matrix k's vectors and a thread per output
+// coordinate, which sums over the input coordinates in order: a vector's bits do not depend on
+// which or how many vectors share its block (a batched matmul's would), so a rotated key, query
+// or output is the same alone or batched, decoded or verified.
+constexpr int TURN_VECTORS = 8;
+
+template <typename T>
+__device__ void turn_rows(const T* x, const float* m, float* out, int B, int H, int Tn, int D, int Hm) {
+    __shared__ float xs[TURN_VECTORS][MAX_HEAD_DIM];
+    const int k = blockIdx.x, G = H / Hm, per_matrix = B * G * Tn;
+    const int first = blockIdx.y * TURN_VECTORS, count = min(TURN_VECTORS, per_matrix - first);
+    long long rows[TURN_VECTORS];
+    for (int v = 0; v < count; ++v) {
+        const int i = first + v, b = i / (G * Tn), rest = i % (G * Tn);
+        rows[v] = ((long long)b * H + k * G + rest / Tn) * Tn + rest % Tn;
+        for (int d = threadIdx.x; d < D; d += blockDim.x) xs[v][d] = to_f32(x[rows[v] * D + d]);
+    }
+    __syncthreads();
+    const float* mk = m + (long long)k * D * D;
+    for (int j = threadIdx.x; j < D; j += blockDim.x) {
+        float acc[TURN_VECTORS];
+#pragma unroll
+        for (int v = 0; v < TURN_VECTORS; ++v) acc[v] = 0.0f;
+        for (int c = 0; c < D; ++c) {
+            const float w = mk[(long long)c * D + j];
+#pragma unroll
+            for (int v = 0; v < TURN_VECTORS; ++v) acc[v] = __fmaf_rn(xs[v][c], w, acc[v]);
+        }
+        for (int v = 0; v < count; ++v) out[rows[v] * D + j] = acc[v];
+    }
+}
+
+// Codes [vectors, width] as attention reads them, into out [vectors, D]: one warp per vector.
+template <typename T>
+__device__ void decode_codes(const uint8_t* codes, T* out, long long vectors, int D, PartCodes p) {
+    const long long n = (long long)blockIdx.x * CODE_WARPS + threadIdx.x / 32;
+    if (n >= vectors) return;
+    decode_vector<T>(codes + n * p.width, out + n * D, D, p);
+}
 
 // The plain split kernels, and grouped ones for 2 and 4 query heads of 64, 128 or 256 per block
 // (attention.rs picks them).
@@ -452,6 +626,34 @@ __device__ void write_paged(const T* src, T* pool, const int* tables, const int*
     SPLIT_KERNELS(T, NAME, 4, 64, _g4_d64)                                                                     \
     SPLIT_KERNELS(T, NAME, 4, 128, _g4_d128)                                                                   \
     SPLIT_KERNELS(T, NAME, 4, 256, _g4_d256)                                                                   \
+    CODED_SPLIT_KERNEL(T, NAME, 1, 64, _g1_d64)                                                                \
+    CODED_SPLIT_KERNEL(T, NAME, 1, 128, _g1_d128)                                                              \
+    CODED_SPLIT_KERNEL(T, NAME, 1, 256, _g1_d256)                                                              \
+    CODED_SPLIT_KERNEL(T, NAME, 2, 64, _g2_d64)                                                                \
+    CODED_SPLIT_KERNEL(T, NAME, 2, 128, _g2_d128)                                                              \
+    CODED_SPLIT_KERNEL(T, NAME, 2, 256, _g2_d256)                                                              \
+    CODED_SPLIT_KERNEL(T, NAME, 4, 64, _g4_d64)                                                                \
+    CODED_SPLIT_KERNEL(T, NAME, 4, 128, _g4_d128)                                                              \
+    CODED_SPLIT_KERNEL(T, NAME, 4, 256, _g4_d256)                                                              \
+    extern "C" __global__ void __launch_bounds__(CODE_WARPS * 32) encode_codes_##NAME(                         \
+        const T* x, const float* rotated, uint8_t* out, const int* tables, const int* lens, int max_blocks,    \
+        int shift, int B, int H, int Tn, int D, long long sb, long long sh, long long st, int bits, int group,  \
+        int width, const float* centroids, const float* boundaries) {                                          \
+        await_previous_kernel();                                                                               \
+        encode_codes<T>(x, rotated, out, tables, lens, max_blocks, shift, B, H, Tn, D, sb, sh, st,             \
+                        PartCodes{bits, group, width, centroids, boundaries});                                 \
+    }                                                                                                          \
+    extern "C" __global__ void turn_rows_##NAME(const T* x, const float* m, float* out, int B, int H, int Tn,  \
+                                                int D, int Hm) {                                               \
+        await_previous_kernel();                                                                               \
+        turn_rows<T>(x, m, out, B, H, Tn, D, Hm);                                                              \
+    }                                                                                                          \
+    extern "C" __global__ void __launch_bounds__(CODE_WARPS * 32) decode_codes_##NAME(                         \
+        const uint8_t* codes, T* out, long long vectors, int D, int bits, int group, int width,                \
+        const float* centroids) {                                                                              \
+        await_previous_kernel();                                                                               \
+        decode_codes<T>(codes, out, vectors, D, PartCodes{bits, group, width, centroids, nullptr});            \
+    }                                                                                                          \
     extern "C" __global__ void attention_combine_##NAME(const float* partial, T* out, int queries, int splits,  \
                                                         int D, const T* gate, long long gate_token_stride,     \
                                                         long long gate_head_stride, int Hq, int Tq) {          \

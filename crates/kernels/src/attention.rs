@@ -5,6 +5,7 @@ use std::ops::RangeInclusive;
 use candle_core::{DType, Storage, Tensor, D};
 use rayon::prelude::*;
 
+use crate::kv_quant::LayerCodes;
 use crate::matmul::{dot1, Widen};
 use crate::Result;
 
@@ -290,13 +291,15 @@ pub use gpu::{DecodeRows, PagedDecodeRows};
 /// A layer's paged KV as the paged kernels read it: one key and one value pool
 /// `[blocks · block_size, Hkv, D]` shared by the rows, row `r`'s position `p` at pool row
 /// `tables[r][p / block_size] · block_size + p % block_size`, row `r` `lens[r]` positions long
-/// (its new positions included).
+/// (its new positions included). With `codes`, the pools hold quantized vectors
+/// (`[.., Hkv, width]` u8) coded so.
 pub struct PagedKv<'a> {
     pub keys: &'a Tensor,
     pub values: &'a Tensor,
     pub block_size: usize,
     pub tables: &'a [Vec<u32>],
     pub lens: &'a [usize],
+    pub codes: Option<&'a LayerCodes>,
 }
 
 /// Writes `k`, `v` (`[B, Hkv, T, D]`) into `kv`'s pools at each row's last `T` positions, in one
@@ -315,7 +318,8 @@ pub fn write_paged(k: &Tensor, v: &Tensor, kv: &PagedKv) -> Result<bool> {
 /// [`write_paged`], then the attention of `q` (`[B, Hq, T, D]`) over each row's history as
 /// [`gated_attention_rows`] (with `gate`) or [`causal_attention_rows`] compute it, reading the
 /// pools in place: `None` (nothing written) where the paged kernels do not take the inputs —
-/// on the CPU, or more than a few queries per row.
+/// on the CPU, or more than a few queries per row. Quantized pools are written and read as
+/// codes (quantize on append, dequantize in registers).
 pub fn paged_append_attend(
     q: &Tensor,
     k: &Tensor,
@@ -359,12 +363,13 @@ pub fn norm_rope(x: &Tensor, scale: &Tensor, eps: f32, cos: &Tensor, sin: &Tenso
 }
 
 #[cfg(feature = "cuda")]
-mod gpu {
+pub(crate) mod gpu {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::{DType, Tensor};
 
     use super::Scoring;
     use crate::cuda::{self, Arg};
+    use crate::kv_quant::LayerCodes;
     use crate::Result;
 
     /// The kernels' warps per block, widest head and keys per split (cuda/attention.cu).
@@ -498,6 +503,12 @@ mod gpu {
         Paged { pool: &'a PagedDecodeRows, lens: &'a Tensor },
     }
 
+    impl KvSource<'_> {
+        fn is_paged(&self) -> bool {
+            matches!(self, KvSource::Paged { .. })
+        }
+    }
+
     /// The grouped split kernels (cuda/attention.cu) as (query heads per block, head dim, kernel
     /// over rows, kernel over a pool); the first that fits a launch is taken.
     const GROUPED: [(usize, usize, &str, &str); 6] = [
@@ -523,10 +534,13 @@ mod gpu {
     /// multiprocessors; not a batch-1 step, 16 blocks, whose few blocks want all the parallelism
     /// they can get). A judgement from that model, not a measured crossover. Captured steps count
     /// the splits of their tables' width, at most twice their rows' lengths.
+    ///
+    /// Over codes, the coded kernels of the same grouping (attention_split_codes_g{1,2,4}_d{D}),
+    /// which all know D.
     #[allow(clippy::too_many_arguments)]
     fn split_kernel(
         device: &candle_core::Device,
-        paged: bool,
+        kv: &KvSource,
         b: usize,
         hq: usize,
         hkv: usize,
@@ -536,13 +550,37 @@ mod gpu {
     ) -> Result<(&'static str, usize)> {
         let group = hq / hkv;
         let grouped = GROUPED.iter().find(|&&(heads, dim, ..)| group % heads == 0 && dim == d);
-        Ok(match grouped {
-            Some(&(heads, _, rows, pool)) if b * hq * t_len * splits >= 2 * cuda::multiprocessors(device)? => {
-                (if paged { pool } else { rows }, heads)
+        let wide = b * hq * t_len * splits >= 2 * cuda::multiprocessors(device)?;
+        let heads = match grouped {
+            Some(&(heads, ..)) if wide => heads,
+            _ => 1,
+        };
+        Ok(match (kv, grouped) {
+            (KvSource::Paged { pool, .. }, _) if pool.codes.is_some() => {
+                let name = CODED
+                    .iter()
+                    .find(|&&(h, dim, _)| h == heads && dim == d)
+                    .map(|&(_, _, name)| name)
+                    .ok_or_else(|| candle_core::Error::Msg(format!("no coded attention kernel for heads of {d}")))?;
+                (name, heads)
             }
-            _ => (if paged { "attention_split_paged" } else { "attention_split" }, 1),
+            (kv, Some(&(heads, _, rows, pool))) if wide => (if kv.is_paged() { pool } else { rows }, heads),
+            (kv, _) => (if kv.is_paged() { "attention_split_paged" } else { "attention_split" }, 1),
         })
     }
+
+    /// The coded split kernels as (query heads per block, head dim, name).
+    const CODED: [(usize, usize, &str); 9] = [
+        (1, 64, "attention_split_codes_g1_d64"),
+        (1, 128, "attention_split_codes_g1_d128"),
+        (1, 256, "attention_split_codes_g1_d256"),
+        (2, 64, "attention_split_codes_g2_d64"),
+        (2, 128, "attention_split_codes_g2_d128"),
+        (2, 256, "attention_split_codes_g2_d256"),
+        (4, 64, "attention_split_codes_g4_d64"),
+        (4, 128, "attention_split_codes_g4_d128"),
+        (4, 256, "attention_split_codes_g4_d256"),
+    ];
 
     /// [`attention_rows`] over the rows of `kv`; `splits` must cover the longest row.
     fn attend_table(
@@ -559,14 +597,14 @@ mod gpu {
         let queries = b * hq * t_len;
         let partial = cuda::output(queries * splits * (d + 2), DType::F32, q.device())?;
         let block = (32 * WARPS, 1, 1);
-        let paged = matches!(kv, KvSource::Paged { .. });
-        let (kernel, heads) = split_kernel(q.device(), paged, b, hq, hkv, t_len, d, splits)?;
+        let (kernel, heads) = split_kernel(q.device(), &kv, b, hq, hkv, t_len, d, splits)?;
         let grid = ((hq / heads * t_len) as u32, b as u32, splits as u32);
         let cfg = LaunchConfig { grid_dim: grid, block_dim: block, shared_mem_bytes: 0 };
-        // The kernels over rows and over a pool differ only in the KV arguments after q.
-        let kv_args = match kv {
-            KvSource::Rows { table, lens } => vec![Arg::at(table)?, Arg::at_or_null(lens)?],
-            KvSource::Paged { pool, lens } => pool.kernel_args(lens)?,
+        // The kernels over rows and over a pool differ only in the KV arguments after q (and
+        // over codes, the codes' descriptions at the end).
+        let (kv_args, code_args) = match kv {
+            KvSource::Rows { table, lens } => (vec![Arg::at(table)?, Arg::at_or_null(lens)?], Vec::new()),
+            KvSource::Paged { pool, lens } => (pool.kernel_args(lens)?, pool.code_args()?),
         };
         let mut args = vec![Arg::at(&q)?];
         args.extend(kv_args);
@@ -580,6 +618,7 @@ mod gpu {
             Arg::F32(scoring.scale as f32),
             Arg::dim(scoring.window.unwrap_or(0))?,
         ]);
+        args.extend(code_args);
         cuda::launch(q.device(), &cuda::ATTENTION, kernel, q.dtype(), cfg, &args)?;
         let out = match gate {
             Some(_) => cuda::output((b, t_len, hq * d), q.dtype(), q.device())?,
@@ -727,10 +766,15 @@ mod gpu {
     }
 
     /// `kv` as [`PagedDecodeRows`] with its tables uploaded, where the paged kernels take it: a
-    /// CUDA pool of a dtype they have, a power-of-two block size.
+    /// CUDA pool of a dtype they have (or codes of a head dim the coded kernels are built for),
+    /// a power-of-two block size.
     pub(super) fn paged_rows(kv: &super::PagedKv) -> Result<Option<PagedDecodeRows>> {
         let device = kv.keys.device();
-        if !device.is_cuda() || !cuda::supports(kv.keys.dtype()) || !kv.block_size.is_power_of_two() || kv.tables.is_empty() {
+        let stored = match kv.codes {
+            Some(codes) => kv.keys.dtype() == DType::U8 && codes.read_in_place(),
+            None => cuda::supports(kv.keys.dtype()),
+        };
+        if !device.is_cuda() || !stored || !kv.block_size.is_power_of_two() || kv.tables.is_empty() {
             return Ok(None);
         }
         let width = kv.tables.iter().map(Vec::len).max().unwrap_or(0).max(1);
@@ -740,7 +784,17 @@ mod gpu {
             flat.extend(std::iter::repeat_n(0, width - table.len()));
         }
         let tables = Tensor::from_vec(flat, (kv.tables.len(), width), device)?;
-        PagedDecodeRows::new(kv.keys, kv.values, kv.block_size, &tables).map(Some)
+        PagedDecodeRows::build(kv.keys, kv.values, kv.block_size, &tables, kv.codes.cloned()).map(Some)
+    }
+
+    /// Where `encode_codes` writes a pool's new positions: the pool, block tables, each row's
+    /// length after the write, the tables' width and the block shift.
+    pub(crate) struct PoolTarget<'a> {
+        pub(crate) pool: &'a Tensor,
+        pub(crate) tables: &'a Tensor,
+        pub(crate) lens: &'a Tensor,
+        pub(crate) max_blocks: usize,
+        pub(crate) shift: u32,
     }
 
     /// A layer's paged KV as the decode kernels read it, made once for a captured decode step
@@ -753,6 +807,10 @@ mod gpu {
     /// splits cover `max_blocks · block_size` keys, so a recording serves any lengths up to that,
     /// and the split kernel runs [`DecodeRows`]' arithmetic in the same order, only its addresses
     /// differ: the same bits over the same histories.
+    ///
+    /// Pools of codes ([`PagedDecodeRows::coded`], `[.., Hkv, width]` u8) are written by
+    /// quantizing each new vector and read by kernels that dequantize in registers; TurboQuant
+    /// turns the queries before and the output after (see [`crate::kv_quant::PartCodes`]).
     pub struct PagedDecodeRows {
         keys: Tensor,
         values: Tensor,
@@ -763,16 +821,37 @@ mod gpu {
         kv_heads: usize,
         head_dim: usize,
         splits: usize,
+        codes: Option<LayerCodes>,
     }
 
     impl PagedDecodeRows {
         /// The layer's pools `keys`, `values` in blocks of `block_size` rows (a power of two) and
         /// the batch's block tables `tables`; its rows are the batch.
         pub fn new(keys: &Tensor, values: &Tensor, block_size: usize, tables: &Tensor) -> Result<Self> {
-            let (rows, kv_heads, head_dim) = keys.dims3()?;
-            if values.dims() != keys.dims()
+            Self::build(keys, values, block_size, tables, None)
+        }
+
+        /// [`PagedDecodeRows::new`] over pools of codes coded as `codes`.
+        pub fn coded(keys: &Tensor, values: &Tensor, block_size: usize, tables: &Tensor, codes: &LayerCodes) -> Result<Self> {
+            Self::build(keys, values, block_size, tables, Some(codes.clone()))
+        }
+
+        fn build(keys: &Tensor, values: &Tensor, block_size: usize, tables: &Tensor, codes: Option<LayerCodes>) -> Result<Self> {
+            let (rows, kv_heads, key_width) = keys.dims3()?;
+            let (value_rows, value_heads, value_width) = values.dims3()?;
+            let (stored, head_dim) = match &codes {
+                Some(c) => (
+                    keys.dtype() == DType::U8
+                        && key_width == c.keys.width()
+                        && value_width == c.values.width()
+                        && c.read_in_place(),
+                    c.keys.dim(),
+                ),
+                None => (cuda::supports(keys.dtype()) && value_width == key_width, key_width),
+            };
+            if (value_rows, value_heads) != (rows, kv_heads)
                 || values.dtype() != keys.dtype()
-                || !cuda::supports(keys.dtype())
+                || !stored
                 || !keys.is_contiguous()
                 || !values.is_contiguous()
                 || !keys.device().is_cuda()
@@ -781,11 +860,12 @@ mod gpu {
                 || head_dim > MAX_HEAD_DIM
             {
                 candle_core::bail!(
-                    "PagedDecodeRows: pools {:?} ({:?}) / {:?} ({:?}) are not one CUDA KV pool",
+                    "PagedDecodeRows: pools {:?} ({:?}) / {:?} ({:?}) are not one CUDA KV pool{}",
                     keys.shape(),
                     keys.dtype(),
                     values.shape(),
-                    values.dtype()
+                    values.dtype(),
+                    if codes.is_some() { " of codes the kernels read" } else { "" }
                 );
             }
             if !block_size.is_power_of_two() || rows % block_size != 0 {
@@ -817,6 +897,7 @@ mod gpu {
                 kv_heads,
                 head_dim,
                 splits: keys_per_row.div_ceil(SPLIT_KEYS).max(1),
+                codes,
             })
         }
 
@@ -834,7 +915,7 @@ mod gpu {
             gate: &Tensor,
         ) -> Result<Tensor> {
             self.append(q, k, v, lens)?;
-            attend_table(q, KvSource::Paged { pool: self, lens }, self.kv_heads, self.splits, scoring, Some(gate))
+            self.attend(q, lens, scoring, Some(gate))
         }
 
         /// [`Self::append_attend_gated`] without the gate (`[B, Hq, T, D]`, as
@@ -842,11 +923,33 @@ mod gpu {
         /// is not gated.
         pub fn append_attend(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor, scoring: Scoring) -> Result<Tensor> {
             self.append(q, k, v, lens)?;
-            attend_table(q, KvSource::Paged { pool: self, lens }, self.kv_heads, self.splits, scoring, None)
+            self.attend(q, lens, scoring, None)
+        }
+
+        /// The split kernels over the pool; for codes, with queries and output turned where
+        /// TurboQuant reads its codes short of their rotation.
+        fn attend(&self, q: &Tensor, lens: &Tensor, scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
+            let source = KvSource::Paged { pool: self, lens };
+            let Some(codes) = &self.codes else {
+                return attend_table(q, source, self.kv_heads, self.splits, scoring, gate);
+            };
+            let turned = match codes.keys.is_rotated() {
+                true => codes.keys.rotate(q)?.to_dtype(q.dtype())?,
+                false => q.clone(),
+            };
+            if !codes.values.is_rotated() {
+                return attend_table(&turned, source, self.kv_heads, self.splits, scoring, gate);
+            }
+            let out = attend_table(&turned, source, self.kv_heads, self.splits, scoring, None)?;
+            let out = codes.values.unrotate(&out)?.to_dtype(q.dtype())?;
+            match gate {
+                Some(gate) => super::sigmoid_gate(&out, gate),
+                None => Ok(out),
+            }
         }
 
         /// Writes `k`, `v` (`[B, Hkv, T, D]`) at each row's positions `lens - T ..` (`lens` `[B]`
-        /// i32, device: each row's length after the write).
+        /// i32, device: each row's length after the write), encoded where the pool holds codes.
         pub fn write(&self, k: &Tensor, v: &Tensor, lens: &Tensor) -> Result<()> {
             let (b, _, t, d) = k.dims4()?;
             let batch = self.tables.dim(0)?;
@@ -868,6 +971,14 @@ mod gpu {
                     self.head_dim,
                 );
             }
+            if let Some(codes) = &self.codes {
+                for (src, pool, part) in [(k, &self.keys, &codes.keys), (v, &self.values, &codes.values)] {
+                    let target =
+                        PoolTarget { pool, tables: &self.tables, lens, max_blocks: self.max_blocks, shift: self.block_shift };
+                    crate::kv_quant::gpu::encode(part, src, Some(target))?;
+                }
+                return Ok(());
+            }
             for (src, pool) in [(k, &self.keys), (v, &self.values)] {
                 let dst = [Arg::at(pool)?, Arg::at(&self.tables)?, Arg::at(lens)?, Arg::dim(self.max_blocks)?, self.shift()?];
                 write_kv(&src.to_dtype(pool.dtype())?, "write_paged", dst.into())?;
@@ -878,12 +989,8 @@ mod gpu {
         /// Checks the queries against the pool and writes `k`, `v` into it.
         fn append(&self, q: &Tensor, k: &Tensor, v: &Tensor, lens: &Tensor) -> Result<()> {
             let (b, hq, t, d) = q.dims4()?;
-            if d != self.head_dim
-                || hq % self.kv_heads != 0
-                || q.dtype() != self.keys.dtype()
-                || k.dims4()?.2 != t
-                || k.dim(0)? != b
-            {
+            let dtype_fits = self.codes.is_some() && cuda::supports(q.dtype()) || q.dtype() == self.keys.dtype();
+            if d != self.head_dim || hq % self.kv_heads != 0 || !dtype_fits || k.dims4()?.2 != t || k.dim(0)? != b {
                 candle_core::bail!(
                     "PagedDecodeRows: queries {:?} ({:?}) for keys {:?} do not fit KV heads of {} ({:?})",
                     q.shape(),
@@ -896,8 +1003,8 @@ mod gpu {
             self.write(k, v, lens)
         }
 
-        /// The split kernel's KV arguments: the pools, the block tables, `lens`, the tables'
-        /// width and the block shift.
+        /// The split kernel's KV arguments before `partial`: the pools, the block tables, `lens`,
+        /// the tables' width and the block shift.
         fn kernel_args(&self, lens: &Tensor) -> Result<Vec<Arg>> {
             Ok(vec![
                 Arg::at(&self.keys)?,
@@ -907,6 +1014,16 @@ mod gpu {
                 Arg::dim(self.max_blocks)?,
                 self.shift()?,
             ])
+        }
+
+        /// The coded split kernel's arguments after the scoring: each part's description.
+        fn code_args(&self) -> Result<Vec<Arg>> {
+            let mut args = Vec::new();
+            if let Some(codes) = &self.codes {
+                args.extend(crate::kv_quant::gpu::part_args(&codes.keys, false)?);
+                args.extend(crate::kv_quant::gpu::part_args(&codes.values, false)?);
+            }
+            Ok(args)
         }
 
         fn shift(&self) -> Result<Arg> {

@@ -178,6 +178,7 @@ pub fn address(t: &Tensor) -> Result<u64> {
         DType::F32 => slice_address::<f32>(cs)?,
         DType::BF16 => slice_address::<half::bf16>(cs)?,
         DType::F16 => slice_address::<half::f16>(cs)?,
+        DType::U8 => slice_address::<u8>(cs)?,
         DType::U32 => slice_address::<u32>(cs)?,
         DType::I32 => slice_address::<i32>(cs)?,
         DType::I64 => slice_address::<i64>(cs)?,

@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use candle_core::{DType, Device, Tensor};
 use half::bf16;
 
 /// One head vector's codec: a fixed number of bytes per vector.
@@ -442,6 +443,283 @@ impl Normals {
         let t = std::f64::consts::TAU * v;
         self.spare = Some(r * t.sin());
         r * t.cos()
+    }
+}
+
+/// Each vector of `x` (`[B, H, T, D]`) times its head's matrix of `m` (`[Hkv, D, D]`, H a
+/// multiple of Hkv: heads `G·k .. G·k + G` take matrix k, as query heads share their KV head's),
+/// as row vectors (`x·m`), in f32: every row's vectors of one matrix as one batched matmul.
+pub fn turn(x: &Tensor, m: &Tensor) -> candle_core::Result<Tensor> {
+    let (b, h, t, d) = x.dims4()?;
+    let hkv = m.dim(0)?;
+    let grouped = x.to_dtype(DType::F32)?.reshape((b, hkv, h / hkv * t, d))?.transpose(0, 1)?.contiguous()?;
+    let turned = grouped.reshape((hkv, b * h / hkv * t, d))?.matmul(m)?;
+    turned.reshape((hkv, b, h / hkv * t, d))?.transpose(0, 1)?.reshape((b, h, t, d))
+}
+
+/// [`turn`] on the device where each vector's result does not depend on the others (CUDA's
+/// `turn_rows`, whose sums run in one order per vector, where a batched matmul picks its
+/// algorithm by the batch): rotated keys, queries and outputs are the same bits alone or batched.
+fn turn_each(x: &Tensor, m: &Tensor) -> candle_core::Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() {
+        return gpu::turn_rows(x, m);
+    }
+    turn(x, m)
+}
+
+/// One half (keys or values) of a quantized layer as the CUDA kernels write and read it
+/// (`cuda/kv_codes.cuh`): the format's numbers and, for TurboQuant (MSE codes), the codebook
+/// and the KV heads' rotations on the device. Codes read short of their rotation, as
+/// [`Turbo::decode_rotated`] reads them: attention turns its queries by the keys' rotation
+/// ([`PartCodes::rotate`]) and its output back by the values' ([`PartCodes::unrotate`]).
+#[derive(Clone, Debug)]
+pub struct PartCodes {
+    dim: usize,
+    // Read by the device kernels' arguments only.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    bits: u32,
+    /// The affine group; 0 for TurboQuant.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    group: usize,
+    width: usize,
+    turbo: Option<TurboTables>,
+}
+
+#[derive(Clone, Debug)]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+struct TurboTables {
+    /// `[2^bits]` and `[2^bits - 1]` f32.
+    centroids: Tensor,
+    boundaries: Tensor,
+    /// Per KV head `Rᵀ` and `R` (`[Hkv, D, D]` f32): row vectors times `Rᵀ` are turned (`R·x`),
+    /// times `R` turned back.
+    forward: Tensor,
+    back: Tensor,
+}
+
+impl PartCodes {
+    pub fn affine(codec: &Affine) -> PartCodes {
+        PartCodes { dim: codec.dim, bits: codec.bits, group: codec.group, width: codec.bytes(), turbo: None }
+    }
+
+    /// The codes of a layer's KV heads, one TurboQuant codec each (alike but for their
+    /// rotations), with their tables on `device`. MSE codes only: the inner-product variant's
+    /// sketch has no device kernels.
+    pub fn turbo(heads: &[&Turbo], device: &Device) -> Result<PartCodes, CodecError> {
+        let first = heads.first().ok_or_else(|| CodecError("no KV heads".into()))?;
+        if heads.iter().any(|h| !h.is_mse()) {
+            return Err(CodecError(
+                "TurboQuant's inner-product keys run on the CPU only (the GPU kernels read MSE codes)".into(),
+            ));
+        }
+        let d = first.dim;
+        let tensors = || -> candle_core::Result<TurboTables> {
+            let rotations: Vec<f32> = heads.iter().flat_map(|h| h.rotation.iter().copied()).collect();
+            let back = Tensor::from_vec(rotations, (heads.len(), d, d), &Device::Cpu)?;
+            let forward = back.transpose(1, 2)?.contiguous()?;
+            let codebook = &first.codebook;
+            Ok(TurboTables {
+                centroids: Tensor::new(codebook.centroids.as_slice(), device)?,
+                boundaries: Tensor::new(codebook.boundaries.as_slice(), device)?,
+                forward: forward.to_device(device)?,
+                back: back.to_device(device)?,
+            })
+        };
+        let turbo = tensors().map_err(|e| CodecError(format!("TurboQuant tables on {device:?}: {e}")))?;
+        Ok(PartCodes { dim: d, bits: first.bits, group: 0, width: first.bytes(), turbo: Some(turbo) })
+    }
+
+    /// Coordinates per vector.
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Bytes of one vector's code.
+    pub fn width(&self) -> usize {
+        self.width
+    }
+
+    /// Whether codes are read short of a rotation (TurboQuant).
+    pub fn is_rotated(&self) -> bool {
+        self.turbo.is_some()
+    }
+
+    /// `x` (`[B, H, T, D]`, heads grouped on KV heads as [`turn`] takes them) with each vector
+    /// turned as its head's codes are (`R·x`, f32); itself in f32 where codes are not rotated.
+    pub fn rotate(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.turbo {
+            Some(t) => turn_each(x, &t.forward),
+            None => x.to_dtype(DType::F32),
+        }
+    }
+
+    /// [`PartCodes::rotate`] undone (`Rᵀ·y`, f32).
+    pub fn unrotate(&self, y: &Tensor) -> candle_core::Result<Tensor> {
+        match &self.turbo {
+            Some(t) => turn_each(y, &t.back),
+            None => y.to_dtype(DType::F32),
+        }
+    }
+
+    /// `x` (`[.., H, T, D]`, on CUDA) encoded: `[.., H, T, width]` u8, each vector as its head's
+    /// codec encodes it on the CPU (see `cuda/kv_codes.cuh`).
+    pub fn encode(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        let dims = x.dims().to_vec();
+        let [lead @ .., h, t, d] = dims.as_slice() else {
+            candle_core::bail!("KV codes: {dims:?} is not [.., heads, positions, dim]");
+        };
+        let mut shape = dims.clone();
+        *shape.last_mut().expect("three dims") = self.width;
+        #[cfg(feature = "cuda")]
+        {
+            let x = x.reshape((lead.iter().product::<usize>(), *h, *t, *d))?;
+            gpu::encode(self, &x, None)?.expect("a fresh output").reshape(shape)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (lead, h, t, d, shape);
+            candle_core::bail!("encoding KV codes on a device needs a build with CUDA")
+        }
+    }
+
+    /// Codes (`[.., width]` u8, on CUDA) as attention reads them (TurboQuant short of its
+    /// rotation): `[.., D]` in `dtype`.
+    pub fn read(&self, codes: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        return gpu::read(self, codes, dtype);
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = (codes, dtype);
+            candle_core::bail!("reading KV codes on a device needs a build with CUDA")
+        }
+    }
+}
+
+/// A quantized layer's keys and values as the CUDA kernels write and read them.
+#[derive(Clone, Debug)]
+pub struct LayerCodes {
+    pub keys: PartCodes,
+    pub values: PartCodes,
+}
+
+impl LayerCodes {
+    /// Whether the attention kernels that read codes in place take these: head dims of 64, 128
+    /// or 256 (other codes are read through a decoded copy).
+    pub fn read_in_place(&self) -> bool {
+        let d = self.keys.dim;
+        self.values.dim == d && [64, 128, 256].contains(&d)
+    }
+}
+
+#[cfg(feature = "cuda")]
+pub(crate) mod gpu {
+    use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
+    use candle_core::{DType, Tensor};
+
+    use super::PartCodes;
+    use crate::attention::gpu::PoolTarget;
+    use crate::cuda::{self, Arg};
+
+    /// Warps (one vector each) per block of the encode and decode kernels (`CODE_WARPS`).
+    const CODE_WARPS: usize = 8;
+
+    /// The kernels' description of a part: bits, group, width, centroids (and boundaries).
+    pub(crate) fn part_args(part: &PartCodes, boundaries: bool) -> candle_core::Result<Vec<Arg>> {
+        let mut args = vec![Arg::dim(part.bits as usize)?, Arg::dim(part.group)?, Arg::dim(part.width)?];
+        args.push(Arg::at_or_null(part.turbo.as_ref().map(|t| &t.centroids))?);
+        if boundaries {
+            args.push(Arg::at_or_null(part.turbo.as_ref().map(|t| &t.boundaries))?);
+        }
+        Ok(args)
+    }
+
+    /// Encodes `x` (`[B, H, T, D]`) into a pool's blocks at each row's last `T` positions
+    /// (`pool`), or into a fresh `[B, H, T, width]` tensor, returned.
+    pub(crate) fn encode(part: &PartCodes, x: &Tensor, pool: Option<PoolTarget>) -> candle_core::Result<Option<Tensor>> {
+        let (b, h, t, d) = x.dims4()?;
+        if d != part.dim || d > 512 || !cuda::supports(x.dtype()) || !x.device().is_cuda() {
+            candle_core::bail!("KV codes: {:?} ({:?}) to encode as vectors of {}", x.shape(), x.dtype(), part.dim);
+        }
+        let fresh = match pool {
+            Some(_) => None,
+            None => Some(cuda::output((b, h, t, part.width), DType::U8, x.device())?),
+        };
+        if b * h * t == 0 {
+            return Ok(fresh);
+        }
+        let x = if x.stride()[3] == 1 { x.clone() } else { x.contiguous()? };
+        let rotated = part.turbo.as_ref().map(|_| part.rotate(&x)?.contiguous()).transpose()?;
+        let s = x.stride();
+        let mut args = vec![Arg::at(&x)?, Arg::at_or_null(rotated.as_ref())?];
+        match (&pool, &fresh) {
+            (Some(p), _) => args.extend([
+                Arg::at(p.pool)?,
+                Arg::at(p.tables)?,
+                Arg::at(p.lens)?,
+                Arg::dim(p.max_blocks)?,
+                Arg::dim(p.shift as usize)?,
+            ]),
+            (None, Some(out)) => args.extend([Arg::at(out)?, Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0), Arg::I32(0)]),
+            (None, None) => unreachable!("a fresh output without a pool"),
+        }
+        args.extend([
+            Arg::dim(b)?,
+            Arg::dim(h)?,
+            Arg::dim(t)?,
+            Arg::dim(d)?,
+            Arg::I64(s[0] as i64),
+            Arg::I64(s[1] as i64),
+            Arg::I64(s[2] as i64),
+        ]);
+        args.extend(part_args(part, true)?);
+        let cfg = cuda::grid_for(b * h * t * 32, (CODE_WARPS * 32) as u32)?;
+        cuda::launch(x.device(), &cuda::ATTENTION, "encode_codes", x.dtype(), cfg, &args)?;
+        Ok(fresh)
+    }
+
+    /// Vectors turned per block (`TURN_VECTORS`).
+    const TURN_VECTORS: usize = 8;
+
+    pub(super) fn turn_rows(x: &Tensor, m: &Tensor) -> candle_core::Result<Tensor> {
+        let (b, h, t, d) = x.dims4()?;
+        let (hm, rows, cols) = m.dims3()?;
+        if (rows, cols) != (d, d) || hm == 0 || h % hm != 0 || d > 512 || !cuda::supports(x.dtype()) || m.dtype() != DType::F32 {
+            candle_core::bail!("turn_rows: vectors {:?} ({:?}) by matrices {:?}", x.shape(), x.dtype(), m.shape());
+        }
+        let out = cuda::output((b, h, t, d), DType::F32, x.device())?;
+        let per_matrix = b * h / hm * t;
+        if per_matrix == 0 {
+            return Ok(out);
+        }
+        let (x, m) = (x.contiguous()?, m.contiguous()?);
+        let blocks = u32::try_from(per_matrix.div_ceil(TURN_VECTORS)).ok().filter(|&y| y <= 65535);
+        let Some(blocks) = blocks else { candle_core::bail!("turn_rows: {per_matrix} vectors per matrix exceed a grid") };
+        let cfg = LaunchConfig { grid_dim: (hm as u32, blocks, 1), block_dim: (d.min(256) as u32, 1, 1), shared_mem_bytes: 0 };
+        let args =
+            [Arg::at(&x)?, Arg::at(&m)?, Arg::at(&out)?, Arg::dim(b)?, Arg::dim(h)?, Arg::dim(t)?, Arg::dim(d)?, Arg::dim(hm)?];
+        cuda::launch(x.device(), &cuda::ATTENTION, "turn_rows", x.dtype(), cfg, &args)?;
+        Ok(out)
+    }
+
+    pub(super) fn read(part: &PartCodes, codes: &Tensor, dtype: DType) -> candle_core::Result<Tensor> {
+        let dims = codes.dims().to_vec();
+        if codes.dtype() != DType::U8 || dims.last() != Some(&part.width) || !codes.device().is_cuda() || !cuda::supports(dtype) {
+            candle_core::bail!("KV codes: {dims:?} ({:?}) are not codes of {} bytes on a GPU", codes.dtype(), part.width);
+        }
+        let codes = codes.contiguous()?;
+        let vectors = codes.elem_count() / part.width;
+        let mut shape = dims;
+        *shape.last_mut().expect("a last dim") = part.dim;
+        let out = cuda::output(shape, dtype, codes.device())?;
+        if vectors == 0 {
+            return Ok(out);
+        }
+        let mut args = vec![Arg::at(&codes)?, Arg::at(&out)?, Arg::I64(vectors as i64), Arg::dim(part.dim)?];
+        args.extend(part_args(part, false)?);
+        let cfg = cuda::grid_for(vectors * 32, (CODE_WARPS * 32) as u32)?;
+        cuda::launch(codes.device(), &cuda::ATTENTION, "decode_codes", dtype, cfg, &args)?;
+        Ok(out)
     }
 }
 

@@ -12,6 +12,7 @@ use strata_kernels::attention::{
 };
 use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
 use strata_kernels::gated_delta::{gated_delta_rule, gated_delta_rule_in_place, on_tensor_cores, Gating, Inputs};
+use strata_kernels::kv_quant::{Affine, KvCodec, LayerCodes, PartCodes, Turbo, TurboVariant};
 use strata_kernels::matmul::matmul_t;
 use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
 use strata_kernels::sampling::{argmax_rows, draw_rows, first_allowed_max, first_max, Adjust, Draw};
@@ -763,6 +764,243 @@ fn grouped_attention_on_gpu_gives_each_query_its_bits_alone() {
                 let row = |x: &Tensor| f32(&x.narrow(0, r, 1).unwrap());
                 assert_eq!(diff_bits(&row(&wide), &f32(&alone)), 0, "row {r} batched differs from alone, {what}");
                 assert_eq!(diff_bits(&row(&paged), &f32(&alone)), 0, "row {r} paged differs from alone, {what}");
+            }
+        }
+    }
+}
+
+/// One head's CPU codec and the formats the quantized-KV tests run: every affine width at each
+/// group, TurboQuant from 1 to 8 bits.
+enum Cpu {
+    Affine(Affine),
+    Turbo(Vec<Turbo>),
+}
+
+impl Cpu {
+    fn affine(d: usize, bits: u32, group: usize) -> Self {
+        Cpu::Affine(Affine::new(d, bits, group).unwrap())
+    }
+
+    /// A TurboQuant codec per head, each with its own rotation.
+    fn turbo(d: usize, bits: u32, heads: usize) -> Self {
+        Cpu::Turbo((0..heads).map(|h| Turbo::new(d, bits, TurboVariant::Mse, 100 + h as u64).unwrap()).collect())
+    }
+
+    fn head(&self, h: usize) -> &dyn KvCodec {
+        match self {
+            Cpu::Affine(a) => a,
+            Cpu::Turbo(t) => &t[h],
+        }
+    }
+
+    fn device(&self, gpu: &Device) -> PartCodes {
+        match self {
+            Cpu::Affine(a) => PartCodes::affine(a),
+            Cpu::Turbo(t) => PartCodes::turbo(&t.iter().collect::<Vec<_>>(), gpu).unwrap(),
+        }
+    }
+
+    /// Head `h`'s vector as attention reads it: decoded, or short of the rotation.
+    fn read(&self, h: usize, code: &[u8], out: &mut [f32]) {
+        match self {
+            Cpu::Affine(a) => a.decode(code, out),
+            Cpu::Turbo(t) => t[h].decode_rotated(code, out),
+        }
+    }
+}
+
+fn formats(d: usize, heads: usize) -> Vec<(String, Cpu)> {
+    let mut all = Vec::new();
+    for bits in [2, 3, 4, 5, 6, 8] {
+        for group in [32, 64, 128].into_iter().filter(|g| d % g == 0) {
+            all.push((format!("affine{bits}-g{group}"), Cpu::affine(d, bits, group)));
+        }
+    }
+    all.extend((1..=8).map(|bits| (format!("turbo{bits}"), Cpu::turbo(d, bits, heads))));
+    all
+}
+
+/// Vectors `[b, heads, t, d]`: mixed scales, and a zero vector, a constant one and one with an
+/// outlier among them.
+fn kv_vectors(b: usize, heads: usize, t: usize, d: usize, seed: u64) -> Tensor {
+    let mut data = values(&[b, heads, t, d], 2.0, seed).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    data[..d].fill(0.0);
+    data[d..2 * d].fill(0.75);
+    data[2 * d + 5] = 40.0;
+    Tensor::from_vec(data, (b, heads, t, d), &Device::Cpu).unwrap()
+}
+
+fn bytes(t: &Tensor) -> Vec<u8> {
+    t.to_device(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<u8>().unwrap()
+}
+
+/// Quantized KV on the GPU (quantize on append, read in place): every affine format encodes to
+/// the CPU codec's bytes, from f32 and from bf16 inputs; TurboQuant, whose rotation is a matmul
+/// that may round otherwise than the CPU's sums, to the same bytes for all but a rare vector; and
+/// codes read on the GPU are what the CPU reads from the same bytes, bit for bit.
+#[test]
+fn kv_codes_on_gpu_are_the_cpu_codecs() {
+    let gpu = gpu();
+    let (b, heads, t) = (4, 3, 16);
+    for d in [64, 128, 256] {
+        let x = kv_vectors(b, heads, t, d, 7);
+        for (name, cpu) in formats(d, heads) {
+            let codes = cpu.device(&gpu);
+            let width = codes.width();
+            assert_eq!(width, cpu.head(0).bytes(), "{name}, d {d}: width");
+            for dtype in [DType::F32, DType::BF16] {
+                let x = x.to_dtype(dtype).unwrap();
+                let got = bytes(&codes.encode(&x.to_device(&gpu).unwrap()).unwrap());
+                let inputs = x.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let mut want = vec![0u8; got.len()];
+                for (i, (v, code)) in inputs.chunks(d).zip(want.chunks_mut(width)).enumerate() {
+                    cpu.head(i / t % heads).encode(v, code);
+                }
+                // The same vectors through a pool (one block of 16 positions per row).
+                let pools = [0, 1].map(|_| Tensor::zeros((b * t, heads, width), DType::U8, &gpu).unwrap());
+                let tables = Tensor::from_vec((0..b as i32).collect::<Vec<_>>(), (b, 1), &gpu).unwrap();
+                let lens = Tensor::from_vec(vec![t as i32; b], b, &gpu).unwrap();
+                let layer = LayerCodes { keys: codes.clone(), values: codes.clone() };
+                let rows = PagedDecodeRows::coded(&pools[0], &pools[1], t, &tables, &layer).unwrap();
+                let xg = x.to_device(&gpu).unwrap();
+                rows.write(&xg, &xg, &lens).unwrap();
+                let pooled = bytes(&pools[0]);
+                let pool_differs = (0..b * heads * t)
+                    .filter(|&i| {
+                        let (r, h, p) = (i / (heads * t), i / t % heads, i % t);
+                        pooled[((r * t + p) * heads + h) * width..][..width] != want[i * width..][..width]
+                    })
+                    .count();
+                let differing: Vec<usize> =
+                    (0..b * heads * t).filter(|&i| got[i * width..][..width] != want[i * width..][..width]).collect();
+                let allowed = if name.starts_with("turbo") { b * heads * t / 50 } else { 0 };
+                if let Some(&i) = differing.first().filter(|_| differing.len() > allowed) {
+                    panic!(
+                        "{name}, d {d}, {dtype:?}: {} vectors coded otherwise than on the CPU ({pool_differs} through a pool); vector {i}: {:?}\n got  {:?}\n want {:?}",
+                        differing.len(),
+                        &inputs[i * d..][..8],
+                        &got[i * width..][..width],
+                        &want[i * width..][..width]
+                    );
+                }
+                // Reading: the CPU's codes, read on both.
+                let stored = Tensor::from_vec(want.clone(), (b, heads, t, width), &Device::Cpu).unwrap();
+                let read = codes.read(&stored.to_device(&gpu).unwrap(), DType::F32).unwrap();
+                let read = read.to_device(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+                let mut expected = vec![0f32; read.len()];
+                for (i, (code, out)) in want.chunks(width).zip(expected.chunks_mut(d)).enumerate() {
+                    cpu.read(i / t % heads, code, out);
+                }
+                let same = read.iter().zip(&expected).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{name}, d {d}, {dtype:?}: codes read otherwise than on the CPU");
+            }
+        }
+    }
+}
+
+/// Attention reading a paged pool of codes in place, after quantizing a step's keys and values
+/// into it: within the tolerance of the reference attention over the pool's codes decoded on the
+/// CPU (TurboQuant's fully, rotation undone), gated and not, for decode steps and verify blocks,
+/// affine and TurboQuant (keys and values at their own bits), a head dim of each width the
+/// kernels are built for; and each query's bits are the same in a wide batch (grouped kernels)
+/// as in its row alone.
+#[test]
+fn coded_paged_attention_on_gpu_matches_decoded_attention() {
+    let gpu = gpu();
+    let (hq, hkv, block_size, cap) = (16, 4, 16usize, 720usize);
+    let past = [0usize, 16, 530];
+    let f32s = |x: &Tensor| {
+        x.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+    };
+    for d in [64, 128, 256] {
+        let formats = [
+            ("affine4-g64", Cpu::affine(d, 4, 64), Cpu::affine(d, 4, 64)),
+            ("affine3-g32/affine8-g64", Cpu::affine(d, 3, 32), Cpu::affine(d, 8, 64)),
+            ("turbo4", Cpu::turbo(d, 4, hkv), Cpu::turbo(d, 4, hkv)),
+            ("turbo-k5v3", Cpu::turbo(d, 5, hkv), Cpu::turbo(d, 3, hkv)),
+        ];
+        for (name, key_codec, value_codec) in formats {
+            let codes = LayerCodes { keys: key_codec.device(&gpu), values: value_codec.device(&gpu) };
+            let widths = [codes.keys.width(), codes.values.width()];
+            for (dtype, t) in [(DType::F32, 1), (DType::F32, 3), (DType::BF16, 1), (DType::BF16, 3)] {
+                let lens: Vec<usize> = past.iter().map(|p| p + t).collect();
+                let on_gpu = |x: Tensor| x.to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+                // Rows' blocks dealt in turn from a shuffled order; each row's history encoded
+                // by the CPU codecs into its pool rows.
+                let max_blocks = cap.div_ceil(block_size);
+                let blocks: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
+                let total = blocks.iter().sum::<usize>() + 2;
+                let order = values(&[total], 1.0, 41).to_vec1::<f32>().unwrap();
+                let mut ids: Vec<usize> = (0..total).collect();
+                ids.sort_by(|&a, &b| order[a].total_cmp(&order[b]));
+                let mut dealt = ids.into_iter();
+                let tables: Vec<Vec<usize>> = blocks.iter().map(|&n| dealt.by_ref().take(n).collect()).collect();
+                let pool_row = |r: usize, p: usize| tables[r][p / block_size] * block_size + p % block_size;
+                let history = [0, 1].map(|side| kv_vectors(3, hkv, cap, d, 90 + side as u64).to_dtype(dtype).unwrap());
+                let mut pools = widths.map(|w| vec![0u8; total * block_size * hkv * w]);
+                for (side, pool) in pools.iter_mut().enumerate() {
+                    let (codec, w) = ([&key_codec, &value_codec][side], widths[side]);
+                    let data = f32s(&history[side]);
+                    for (r, h, p) in (0..3).flat_map(|r| (0..hkv).flat_map(move |h| (0..past[r]).map(move |p| (r, h, p)))) {
+                        let at = (pool_row(r, p) * hkv + h) * w;
+                        codec.head(h).encode(&data[((r * hkv + h) * cap + p) * d..][..d], &mut pool[at..at + w]);
+                    }
+                }
+                let pools: Vec<Tensor> = pools
+                    .into_iter()
+                    .zip(widths)
+                    .map(|(p, w)| Tensor::from_vec(p, (total * block_size, hkv, w), &gpu).unwrap())
+                    .collect();
+                let table_data: Vec<i32> =
+                    tables.iter().flat_map(|row| (0..max_blocks).map(|i| row.get(i).map_or(0, |&id| id as i32))).collect();
+                let table = Tensor::from_vec(table_data, (3, max_blocks), &gpu).unwrap();
+                let lens_t = Tensor::from_vec(lens.iter().map(|&l| l as i32).collect::<Vec<_>>(), 3, &gpu).unwrap();
+                // The step: keys and values at positions past .. past + t of each row's history.
+                let step = |side: usize| {
+                    let rows: Vec<Tensor> =
+                        (0..3).map(|r| history[side].get(r).unwrap().narrow(1, past[r], t).unwrap()).collect();
+                    Tensor::stack(&rows, 0).unwrap().to_device(&gpu).unwrap()
+                };
+                let (new_k, new_v) = (step(0), step(1));
+                let q = on_gpu(values(&[3, hq, t, d], 1.0, 92));
+                let gate = on_gpu(values(&[3, t, hq, d], 3.0, 93));
+                let paged = PagedDecodeRows::coded(&pools[0], &pools[1], block_size, &table, &codes).unwrap();
+                let scoring = Scoring::scaled(1.0 / (d as f64).sqrt());
+                let got = paged.append_attend(&q, &new_k, &new_v, &lens_t, scoring).unwrap();
+                let gated = paged.append_attend_gated(&q, &new_k, &new_v, &lens_t, scoring, &gate).unwrap();
+                // The reference: every row's codes in the pool (the step's as the GPU wrote
+                // them) decoded on the CPU, attended in f32.
+                let stored = pools.iter().map(bytes).collect::<Vec<_>>();
+                let rows: Vec<(Tensor, Tensor)> = (0..3)
+                    .map(|r| {
+                        let part = |side: usize| {
+                            let (codec, w) = ([&key_codec, &value_codec][side], widths[side]);
+                            let mut out = vec![0f32; hkv * lens[r] * d];
+                            for (h, p) in (0..hkv).flat_map(|h| (0..lens[r]).map(move |p| (h, p))) {
+                                let at = (pool_row(r, p) * hkv + h) * w;
+                                codec.head(h).decode(&stored[side][at..at + w], &mut out[(h * lens[r] + p) * d..][..d]);
+                            }
+                            Tensor::from_vec(out, (hkv, lens[r], d), &Device::Cpu).unwrap()
+                        };
+                        (part(0), part(1))
+                    })
+                    .collect();
+                let q_cpu = q.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+                let want = causal_attention_rows(&q_cpu, &rows, scoring).unwrap();
+                let gate_cpu = gate.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap();
+                let what = format!("{name}, d {d}, {dtype:?}, t={t}");
+                assert_close(&format!("coded attention, {what}"), dtype, &got, &want);
+                assert_close(&format!("coded gated attention, {what}"), dtype, &gated, &sigmoid_gate(&want, &gate_cpu).unwrap());
+                // The last row alone, through a table of its own: the same bits.
+                let alone_table = table.narrow(0, 2, 1).unwrap();
+                let alone = PagedDecodeRows::coded(&pools[0], &pools[1], block_size, &alone_table, &codes).unwrap();
+                let last = |x: &Tensor| x.narrow(0, 2, 1).unwrap();
+                let solo = alone.append_attend(&last(&q), &last(&new_k), &last(&new_v), &last(&lens_t), scoring).unwrap();
+                assert_eq!(
+                    diff_bits(&last(&got).to_dtype(DType::F32).unwrap(), &solo.to_dtype(DType::F32).unwrap()),
+                    0,
+                    "alone vs batched, {what}"
+                );
             }
         }
     }

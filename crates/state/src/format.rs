@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Tensor};
 use strata_kernels::attention::{self, Scoring};
-use strata_kernels::kv_quant::{Affine, KvCodec, Turbo, TurboVariant};
+use strata_kernels::kv_quant::{self, Affine, KvCodec, LayerCodes, PartCodes, Turbo, TurboVariant};
 
 use crate::spec::KvShape;
 use crate::{Result, StateError};
@@ -265,6 +265,8 @@ struct LayerCodecs {
     /// keys read short of their rotation, the output by `R` (`Rᵀ·y`) to undo the values'.
     key_turns: Option<Tensor>,
     value_turns: Option<Tensor>,
+    /// The codes as device kernels write and read them, per GPU they were asked for on.
+    on_devices: Mutex<Vec<(candle_core::DeviceLocation, LayerCodes)>>,
 }
 
 /// How one attention layer writes and reads its positions: the layer's format, its compute
@@ -330,11 +332,43 @@ impl KvCoding {
         let (keys, values) = (heads(KvPart::Keys)?, heads(KvPart::Values)?);
         let key_turns = rotations(&keys, shape)?.map(|r| r.t()?.contiguous()).transpose()?;
         let value_turns = rotations(&values, shape)?;
-        let codecs = Arc::new(LayerCodecs { format, keys, values, key_turns, value_turns });
+        let codecs = Arc::new(LayerCodecs { format, keys, values, key_turns, value_turns, on_devices: Mutex::default() });
         // Another thread may have built the same codecs meanwhile: every coding of a layer
         // shares the first (merges compare codings by identity).
         let codecs = built.lock().unwrap_or_else(|e| e.into_inner()).entry(key).or_insert(codecs).clone();
         Ok(Self { dtype, codecs: Some(codecs), start })
+    }
+
+    /// The layer's codes as device kernels write and read them on `device` (built there once):
+    /// `None` for unquantized KV and on the CPU, an error for a format with no device kernels.
+    pub(crate) fn device_codes(&self, device: &candle_core::Device) -> Result<Option<LayerCodes>> {
+        let Some(codecs) = &self.codecs else { return Ok(None) };
+        if device.is_cpu() {
+            return Ok(None);
+        }
+        let mut built = codecs.on_devices.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, codes)) = built.iter().find(|(at, _)| *at == device.location()) {
+            return Ok(Some(codes.clone()));
+        }
+        let bad = |e: kv_quant::CodecError| StateError::Format(format!("--kv-cache-dtype {}: {e}", codecs.format));
+        let part = |heads: &[HeadCodec]| -> Result<PartCodes> {
+            match &heads[0] {
+                HeadCodec::Affine(affine) => Ok(PartCodes::affine(affine)),
+                HeadCodec::Turbo(_) => {
+                    let turbo: Vec<&Turbo> = heads
+                        .iter()
+                        .map(|h| match h {
+                            HeadCodec::Turbo(t) => t.as_ref(),
+                            HeadCodec::Affine(_) => unreachable!("a layer's heads share a family"),
+                        })
+                        .collect();
+                    PartCodes::turbo(&turbo, device).map_err(bad)
+                }
+            }
+        };
+        let codes = LayerCodes { keys: part(&codecs.keys)?, values: part(&codecs.values)? };
+        built.push((device.location(), codes.clone()));
+        Ok(Some(codes))
     }
 
     /// A delayed format's start; 0 when every query reads codes.
@@ -438,6 +472,9 @@ impl KvCoding {
     /// [`KvCoding::rotate_queries`] and the output back by [`KvCoding::unrotate_output`], which
     /// reads every key and value in `O(D)` instead of `O(D²)`.
     pub(crate) fn read(&self, stored: &Tensor, part: KvPart) -> Result<Tensor> {
+        if let Some(codes) = self.device_codes(stored.device())? {
+            return Ok(part_of(&codes, part).read(stored, self.dtype)?);
+        }
         if self.codecs.as_ref().and_then(|c| c.rotations(part)).is_none() {
             return self.decode(stored, part);
         }
@@ -475,13 +512,14 @@ impl KvCoding {
         let Some(r) = self.codecs.as_ref().and_then(|c| c.rotations(part)) else {
             return Ok(x.clone());
         };
-        let (b, hq, t, d) = x.dims4()?;
-        let hkv = r.dim(0)?;
-        let r = r.to_device(x.device())?;
-        // Every row's vectors of one KV head's query heads as one `[Hkv, B·G·T, D]` batch.
-        let grouped = x.to_dtype(DType::F32)?.reshape((b, hkv, hq / hkv * t, d))?.transpose(0, 1)?.contiguous()?;
-        let turned = grouped.reshape((hkv, b * hq / hkv * t, d))?.matmul(&r)?;
-        let turned = turned.reshape((hkv, b, hq / hkv * t, d))?.transpose(0, 1)?.reshape((b, hq, t, d))?;
+        let turned = match self.device_codes(x.device())? {
+            // The device's copies: queries by the keys' rotation, output back by the values'.
+            Some(codes) => match part {
+                KvPart::Keys => codes.keys.rotate(x)?,
+                KvPart::Values => codes.values.unrotate(x)?,
+            },
+            None => kv_quant::turn(x, r)?,
+        };
         Ok(turned.to_dtype(x.dtype())?)
     }
 
@@ -491,6 +529,9 @@ impl KvCoding {
         let Some(codecs) = &self.codecs else {
             return Ok(x.to_dtype(self.dtype)?);
         };
+        if let Some(codes) = self.device_codes(x.device())? {
+            return Ok(part_of(&codes, part).encode(x)?);
+        }
         let codecs = codecs.of(part);
         let dims = x.dims().to_vec();
         let (heads, t, d) = three_last(&dims)?;
@@ -509,6 +550,18 @@ impl KvCoding {
     pub(crate) fn decode(&self, stored: &Tensor, part: KvPart) -> Result<Tensor> {
         if self.codecs.is_none() {
             return Ok(stored.clone());
+        }
+        if let Some(codes) = self.device_codes(stored.device())? {
+            // Read, then turned back where codes are read short of a rotation.
+            let codes = part_of(&codes, part);
+            let read = codes.read(stored, self.dtype)?;
+            if !codes.is_rotated() {
+                return Ok(read);
+            }
+            let dims = read.dims().to_vec();
+            let (h, t, d) = three_last(&dims)?;
+            let vectors = read.reshape(((), h, t, d))?;
+            return Ok(codes.unrotate(&vectors)?.to_dtype(self.dtype)?.reshape(dims)?);
         }
         self.decode_with(stored, part, |codec, code, x| codec.get().decode(code, x))
     }
@@ -558,6 +611,13 @@ fn rotations(heads: &[HeadCodec], shape: &KvShape) -> Result<Option<Tensor>> {
     }
     let d = shape.head_dim;
     Ok(Some(Tensor::from_vec(all, (heads.len(), d, d), &candle_core::Device::Cpu)?))
+}
+
+fn part_of(codes: &LayerCodes, part: KvPart) -> &PartCodes {
+    match part {
+        KvPart::Keys => &codes.keys,
+        KvPart::Values => &codes.values,
+    }
 }
 
 fn three_last(dims: &[usize]) -> Result<(usize, usize, usize)> {

@@ -83,15 +83,29 @@ impl KvStore {
 
     /// Where a kernel writing and reading the rows in place finds them: the pool's tensors and
     /// the rows' block tables; `None` for rows in buffers of their own. The tensors hold codes
-    /// for a quantized format (see [`KvStore::is_plain`]).
-    pub fn paged_layout(&self) -> Option<PagedLayout> {
-        self.paged_rows().map(PagedRows::layout)
+    /// for a quantized format, described for the device kernels (see [`KvStore::in_place`]).
+    pub fn paged_layout(&self) -> Result<Option<PagedLayout>> {
+        let Some(paged) = self.paged_rows() else { return Ok(None) };
+        let mut layout = paged.layout();
+        layout.codes = self.coding.device_codes(&self.device)?;
+        Ok(Some(layout))
     }
 
-    /// Whether positions are stored as computed (what device kernels writing and reading them
-    /// in place take), not quantized.
+    /// Whether positions are stored as computed, not quantized.
     pub fn is_plain(&self) -> bool {
         self.coding.is_plain()
+    }
+
+    /// Whether device kernels may write the next positions of every row and read its history
+    /// in place (a captured decode step): rows in a pool, as computed, or as codes the kernels
+    /// read in place once every row is past a delayed format's unquantized first positions
+    /// (which the kernels neither write nor read).
+    pub fn in_place(&self) -> Result<bool> {
+        if !self.is_paged() || self.is_plain() {
+            return Ok(self.is_paged());
+        }
+        let codes = self.coding.device_codes(&self.device)?;
+        Ok(codes.is_some_and(|c| c.read_in_place()) && self.lens().into_iter().all(|len| len >= self.coding.start()))
     }
 
     fn empty_row(&self, capacity: usize) -> Result<KvRow> {
@@ -253,20 +267,20 @@ impl KvStore {
     /// The one attention every family's full-attention layers go through: on CUDA, paged rows
     /// of a few positions are written and read through their block tables in place.
     pub fn attend(&mut self, q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, gate: Option<&Tensor>) -> Result<Tensor> {
+        if self.in_place()? {
+            let t = k.dim(2)?;
+            self.reserve_rows(t)?;
+            let layout = self.paged_layout()?.expect("in place rows are paged");
+            let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
+            if let Some(out) = attention::paged_append_attend(q, k, v, &kernel_view(&layout, &lens), scoring, gate)? {
+                self.commit_written(t)?;
+                return Ok(out);
+            }
+        }
         if !self.coding.is_plain() {
             let lens = self.lens();
             self.append_stored(k, v)?;
             return self.attend_coded(q, &lens, scoring, gate);
-        }
-        if let Rows::Paged(paged) = &mut self.rows {
-            let t = k.dim(2)?;
-            paged.reserve_rows(t)?;
-            let layout = paged.layout();
-            let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
-            if let Some(out) = attention::paged_append_attend(q, k, v, &kernel_view(&layout, &lens), scoring, gate)? {
-                paged.commit_written(t)?;
-                return Ok(out);
-            }
         }
         if let Rows::Paged(paged) = &mut self.rows {
             if paged.rows() > 1 {
@@ -334,8 +348,9 @@ impl KvStore {
     fn append_paged(paged: &mut PagedRows, coding: &KvCoding, k: &Tensor, v: &Tensor) -> Result<()> {
         let t = k.dim(2)?;
         paged.reserve_rows(t)?;
-        if coding.is_plain() {
-            let layout = paged.layout();
+        let mut layout = paged.layout();
+        layout.codes = coding.device_codes(k.device())?;
+        if coding.is_plain() || layout.codes.as_ref().is_some_and(|c| c.read_in_place()) {
             let lens: Vec<usize> = layout.lens.iter().map(|len| len + t).collect();
             if attention::write_paged(k, v, &kernel_view(&layout, &lens))? {
                 return paged.commit_written(t);
@@ -369,10 +384,21 @@ impl KvStore {
     /// of [`KvStore::paged_layout`]) by a device kernel rather than through
     /// [`KvStore::append_rows`].
     pub fn commit_written(&mut self, t: usize) -> Result<()> {
-        self.plain_only("counting written positions")?;
+        if self.is_paged() {
+            // Codes too; but a delayed format's first positions are written only through
+            // `append_rows`, which keeps their unquantized copy.
+            if self.lens().into_iter().any(|len| len < self.coding.start()) {
+                return Err(StateError::Format(format!(
+                    "counting written positions: rows still in the unquantized first {} positions of {}",
+                    self.coding.start(),
+                    self.format()
+                )));
+            }
+        }
         if let Rows::Paged(paged) = &mut self.rows {
             return paged.commit_written(t);
         }
+        self.plain_only("counting written positions")?;
         for r in self.not_paged("counting written positions")? {
             let capacity = r.k.dim(1)?;
             if r.len + t > capacity {
@@ -580,7 +606,14 @@ impl KvStore {
 
 /// `layout`'s pool as the paged kernels read it, each row `lens[r]` positions long.
 fn kernel_view<'a>(layout: &'a PagedLayout, lens: &'a [usize]) -> PagedKv<'a> {
-    PagedKv { keys: &layout.keys, values: &layout.values, block_size: layout.block_size, tables: &layout.tables, lens }
+    PagedKv {
+        keys: &layout.keys,
+        values: &layout.values,
+        block_size: layout.block_size,
+        tables: &layout.tables,
+        lens,
+        codes: layout.codes.as_ref(),
+    }
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use crate::format::KvCoding;
 use crate::pool::{grown, lock, tensor_bytes, Ids, Pool, PoolSize};
 use crate::spec::KvShape;
 use crate::{KvPart, Result, StateError};
+use strata_kernels::kv_quant::LayerCodes;
 
 /// One attention layer's blocks: its key and value tensors, plus one scratch block past them.
 #[derive(Debug)]
@@ -141,6 +142,8 @@ pub struct PagedLayout {
     pub tables: Vec<Vec<u32>>,
     pub lens: Vec<usize>,
     pub scratch: u32,
+    /// How the pool tensors are coded where they hold quantized KV (see `format.rs`).
+    pub codes: Option<LayerCodes>,
 }
 
 impl PagedRows {
@@ -229,6 +232,7 @@ impl PagedRows {
             tables: self.rows.iter().map(|r| r.table.blocks.clone()).collect(),
             lens: self.lens().collect(),
             scratch: layer.ids.len() as u32,
+            codes: None,
         }
     }
 

@@ -106,12 +106,12 @@ impl Pooled {
         for layer in &mut state.layers {
             match layer {
                 LayerState::Attention(store) => {
-                    // The graph's kernels read and write keys and values as computed, in place.
-                    if !store.is_paged() || !store.is_plain() {
+                    // The graph's kernels write and read keys and values (or their codes) in place.
+                    if !store.in_place()? {
                         return Ok(None);
                     }
                     store.reserve_rows(1)?;
-                    kv.push(store.paged_layout().expect("checked paged"));
+                    kv.push(store.paged_layout()?.expect("in place rows are paged"));
                 }
                 LayerState::Recurrent(s) => match s.slot_layout()? {
                     Some(layout) => recurrent.push(layout),
@@ -196,7 +196,10 @@ impl StepInputs {
             .kv
             .iter()
             .enumerate()
-            .map(|(i, l)| PagedDecodeRows::new(&l.keys, &l.values, l.block_size, &tables.get(i)?))
+            .map(|(i, l)| match &l.codes {
+                Some(codes) => PagedDecodeRows::coded(&l.keys, &l.values, l.block_size, &tables.get(i)?, codes),
+                None => PagedDecodeRows::new(&l.keys, &l.values, l.block_size, &tables.get(i)?),
+            })
             .collect::<candle_core::Result<_>>()?;
         Ok(Self {
             tokens: Tensor::zeros((rows, 1), DType::U32, dev)?,
