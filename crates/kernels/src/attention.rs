@@ -673,10 +673,18 @@ pub(crate) mod gpu {
     fn write_kv(src: &Tensor, name: &'static str, dst: Vec<Arg>) -> Result<()> {
         let (b, h, t, d) = src.dims4()?;
         let src = if src.stride()[3] == 1 { src.clone() } else { src.contiguous()? };
-        let s = src.stride();
         let mut args = vec![Arg::at(&src)?];
         args.extend(dst);
-        args.extend([
+        args.extend(shape_args(&src)?);
+        cuda::launch(src.device(), &cuda::ATTENTION, name, src.dtype(), cuda::grid_for(b * h * t * d, 256)?, &args)
+    }
+
+    /// The shape of vectors `src` (`[B, H, T, D]`, D contiguous) and its strides for B, H and T,
+    /// as the KV writing kernels take them after their destination.
+    pub(crate) fn shape_args(src: &Tensor) -> Result<[Arg; 7]> {
+        let (b, h, t, d) = src.dims4()?;
+        let s = src.stride();
+        Ok([
             Arg::dim(b)?,
             Arg::dim(h)?,
             Arg::dim(t)?,
@@ -684,8 +692,7 @@ pub(crate) mod gpu {
             Arg::I64(s[0] as i64),
             Arg::I64(s[1] as i64),
             Arg::I64(s[2] as i64),
-        ]);
-        cuda::launch(src.device(), &cuda::ATTENTION, name, src.dtype(), cuda::grid_for(b * h * t * d, 256)?, &args)
+        ])
     }
 
     /// A KV store's row buffers (`[Hkv, capacity, D]` each) as the decode kernels read them,

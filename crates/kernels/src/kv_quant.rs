@@ -650,7 +650,6 @@ pub(crate) mod gpu {
         }
         let x = if x.stride()[3] == 1 { x.clone() } else { x.contiguous()? };
         let rotated = part.turbo.as_ref().map(|_| part.rotate(&x)?.contiguous()).transpose()?;
-        let s = x.stride();
         let mut args = vec![Arg::at(&x)?, Arg::at_or_null(rotated.as_ref())?];
         match (&pool, &fresh) {
             (Some(p), _) => args.extend([
@@ -663,15 +662,7 @@ pub(crate) mod gpu {
             (None, Some(out)) => args.extend([Arg::at(out)?, Arg::Ptr(0), Arg::Ptr(0), Arg::I32(0), Arg::I32(0)]),
             (None, None) => unreachable!("a fresh output without a pool"),
         }
-        args.extend([
-            Arg::dim(b)?,
-            Arg::dim(h)?,
-            Arg::dim(t)?,
-            Arg::dim(d)?,
-            Arg::I64(s[0] as i64),
-            Arg::I64(s[1] as i64),
-            Arg::I64(s[2] as i64),
-        ]);
+        args.extend(crate::attention::gpu::shape_args(&x)?);
         args.extend(part_args(part, true)?);
         let cfg = cuda::grid_for(b * h * t * 32, (CODE_WARPS * 32) as u32)?;
         cuda::launch(x.device(), &cuda::ATTENTION, "encode_codes", x.dtype(), cfg, &args)?;
