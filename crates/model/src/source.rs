@@ -22,6 +22,13 @@ pub trait WeightSource {
     }
 
     fn device(&self) -> &Device;
+
+    /// Whether the source holds a tensor `name`, for weights stored in more than one layout
+    /// (a source of random weights holds whatever is asked of it, in the first layout tried).
+    fn contains(&self, name: &str) -> bool {
+        let _ = name;
+        false
+    }
 }
 
 pub struct FileSource<'a> {
@@ -30,12 +37,26 @@ pub struct FileSource<'a> {
     pub device: Device,
 }
 
+impl FileSource<'_> {
+    /// The checkpoint's name for `name`: under the text model's prefix, except the output head
+    /// and the multi-token-prediction head, which sit beside the text model.
+    fn stored_name(&self, name: &str) -> String {
+        let beside = name == "lm_head.weight" || name.starts_with("mtp.");
+        if beside {
+            name.to_string()
+        } else {
+            format!("{}{name}", self.prefix)
+        }
+    }
+}
+
 impl WeightSource for FileSource<'_> {
     fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        // The output head and the multi-token-prediction head sit beside the text model.
-        let beside = name == "lm_head.weight" || name.starts_with("mtp.");
-        let full = if beside { name.to_string() } else { format!("{}{name}", self.prefix) };
-        self.weights.get(&full, shape, dtype, &self.device)
+        self.weights.get(&self.stored_name(name), shape, dtype, &self.device)
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.weights.contains(&self.stored_name(name))
     }
 
     fn device(&self) -> &Device {

@@ -3,7 +3,7 @@
 
 use candle_core::{DType, Device};
 
-use crate::config::{LayerKind, Qwen35Config};
+use crate::config::{ExpertsConfig, FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::model::Model;
 use crate::qwen3_5::{MtpHead, Qwen35};
@@ -17,12 +17,22 @@ const SHAPES: &str = include_str!("synthetic_shapes.json");
 struct Shape {
     hidden: usize,
     layers: usize,
-    intermediate: usize,
+    /// The dense MLP's width, or the experts of a mixture-of-experts shape.
+    intermediate: Option<usize>,
+    experts: Option<ExpertsShape>,
     heads: usize,
     kv_heads: usize,
     linear_key_heads: usize,
     linear_value_heads: usize,
     tied: bool,
+}
+
+#[derive(Clone, Copy, serde::Deserialize)]
+struct ExpertsShape {
+    count: usize,
+    per_token: usize,
+    intermediate: usize,
+    shared: usize,
 }
 
 /// The text config of a named public model shape.
@@ -33,12 +43,22 @@ pub fn config(name: &str) -> Result<Qwen35Config> {
         let known: Vec<&str> = shapes.keys().map(String::as_str).collect();
         return Err(ModelError::Invalid(format!("unknown synthetic model `{name}` (known: {})", known.join(", "))));
     };
-    let Shape { hidden, layers, intermediate: inter, heads, kv_heads: kv, linear_key_heads: lk, linear_value_heads: lv, tied } =
+    let Shape { hidden, layers, intermediate, experts, heads, kv_heads: kv, linear_key_heads: lk, linear_value_heads: lv, tied } =
         *shape;
+    let feed_forward = match (intermediate, experts) {
+        (Some(intermediate_size), None) => FeedForward::Dense { intermediate_size },
+        (None, Some(e)) => FeedForward::Experts(ExpertsConfig {
+            num_experts: e.count,
+            num_experts_per_tok: e.per_token,
+            moe_intermediate_size: e.intermediate,
+            shared_expert_intermediate_size: e.shared,
+        }),
+        _ => unreachable!("synthetic_shapes.json gives each shape an intermediate size or experts (a test checks)"),
+    };
     Ok(Qwen35Config {
         vocab_size: 248_320,
         hidden_size: hidden,
-        intermediate_size: inter,
+        feed_forward,
         layer_types: (0..layers).map(|i| if (i + 1) % 4 == 0 { LayerKind::Full } else { LayerKind::Linear }).collect(),
         num_attention_heads: heads,
         num_key_value_heads: kv,
@@ -77,10 +97,23 @@ mod tests {
 
     #[test]
     fn every_shape_parses_with_a_full_attention_layer_in_four() {
-        for name in ["qwen3.5-0.8b", "qwen3.5-2b", "qwen3.5-4b", "qwen3.5-9b"] {
+        let shapes: std::collections::BTreeMap<String, serde_json::Value> = serde_json::from_str(SHAPES).unwrap();
+        assert!(shapes.len() >= 5);
+        for name in shapes.keys() {
             let cfg = config(name).unwrap();
             assert_eq!(cfg.layer_types.iter().filter(|k| **k == LayerKind::Full).count() * 4, cfg.layer_types.len());
         }
+        // transformers' Qwen3_5MoeTextConfig defaults, which are Qwen3.5-35B-A3B's.
+        let moe = config("qwen3.5-35b-a3b").unwrap();
+        assert_eq!((moe.hidden_size, moe.num_layers(), moe.num_attention_heads, moe.num_key_value_heads), (2048, 40, 16, 2));
+        assert_eq!((moe.linear_num_key_heads, moe.linear_num_value_heads, moe.tie_word_embeddings), (16, 32, false));
+        let want = ExpertsConfig {
+            num_experts: 256,
+            num_experts_per_tok: 8,
+            moe_intermediate_size: 512,
+            shared_expert_intermediate_size: 512,
+        };
+        assert_eq!(moe.feed_forward, FeedForward::Experts(want));
         assert!(config("qwen3.5-1t").unwrap_err().to_string().contains("known: qwen3.5-0.8b"));
     }
 }

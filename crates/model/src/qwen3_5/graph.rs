@@ -254,6 +254,8 @@ impl DecodeGraphs {
             || logits != Logits::Last
             || tokens.dims() != [rows, 1]
             || !model.plain_weights
+            // A mixture of experts routes on the host (each layer reads its router's logits).
+            || matches!(model.cfg.feed_forward, crate::config::FeedForward::Experts(_))
             || !state.is_pooled()
         {
             return Ok(None);

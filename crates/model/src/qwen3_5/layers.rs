@@ -262,6 +262,14 @@ impl Mlp {
         })
     }
 
+    /// From a joined `[gate; up]` matrix (`[2·inter, hidden]`) and `down`.
+    pub fn joined(gate_up: Tensor, inter: usize, down: Matrix) -> Self {
+        Self {
+            gate_up: Projections::Joined { linear: Linear::from_weight(Matrix::Dense(gate_up)), sizes: vec![inter, inter] },
+            down: Linear::from_weight(down),
+        }
+    }
+
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let [gate, up] = self.gate_up.forward(x)?;
         self.down.forward(&norm::silu_mul(&gate, &up)?)

@@ -1,8 +1,10 @@
-//! The Qwen3.5 text model (transformers `qwen3_5`): decoder layers that are either Gated
-//! DeltaNet or gated full attention, each followed by a SwiGLU MLP, with zero-centred RMSNorms.
+//! The Qwen3.5 text model (transformers `qwen3_5` and `qwen3_5_moe`): decoder layers that are
+//! either Gated DeltaNet or gated full attention, each followed by a SwiGLU MLP or a mixture of
+//! SwiGLU experts, with zero-centred RMSNorms.
 
 mod attention;
 mod deltanet;
+mod experts;
 #[cfg(feature = "cuda")]
 mod graph;
 pub mod layers;
@@ -13,9 +15,10 @@ use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, StateSp
 
 use self::attention::Attention;
 use self::deltanet::GatedDeltaNet;
+use self::experts::Experts;
 use self::layers::{Linear, Matrix, Mlp, Residual, RmsNorm, Rotary};
 pub use self::mtp::MtpHead;
-use crate::config::{LayerKind, Qwen35Config};
+use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
 
@@ -24,11 +27,35 @@ enum Mixer {
     Full(Attention),
 }
 
+/// The block after a layer's mixer (`{layer}.mlp`).
+enum Mlps {
+    Dense(Mlp),
+    Experts(Box<Experts>),
+}
+
+impl Mlps {
+    fn load(src: &dyn WeightSource, prefix: &str, cfg: &Qwen35Config, dtype: DType) -> Result<Self> {
+        Ok(match &cfg.feed_forward {
+            FeedForward::Dense { intermediate_size } => {
+                Mlps::Dense(Mlp::load(src, prefix, cfg.hidden_size, *intermediate_size, dtype)?)
+            }
+            FeedForward::Experts(e) => Mlps::Experts(Box::new(Experts::load(src, prefix, cfg.hidden_size, e, dtype)?)),
+        })
+    }
+
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        match self {
+            Mlps::Dense(m) => m.forward(x),
+            Mlps::Experts(m) => m.forward(x),
+        }
+    }
+}
+
 struct DecoderLayer {
     input_norm: RmsNorm,
     mixer: Mixer,
     post_norm: RmsNorm,
-    mlp: Mlp,
+    mlp: Mlps,
 }
 
 impl DecoderLayer {
@@ -41,7 +68,7 @@ impl DecoderLayer {
                 LayerKind::Full => Mixer::Full(Attention::load(src, &format!("{prefix}.self_attn"), cfg, dtype)?),
             },
             post_norm: RmsNorm::load(src, &format!("{prefix}.post_attention_layernorm"), hidden, eps)?,
-            mlp: Mlp::load(src, &format!("{prefix}.mlp"), hidden, cfg.intermediate_size, dtype)?,
+            mlp: Mlps::load(src, &format!("{prefix}.mlp"), cfg, dtype)?,
         })
     }
 
@@ -90,6 +117,10 @@ impl WeightSource for PlainWatch<'_> {
 
     fn device(&self) -> &Device {
         self.src.device()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.src.contains(name)
     }
 }
 
