@@ -27,10 +27,20 @@ __device__ __forceinline__ float bf16_bytes_to_f32(const uint8_t* p) {
     return __uint_as_float((unsigned)bits << 16);
 }
 
+// x's bf16 bits, rounded to nearest even as __float2bfloat16_rn rounds (a NaN stays a quiet NaN),
+// computed on 32-bit integers: storing the low byte of the intrinsic's 16-bit result with a byte
+// store wrote another value's bits on an H100 (ptxas keeps the result in half a register; the
+// byte store took the other half), so the codes' parameters never pass through a 16-bit register.
+__device__ __forceinline__ unsigned bf16_bits_rn(float x) {
+    const unsigned u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
+    return (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+}
+
 __device__ __forceinline__ void f32_to_bf16_bytes(float x, uint8_t* p) {
-    const unsigned short bits = __bfloat16_as_ushort(__float2bfloat16_rn(x));
-    p[0] = bits & 0xff;
-    p[1] = bits >> 8;
+    const unsigned bits = bf16_bits_rn(x);
+    p[0] = (uint8_t)(bits & 0xffu);
+    p[1] = (uint8_t)(bits >> 8);
 }
 
 // bf16 neighbours as kv_quant.rs's bf16_at_most / bf16_at_least pick them.

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 use serde_json::Value;
-use strata_state::{BatchState, KvPolicy, StateCost, StateSpec};
+use strata_state::{BatchState, KvFormat, KvPolicy, StateCost, StateSpec};
 
 use crate::config::Qwen35Config;
 use crate::dense::{Dense, DenseConfig};
@@ -136,12 +136,11 @@ impl Model {
     /// error when the model's head dimension does not fit the format, or the device cannot read
     /// its codes.
     pub fn set_kv_format(&mut self, kv: KvPolicy) -> Result<()> {
-        // The CUDA kernels that read codes in place pass their GPU tests; quantizing new keys
-        // and values on the GPU (`encode_codes`) does not yet give the CPU codec's bytes
-        // (crates/kernels/tests/gpu.rs, kv_codes_on_gpu_are_the_cpu_codecs), so a GPU refuses.
-        if kv.format.is_quantized() && !self.device().is_cpu() {
+        // TurboQuant's inner-product keys have no device kernels (their sign sketch is read on
+        // the CPU only); every other quantized format encodes and reads on the GPU.
+        if matches!(kv.format, KvFormat::Turbo { key_inner_product: true, .. }) && !self.device().is_cpu() {
             return Err(ModelError::Invalid(format!(
-                "--kv-cache-dtype {}: quantized KV runs on the CPU only in this version (its CUDA kernels are not enabled yet)",
+                "--kv-cache-dtype {}: TurboQuant inner-product keys run on the CPU only; use turbo{{bits}} or turbo-k{{k}}v{{v}} on a GPU",
                 kv.format
             )));
         }

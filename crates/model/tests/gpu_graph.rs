@@ -115,17 +115,17 @@ fn a_row_prefilled_in_a_cohort_on_gpu_has_the_logits_it_has_alone() {
 /// Quantized KV on the GPU (the head-dim-128 fixture, f32): decode steps replayed from a graph
 /// give the eager steps' logits bit for bit, the pool holding codes that the kernels write and
 /// read in place; and a row's logits over its prompt and decode steps on the GPU are those of the
-/// CPU in the same format — within 1e-3 for affine codes (the same bytes on both), 2e-2 for
-/// TurboQuant (whose rotation is a matmul on each, so a rare coordinate may take the neighbouring
-/// code).
+/// CPU in the same format, within a quarter of what the format moves them by against unquantized
+/// KV (the codecs give the same bytes for the same inputs — kernels' GPU test — but each device's
+/// keys and values differ in their last bits, and TurboQuant's rotation is a matmul on each, so a
+/// rare coordinate takes the neighbouring code).
 #[test]
-#[ignore = "quantized KV is refused on CUDA until encode_codes passes kv_codes_on_gpu_are_the_cpu_codecs"]
 fn quantized_kv_on_gpu_replays_and_matches_the_cpu() {
     let device = Device::new_cuda(0).expect("a CUDA GPU");
     let Device::Cuda(gpu) = &device else { unreachable!("asked for CUDA") };
     strata_kernels::prepare_device(gpu).unwrap();
     let dir = fixtures().into_iter().find(|d| d.ends_with("qwen3_5-tiny-d")).expect("the head-dim-128 fixture");
-    for (format, tolerance) in [("affine4-g64", 1e-3), ("affine8-g32", 1e-3), ("turbo4", 2e-2), ("turbo-k4v3", 2e-2)] {
+    for format in ["affine4-g64", "affine8-g32", "turbo4", "turbo-k4v3"] {
         let policy: KvPolicy = format.parse::<KvFormat>().unwrap().into();
         let load = |device: &Device| {
             let mut model = ModelFolder::open(&dir).unwrap().load(DType::F32, device).unwrap();
@@ -151,18 +151,29 @@ fn quantized_kv_on_gpu_replays_and_matches_the_cpu() {
         let after = qwen.decode_graph_stats();
         assert_eq!(after.recordings - before.recordings, 1, "{format}: one recording");
         assert_eq!(after.replays - before.replays, 10, "{format}: replays of 12 steps");
-        // One row on both devices: a prompt, then decode steps.
-        let (mut on_gpu, mut on_cpu) = (model.new_state(1).unwrap(), cpu.new_state(1).unwrap());
+        // One row on both devices, and on the CPU with unquantized KV: a prompt, then decode steps.
+        let plain = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+        let mut states = [model.new_state(1).unwrap(), cpu.new_state(1).unwrap(), plain.new_state(1).unwrap()];
         let prompt: Vec<u32> = (0..40u32).map(|t| (t * 17 + 5) % 400).collect();
         let steps = std::iter::once(prompt).chain((0..6u32).map(|s| vec![(s * 29 + 3) % 400]));
         for (i, tokens) in steps.enumerate() {
+            let [on_gpu, on_cpu, unquantized] = &mut states;
             let run = |model: &Model, state: &mut BatchState, device: &Device| {
                 let logits = model.forward(&Tensor::new(vec![tokens.clone()], device).unwrap(), state, Logits::All).unwrap();
                 logits.to_device(&Device::Cpu).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
             };
-            let (g, c) = (run(&model, &mut on_gpu, &device), run(&cpu, &mut on_cpu, &Device::Cpu));
-            let diff = g.iter().zip(&c).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-            assert!(diff <= tolerance, "{format}, forward {i}: GPU logits differ from the CPU's by {diff}");
+            let (g, c, p) =
+                (run(&model, on_gpu, &device), run(&cpu, on_cpu, &Device::Cpu), run(&plain, unquantized, &Device::Cpu));
+            let max_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            // The devices' keys and values differ in their last bits, so a coordinate on a
+            // rounding boundary may take the neighbouring code: the GPU is held to a small part
+            // of what the format itself moves the logits by.
+            let (diff, quantization) = (max_diff(&g, &c), max_diff(&c, &p));
+            let bound = (quantization / 4.0).max(1e-3);
+            assert!(
+                diff <= bound,
+                "{format}, forward {i}: GPU logits differ from the CPU's by {diff} (bound {bound}; the format moves them by {quantization})"
+            );
         }
     }
 }
