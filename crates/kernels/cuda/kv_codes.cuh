@@ -28,9 +28,9 @@ __device__ __forceinline__ float bf16_bytes_to_f32(const uint8_t* p) {
 }
 
 // x's bf16 bits, rounded to nearest even as __float2bfloat16_rn rounds (a NaN stays a quiet NaN),
-// computed on 32-bit integers: storing the low byte of the intrinsic's 16-bit result with a byte
-// store wrote another value's bits on an H100 (ptxas keeps the result in half a register; the
-// byte store took the other half), so the codes' parameters never pass through a 16-bit register.
+// computed on 32-bit integers. Storing the intrinsic's 16-bit result byte by byte wrote a wrong
+// low byte on an H100 (high byte right; seemingly the byte store read the other half of the
+// 32-bit register holding it), so the codes' parameters never pass through a 16-bit register.
 __device__ __forceinline__ unsigned bf16_bits_rn(float x) {
     const unsigned u = __float_as_uint(x);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (u >> 16) | 0x40u;
