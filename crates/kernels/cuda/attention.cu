@@ -534,6 +534,13 @@ __device__ void write_paged(const T* src, T* pool, const int* tables, const int*
                                          PlainRead<T>{}, partial, Hq, Hkv, Tq, D, splits, scale, window);         \
     }
 
+// TurboQuant's 2^bits centroids (none for affine codes) copied by the block's threads into
+// `staged`, where every coordinate's lookup finds them.
+__device__ __forceinline__ void stage_centroids(const float* centroids, int bits, float* staged) {
+    if (!centroids) return;
+    for (int i = threadIdx.x; i < (1 << bits); i += blockDim.x) staged[i] = centroids[i];
+}
+
 // The split kernel over a paged pool of codes (kv_codes.cuh), keys and values each described by
 // bits, group (0: TurboQuant), bytes per vector and centroids: attention_split_codes<SUFFIX>_NAME.
 #define CODED_SPLIT_KERNEL(T, NAME, QG, HEAD_DIM, SUFFIX)                                                         \
@@ -543,8 +550,13 @@ __device__ void write_paged(const T* src, T* pool, const int* tables, const int*
         int key_bits, int key_group, int key_width, const float* key_centroids, int value_bits, int value_group,  \
         int value_width, const float* value_centroids) {                                                          \
         await_previous_kernel();                                                                                  \
-        const CodedRead read{{key_bits, key_group, key_width, key_centroids, nullptr},                            \
-                             {value_bits, value_group, value_width, value_centroids, nullptr}};                   \
+        __shared__ float centroids[2][256];                                                                       \
+        stage_centroids(key_centroids, key_bits, centroids[0]);                                                   \
+        stage_centroids(value_centroids, value_bits, centroids[1]);                                               \
+        __syncthreads();                                                                                          \
+        const CodedRead read{{key_bits, key_group, key_width, key_centroids ? centroids[0] : nullptr, nullptr},   \
+                             {value_bits, value_group, value_width, value_centroids ? centroids[1] : nullptr,     \
+                              nullptr}};                                                                          \
         attention_split<QG, HEAD_DIM, T>(                                                                         \
             q, PagedKv<uint8_t>{k, v, tables, lens, max_blocks, shift, Hkv, key_width, value_width}, read, partial, \
             Hq, Hkv, Tq, D, splits, scale, window);                                                               \

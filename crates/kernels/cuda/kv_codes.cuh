@@ -61,6 +61,13 @@ __device__ __forceinline__ float bf16_at_least(float x) {
     return v >= x ? v : bf16_bits_value(b + 1);
 }
 
+// A code (below 2^23) as a float, exactly as (float)code: set as the low mantissa bits of 2^23
+// and 2^23 taken away — a logic op and an add, which run at the full rate, where an
+// integer-to-float conversion runs at a fraction of it.
+__device__ __forceinline__ float code_to_f32(unsigned code) {
+    return __fsub_rn(__uint_as_float(0x4B000000u | code), 8388608.0f);
+}
+
 // Code n of `bits` from packed bytes (any alignment).
 __device__ __forceinline__ unsigned code_at(const uint8_t* codes, int n, int bits) {
     const int bit = n * bits, byte = bit >> 3, shift = bit & 7;
@@ -81,7 +88,8 @@ __device__ __forceinline__ float read_coordinate(const uint8_t* vec, int d, int 
 }
 
 // A lane's PER_LANE consecutive coordinates lane · PER_LANE .. of a vector's code, as
-// read_coordinate reads each. The vector starts 2-byte aligned (widths are even for the head
+// read_coordinate reads each (TurboQuant's centroids from wherever p points: attention stages
+// them in shared memory). The vector starts 2-byte aligned (widths are even for the head
 // dims the kernels take) and the lane's codes span at most 64 bits from an even byte, so they
 // come in at most four 2-byte loads instead of one load per coordinate.
 template <int PER_LANE>
@@ -103,14 +111,14 @@ __device__ __forceinline__ void read_lane(const uint8_t* vec, int lane, int D, c
         const float scale = bf16_bytes_to_f32(params), bias = bf16_bytes_to_f32(params + 2);
 #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) {
-            out[e] = __fadd_rn(bias, __fmul_rn((float)(unsigned)(w & mask), scale));
+            out[e] = __fadd_rn(bias, __fmul_rn(code_to_f32((unsigned)(w & mask)), scale));
             w >>= p.bits;
         }
     } else {
         const float norm = bf16_bytes_to_f32(tail);
 #pragma unroll
         for (int e = 0; e < PER_LANE; ++e) {
-            out[e] = __fmul_rn(__ldg(p.centroids + (w & mask)), norm);
+            out[e] = __fmul_rn(p.centroids[w & mask], norm);
             w >>= p.bits;
         }
     }
