@@ -28,6 +28,19 @@ fn values(shape: &[usize], scale: f32, seed: u64) -> Tensor {
     Tensor::from_vec(data, shape, &Device::Cpu).unwrap()
 }
 
+/// Block tables for rows of `lens` positions in blocks of `block_size`: the ids `0..total` (the
+/// rows' blocks and `spare` more) in a shuffled order of their own (`seed`), dealt to the rows in
+/// turn. Returns the tables and `total`.
+fn deal_blocks(lens: &[usize], block_size: usize, spare: usize, seed: u64) -> (Vec<Vec<usize>>, usize) {
+    let blocks: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
+    let total = blocks.iter().sum::<usize>() + spare;
+    let order = values(&[total], 1.0, seed).to_vec1::<f32>().unwrap();
+    let mut ids: Vec<usize> = (0..total).collect();
+    ids.sort_by(|&a, &b| order[a].total_cmp(&order[b]));
+    let mut dealt = ids.into_iter();
+    (blocks.iter().map(|&n| dealt.by_ref().take(n).collect()).collect(), total)
+}
+
 fn assert_close(what: &str, dtype: DType, got: &Tensor, want: &Tensor) {
     let flat = |x: &Tensor| {
         x.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
@@ -609,13 +622,7 @@ fn paged_decode_attention_on_gpu_matches_contiguous() {
         // Block ids in an order of their own, dealt to the rows in turn; table entries past a
         // row's blocks are 0 (another row's block, or a spare one).
         let max_blocks = cap.div_ceil(block_size);
-        let blocks: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
-        let total = blocks.iter().sum::<usize>() + spare;
-        let order = values(&[total], 1.0, 40).to_vec1::<f32>().unwrap();
-        let mut ids: Vec<usize> = (0..total).collect();
-        ids.sort_by(|&a, &b| order[a].total_cmp(&order[b]));
-        let mut dealt = ids.into_iter();
-        let tables: Vec<Vec<usize>> = blocks.iter().map(|&n| dealt.by_ref().take(n).collect()).collect();
+        let (tables, total) = deal_blocks(&lens, block_size, spare, 40);
         let pool_row = |r: usize, p: usize| tables[r][p / block_size] * block_size + p % block_size;
         // Per row, its keys and values [Hkv, cap, D]; the pools [rows, Hkv, D] start as other
         // values, with each row's history copied to its pool rows.
@@ -928,13 +935,7 @@ fn coded_paged_attention_on_gpu_matches_decoded_attention() {
                 // Rows' blocks dealt in turn from a shuffled order; each row's history encoded
                 // by the CPU codecs into its pool rows.
                 let max_blocks = cap.div_ceil(block_size);
-                let blocks: Vec<usize> = lens.iter().map(|l| l.div_ceil(block_size)).collect();
-                let total = blocks.iter().sum::<usize>() + 2;
-                let order = values(&[total], 1.0, 41).to_vec1::<f32>().unwrap();
-                let mut ids: Vec<usize> = (0..total).collect();
-                ids.sort_by(|&a, &b| order[a].total_cmp(&order[b]));
-                let mut dealt = ids.into_iter();
-                let tables: Vec<Vec<usize>> = blocks.iter().map(|&n| dealt.by_ref().take(n).collect()).collect();
+                let (tables, total) = deal_blocks(&lens, block_size, 2, 41);
                 let pool_row = |r: usize, p: usize| tables[r][p / block_size] * block_size + p % block_size;
                 let history = [0, 1].map(|side| kv_vectors(3, hkv, cap, d, 90 + side as u64).to_dtype(dtype).unwrap());
                 let mut pools = widths.map(|w| vec![0u8; total * block_size * hkv * w]);

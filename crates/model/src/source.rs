@@ -23,8 +23,9 @@ pub trait WeightSource {
 
     fn device(&self) -> &Device;
 
-    /// Whether the source holds a tensor `name`, for weights stored in more than one layout
-    /// (a source of random weights holds whatever is asked of it, in the first layout tried).
+    /// Whether the source holds a tensor `name`, for weights stored in more than one layout;
+    /// a source that does not say (random weights, GGUF) answers no, and gets asked for the
+    /// layout loaders fall back to.
     fn contains(&self, name: &str) -> bool {
         let _ = name;
         false

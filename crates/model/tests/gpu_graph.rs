@@ -28,6 +28,23 @@ fn batch(model: &Model, pool: &StatePool, lens: &[usize]) -> BatchState {
     batch.unwrap()
 }
 
+/// The GPU, readied for inference.
+fn cuda() -> Device {
+    let device = Device::new_cuda(0).expect("a CUDA GPU");
+    let Device::Cuda(gpu) = &device else { unreachable!("asked for CUDA") };
+    strata_kernels::prepare_device(gpu).unwrap();
+    device
+}
+
+/// One decode step of `tokens` on both batches: replayed from a graph on `graphed`, eagerly on
+/// `eager`; their logits.
+fn step_both(model: &Model, tokens: &Tensor, graphed: &mut BatchState, eager: &mut BatchState) -> (Tensor, Tensor) {
+    model.set_decode_graphs(true);
+    let got = model.forward(tokens, graphed, Logits::Last).unwrap();
+    model.set_decode_graphs(false);
+    (got, model.forward(tokens, eager, Logits::Last).unwrap())
+}
+
 fn bits(t: &Tensor) -> Vec<u32> {
     t.flatten_all().unwrap().to_dtype(DType::F32).unwrap().to_vec1::<f32>().unwrap().into_iter().map(f32::to_bits).collect()
 }
@@ -55,9 +72,7 @@ fn assert_same_state(a: &BatchState, b: &BatchState, what: &str) {
 
 #[test]
 fn graph_replays_match_eager_steps_bit_for_bit() {
-    let device = Device::new_cuda(0).expect("a CUDA GPU");
-    let Device::Cuda(gpu) = &device else { unreachable!("asked for CUDA") };
-    strata_kernels::prepare_device(gpu).unwrap();
+    let device = cuda();
     for dir in fixtures() {
         for dtype in [DType::F32, DType::BF16] {
             let model = ModelFolder::open(&dir).unwrap().load(dtype, &device).unwrap();
@@ -75,10 +90,7 @@ fn graph_replays_match_eager_steps_bit_for_bit() {
                 }
                 let rows: Vec<Vec<u32>> = (0..graphed.rows() as u32).map(|r| vec![(step * 7 + r * 13 + 1) % 400]).collect();
                 let tokens = Tensor::new(rows, &device).unwrap();
-                model.set_decode_graphs(true);
-                let got = model.forward(&tokens, &mut graphed, Logits::Last).unwrap();
-                model.set_decode_graphs(false);
-                let want = model.forward(&tokens, &mut eager, Logits::Last).unwrap();
+                let (got, want) = step_both(&model, &tokens, &mut graphed, &mut eager);
                 let what = format!("{} {dtype:?} step {step}", dir.display());
                 assert!(bits(&got) == bits(&want), "{what}: logits differ");
             }
@@ -103,9 +115,7 @@ fn graph_replays_match_eager_steps_bit_for_bit() {
 /// chunk fed alone, and the same greedy tokens (the CPU twin is cohort_prefill.rs).
 #[test]
 fn a_row_prefilled_in_a_cohort_on_gpu_has_the_logits_it_has_alone() {
-    let device = Device::new_cuda(0).expect("a CUDA GPU");
-    let Device::Cuda(gpu) = &device else { unreachable!("asked for CUDA") };
-    strata_kernels::prepare_device(gpu).unwrap();
+    let device = cuda();
     for dir in fixtures() {
         let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &device).unwrap();
         assert_cohorts_match_alone(&model, 1e-4, &dir.display().to_string());
@@ -121,10 +131,9 @@ fn a_row_prefilled_in_a_cohort_on_gpu_has_the_logits_it_has_alone() {
 /// rare coordinate takes the neighbouring code).
 #[test]
 fn quantized_kv_on_gpu_replays_and_matches_the_cpu() {
-    let device = Device::new_cuda(0).expect("a CUDA GPU");
-    let Device::Cuda(gpu) = &device else { unreachable!("asked for CUDA") };
-    strata_kernels::prepare_device(gpu).unwrap();
+    let device = cuda();
     let dir = fixtures().into_iter().find(|d| d.ends_with("qwen3_5-tiny-d")).expect("the head-dim-128 fixture");
+    let plain = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
     for format in ["affine4-g64", "affine8-g32", "turbo4", "turbo-k4v3"] {
         let policy: KvPolicy = format.parse::<KvFormat>().unwrap().into();
         let load = |device: &Device| {
@@ -141,10 +150,7 @@ fn quantized_kv_on_gpu_replays_and_matches_the_cpu() {
         for step in 0..12u32 {
             let rows: Vec<Vec<u32>> = (0..3).map(|r| vec![(step * 7 + r * 13 + 1) % 400]).collect();
             let tokens = Tensor::new(rows, &device).unwrap();
-            model.set_decode_graphs(true);
-            let got = model.forward(&tokens, &mut graphed, Logits::Last).unwrap();
-            model.set_decode_graphs(false);
-            let want = model.forward(&tokens, &mut eager, Logits::Last).unwrap();
+            let (got, want) = step_both(&model, &tokens, &mut graphed, &mut eager);
             assert!(bits(&got) == bits(&want), "{format} step {step}: logits differ");
         }
         assert_same_state(&graphed, &eager, format);
@@ -152,7 +158,6 @@ fn quantized_kv_on_gpu_replays_and_matches_the_cpu() {
         assert_eq!(after.recordings - before.recordings, 1, "{format}: one recording");
         assert_eq!(after.replays - before.replays, 10, "{format}: replays of 12 steps");
         // One row on both devices, and on the CPU with unquantized KV: a prompt, then decode steps.
-        let plain = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
         let mut states = [model.new_state(1).unwrap(), cpu.new_state(1).unwrap(), plain.new_state(1).unwrap()];
         let prompt: Vec<u32> = (0..40u32).map(|t| (t * 17 + 5) % 400).collect();
         let steps = std::iter::once(prompt).chain((0..6u32).map(|s| vec![(s * 29 + 3) % 400]));

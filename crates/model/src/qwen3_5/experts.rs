@@ -34,6 +34,9 @@ impl Experts {
     /// — and the shared expert with its gate.
     pub fn load(src: &dyn WeightSource, prefix: &str, hidden: usize, cfg: &ExpertsConfig, dtype: DType) -> Result<Self> {
         let (count, inter) = (cfg.num_experts, cfg.moe_intermediate_size);
+        if cfg.num_experts_per_tok == 0 || cfg.num_experts_per_tok > count {
+            return Err(ModelError::Invalid(format!("{prefix}: {} experts per token out of {count}", cfg.num_experts_per_tok)));
+        }
         let fused = format!("{prefix}.experts.gate_up_proj");
         let experts = if src.contains(&fused) {
             let gate_up = src.get(&fused, &[count, 2 * inter, hidden], dtype)?;
@@ -67,17 +70,17 @@ impl Experts {
                 chosen[e].push((t as u32, w));
             }
         }
+        let device = x.device();
         let mut outputs = Vec::new();
-        // Where token t's contribution from expert e lands in the concatenation.
-        let mut row_of = vec![Vec::with_capacity(self.top_k); n];
+        // Per token, the rows of its experts' contributions in the concatenation, in expert order.
+        let mut rows_of = vec![Vec::with_capacity(self.top_k); n];
+        let mut at = 0u32;
         for (e, picks) in chosen.iter().enumerate().filter(|(_, p)| !p.is_empty()) {
-            let at = outputs.iter().map(|y: &Tensor| y.dim(0)).sum::<candle_core::Result<usize>>()?;
-            for (i, &(t, _)) in picks.iter().enumerate() {
-                row_of[t as usize].push((e, (at + i) as u32));
+            let (ids, weights): (Vec<u32>, Vec<f32>) = picks.iter().copied().unzip();
+            for &t in &ids {
+                rows_of[t as usize].push(at);
+                at += 1;
             }
-            let ids: Vec<u32> = picks.iter().map(|&(t, _)| t).collect();
-            let weights: Vec<f32> = picks.iter().map(|&(_, w)| w).collect();
-            let device = x.device();
             let input = tokens.index_select(&Tensor::new(ids.as_slice(), device)?, 0)?;
             // A forward of few positions per row computes each token as a row of its own (the
             // batch-invariant kernels); a long prefill chunk takes the expert's tokens together.
@@ -88,17 +91,16 @@ impl Experts {
             outputs.push(y.broadcast_mul(&weights)?);
         }
         let all = Tensor::cat(&outputs, 0)?;
-        // Per token, its experts' contributions summed in ascending expert order.
-        let mut routed: Option<Tensor> = None;
-        for slot in 0..self.top_k {
-            let rows: Vec<u32> = row_of.iter().map(|r| r[slot].1).collect();
-            let part = all.index_select(&Tensor::new(rows.as_slice(), x.device())?, 0)?;
-            routed = Some(match routed {
-                Some(sum) => (sum + part)?,
-                None => part,
-            });
+        // Per token, its experts' contributions summed in ascending expert order (top_k ≥ 1,
+        // checked at load).
+        let slot = |k: usize| -> Result<Tensor> {
+            let rows: Vec<u32> = rows_of.iter().map(|r| r[k]).collect();
+            Ok(all.index_select(&Tensor::new(rows.as_slice(), device)?, 0)?)
+        };
+        let mut routed = slot(0)?;
+        for k in 1..self.top_k {
+            routed = (routed + slot(k)?)?;
         }
-        let routed = routed.ok_or_else(|| ModelError::Invalid("a mixture of experts routes to at least one".into()))?;
         let shared = self.shared.forward(x)?.reshape((n, hidden))?;
         let gate = sigmoid(&self.shared_gate.forward(x)?.reshape((n, 1))?)?;
         Ok((routed + shared.broadcast_mul(&gate)?)?.reshape(x.shape())?)
