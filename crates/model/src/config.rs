@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use serde_json::{Map, Value};
 
 use crate::error::{ModelError, Result};
+pub use crate::qwen3_5::vision::VisionConfig;
 
 /// The `model_type`s this module reads.
 pub const SUPPORTED_MODEL_TYPES: [&str; 4] = ["qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"];
@@ -68,11 +69,16 @@ pub struct Qwen35Config {
     pub rms_norm_eps: f64,
     pub rope_theta: f64,
     pub partial_rotary_factor: f64,
+    /// Rotary frequencies driven by the temporal, height and width position streams (mRoPE,
+    /// interleaved t, h, w, t, h, w, …; the rest temporal). Text alone moves all three together.
+    pub mrope_section: [usize; 3],
     pub max_position_embeddings: usize,
     pub tie_word_embeddings: bool,
     pub eos_token_ids: Vec<u32>,
     /// Layers of the multi-token-prediction head shipped under `mtp.*` (0 when absent).
     pub mtp_num_hidden_layers: usize,
+    /// The vision tower of nested (`qwen3_5`, `qwen3_5_moe`) configs: images in.
+    pub vision: Option<VisionConfig>,
 }
 
 impl Qwen35Config {
@@ -175,6 +181,21 @@ impl Qwen35Config {
         if !(partial_rotary_factor > 0.0 && partial_rotary_factor <= 1.0) {
             return Err(f.err("partial_rotary_factor", format!("{partial_rotary_factor} is outside (0, 1]")));
         }
+        let mrope_section = match rope.and_then(|r| r.get("mrope_section")).filter(|v| !v.is_null()) {
+            None => [11, 11, 10],
+            Some(v) => v
+                .as_array()
+                .and_then(|a| a.iter().map(|x| x.as_u64().map(|x| x as usize)).collect::<Option<Vec<_>>>())
+                .and_then(|a| <[usize; 3]>::try_from(a).ok())
+                .ok_or_else(|| {
+                    f.err("rope_parameters.mrope_section", format!("expected three non-negative integers, found {v}"))
+                })?,
+        };
+        // Only nested configs describe a tower (a flat text config is the text model alone).
+        let vision = match top.get("vision_config").filter(|v| !v.is_null()) {
+            Some(_) if !text_field.is_empty() => Some(VisionConfig::from_json(top, path)?),
+            _ => None,
+        };
 
         // Nested releases carry the tie flag (and eos ids) at the top level.
         let tie_word_embeddings =
@@ -205,10 +226,12 @@ impl Qwen35Config {
             rms_norm_eps: f.f64_or("rms_norm_eps", 1e-6)?,
             rope_theta,
             partial_rotary_factor,
+            mrope_section,
             max_position_embeddings: f.usize_or("max_position_embeddings", 32_768)?,
             tie_word_embeddings,
             eos_token_ids,
             mtp_num_hidden_layers: f.usize_or("mtp_num_hidden_layers", 0)?,
+            vision,
         };
         cfg.validate(&f)?;
         Ok(cfg)

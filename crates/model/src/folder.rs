@@ -6,11 +6,13 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device};
 
 use crate::chat_template::ChatTemplate;
+use crate::config::Qwen35Config;
 use crate::error::{ModelError, Result};
 use crate::generation_config::GenerationConfig;
 use crate::gguf::GgufFile;
+use crate::images::ImageProcessor;
 use crate::model::{ArchConfig, Model, ModelConfig};
-use crate::qwen3_5::MtpHead;
+use crate::qwen3_5::{MtpHead, VisionTower};
 use crate::source::FileSource;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
@@ -27,6 +29,8 @@ pub struct ModelFolder {
     pub tokenizer: Tokenizer,
     pub chat_template: Option<ChatTemplate>,
     pub generation: GenerationConfig,
+    /// How images are prepared (`preprocessor_config.json`), for a model with a vision tower.
+    pub image_processor: Option<ImageProcessor>,
     tensors: Tensors,
 }
 
@@ -60,12 +64,21 @@ impl ModelFolder {
         let chat_template = ChatTemplate::from_folder(path)?.map(|t| t.with_special_tokens(&tokenizer));
         let generation = GenerationConfig::from_folder(path)?;
         let weights = Weights::open(path)?;
+        let image_processor = match &config {
+            ModelConfig { arch: ArchConfig::Qwen35(Qwen35Config { vision: Some(vision), .. }), .. } => {
+                ImageProcessor::from_folder(path)?
+                    .map(|p| p.checked_against(vision, &path.join("preprocessor_config.json")))
+                    .transpose()?
+            }
+            _ => None,
+        };
         Ok(Self {
             path: path.to_path_buf(),
             config,
             tokenizer,
             chat_template,
             generation,
+            image_processor,
             tensors: Tensors::Safetensors(weights),
         })
     }
@@ -100,7 +113,15 @@ impl ModelFolder {
             min_p: Some(0.05),
             ..GenerationConfig::default()
         };
-        Ok(Self { path: path.to_path_buf(), config, tokenizer, chat_template, generation, tensors: Tensors::Gguf(file) })
+        Ok(Self {
+            path: path.to_path_buf(),
+            config,
+            tokenizer,
+            chat_template,
+            generation,
+            image_processor: None,
+            tensors: Tensors::Gguf(file),
+        })
     }
 
     /// End-of-sequence ids from the config and generation config.
@@ -149,6 +170,28 @@ impl ModelFolder {
                 &self.path,
                 "is a GGUF file; strata reads a multi-token-prediction head only from safetensors",
             )),
+        }
+    }
+
+    /// The vision tower (`model.visual.*`) in `dtype` on `device`: an error naming what is
+    /// missing when the folder cannot take images (no `vision_config`, no
+    /// `preprocessor_config.json`, a GGUF file).
+    pub fn load_vision(&self, dtype: DType, device: &Device) -> Result<VisionTower> {
+        let vision = match &self.config.arch {
+            ArchConfig::Qwen35(Qwen35Config { vision: Some(vision), .. }) => vision,
+            _ => return Err(ModelError::file(&self.path, "has no vision tower (its config.json has no vision_config)")),
+        };
+        if self.image_processor.is_none() {
+            return Err(ModelError::file(&self.path, "has no preprocessor_config.json, which says how images are prepared"));
+        }
+        match &self.tensors {
+            Tensors::Safetensors(weights) => {
+                let src = FileSource { weights, prefix: "model.visual.".into(), device: device.clone() };
+                VisionTower::load(vision, &src, dtype)
+            }
+            Tensors::Gguf(_) => {
+                Err(ModelError::file(&self.path, "is a GGUF file; strata reads a vision tower only from safetensors"))
+            }
         }
     }
 

@@ -72,10 +72,12 @@ pub fn config(name: &str) -> Result<Qwen35Config> {
         rms_norm_eps: 1e-6,
         rope_theta: 10_000_000.0,
         partial_rotary_factor: 0.25,
+        mrope_section: [11, 11, 10],
         max_position_embeddings: 262_144,
         tie_word_embeddings: tied,
         eos_token_ids: vec![248_044],
         mtp_num_hidden_layers: 1,
+        vision: None,
     })
 }
 

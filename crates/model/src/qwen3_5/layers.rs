@@ -72,6 +72,10 @@ impl Linear {
         Self { weight, bias: None }
     }
 
+    pub fn new(weight: Matrix, bias: Option<Tensor>) -> Self {
+        Self { weight, bias }
+    }
+
     /// `x` `[B, T, in]` (or `[B, in]`, one position per row). Where each row's positions are
     /// few enough for the batch-invariant kernel, every position stays in it however many rows
     /// the forward has, so a row gets the bits it gets alone.

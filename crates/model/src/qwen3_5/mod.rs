@@ -9,6 +9,7 @@ mod experts;
 mod graph;
 pub mod layers;
 mod mtp;
+pub mod vision;
 
 use candle_core::{DType, Device, Tensor};
 use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, StateSpec};
@@ -18,6 +19,7 @@ use self::deltanet::GatedDeltaNet;
 use self::experts::Experts;
 use self::layers::{Linear, Matrix, Mlp, Residual, RmsNorm, Rotary};
 pub use self::mtp::MtpHead;
+pub use self::vision::{VisionConfig, VisionTower};
 use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
