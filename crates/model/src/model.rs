@@ -11,7 +11,7 @@ use crate::config::Qwen35Config;
 use crate::dense::{Dense, DenseConfig};
 use crate::error::{ModelError, Result};
 use crate::gemma3::{Gemma3, Gemma3Config};
-use crate::qwen3_5::{Logits, MtpHead, Qwen35, Round};
+use crate::qwen3_5::{ImageInputs, Logits, MtpHead, Qwen35, Round};
 use crate::source::WeightSource;
 
 /// A parsed `config.json`, by family.
@@ -101,6 +101,22 @@ impl Model {
             Model::Qwen35(m) => m.forward(tokens, state, logits),
             Model::Dense(m) => m.forward(tokens, state, logits),
             Model::Gemma3(m) => m.forward(tokens, state, logits),
+        }
+    }
+
+    /// [`Model::forward`] of one row holding images (see [`Qwen35::forward_images`]).
+    pub fn forward_images(
+        &self,
+        tokens: &Tensor,
+        images: &ImageInputs,
+        state: &mut BatchState,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        match self {
+            Model::Qwen35(m) => m.forward_images(tokens, images, state, logits),
+            Model::Dense(_) | Model::Gemma3(_) => {
+                Err(ModelError::Invalid("images need a Qwen3.5 model with a vision tower".into()))
+            }
         }
     }
 

@@ -65,3 +65,112 @@ fn vision_tower_matches_transformers() {
         assert!(d < 1e-4, "{name}: merged tokens differ by {d}");
     }
 }
+
+/// The fixture's prompt through the text model with its two images, fed in `chunks` (lengths),
+/// then `decode` greedy tokens: every prompt position's logits and the greedy tokens. The
+/// images' pixels are strata's own, or (`their_pixels`) the processor's.
+fn run_prompt(
+    model: &strata_model::Model,
+    tower: &strata_model::VisionTower,
+    chunks: &[usize],
+    decode: usize,
+    their_pixels: bool,
+) -> (Tensor, Vec<u32>) {
+    use strata_model::{mrope_positions, ImageInputs, Logits};
+    let folder = ModelFolder::open(&fixture()).unwrap();
+    let processor = folder.image_processor.as_ref().unwrap();
+    let want = reference();
+    let tokens: Vec<u32> = want["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|t| t as u32).collect();
+    let images: Vec<_> = [("image-a.png", "pixels_a"), ("image-b.png", "pixels_b")]
+        .iter()
+        .map(|(name, key)| {
+            let ours = processor.prepare(&image(name), ImageLimits::default()).unwrap();
+            match their_pixels {
+                true => strata_model::PreparedImage { pixels: want[*key].flatten_all().unwrap().to_vec1().unwrap(), ..ours },
+                false => ours,
+            }
+        })
+        .collect();
+    let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid).collect();
+    let cfg = tower.config();
+    let (positions, delta) = mrope_positions(&tokens, &grids, cfg).unwrap();
+    let merged = Tensor::cat(&images.iter().map(|i| tower.forward(i).unwrap()).collect::<Vec<_>>(), 0).unwrap();
+
+    let mut state = model.new_state(1).unwrap();
+    let (mut logits, mut at, mut used) = (Vec::new(), 0, 0);
+    for &len in chunks {
+        let ids = &tokens[at..at + len];
+        let n_images = ids.iter().filter(|&&t| t == cfg.image_token_id).count();
+        let embeds = [merged.narrow(0, used, n_images).unwrap()];
+        let input = ImageInputs { embeds: &embeds, positions: &positions[at..at + len] };
+        let row = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        logits.push(model.forward_images(&row, &input, &mut state, Logits::All).unwrap().squeeze(0).unwrap());
+        (at, used) = (at + len, used + n_images);
+    }
+    assert_eq!(at, tokens.len(), "chunks cover the prompt");
+    let logits = Tensor::cat(&logits, 0).unwrap();
+    let argmax = |t: &Tensor| t.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+    let mut greedy = vec![argmax(&logits.get(tokens.len() - 1).unwrap())];
+    while greedy.len() < decode {
+        let p = (state.positions[0] as i64 + delta) as usize;
+        let input = ImageInputs { embeds: &[], positions: &[[p; 3]] };
+        let row = Tensor::new(&[*greedy.last().unwrap()], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let next = model.forward_images(&row, &input, &mut state, Logits::Last).unwrap().squeeze(0).unwrap();
+        greedy.push(argmax(&next));
+    }
+    (logits, greedy)
+}
+
+#[test]
+fn prompt_with_images_matches_transformers() {
+    let folder = ModelFolder::open(&fixture()).unwrap();
+    let (model, tower) = (folder.load(DType::F32, &Device::Cpu).unwrap(), folder.load_vision(DType::F32, &Device::Cpu).unwrap());
+    let want = reference();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap();
+    let greedy_want: Vec<u32> = json["greedy_tokens"].as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect();
+
+    // The positions and decode offset transformers computes.
+    let tokens: Vec<u32> = want["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|t| t as u32).collect();
+    let grids = [[1, 6, 8], [1, 12, 18]];
+    let (positions, delta) = strata_model::mrope_positions(&tokens, &grids, tower.config()).unwrap();
+    let theirs = want["position_ids"].to_dtype(DType::U32).unwrap().t().unwrap().to_vec2::<u32>().unwrap();
+    assert_eq!(positions.iter().map(|p| p.map(|x| x as u32).to_vec()).collect::<Vec<_>>(), theirs);
+    assert_eq!(delta, json["rope_delta"].as_i64().unwrap());
+
+    // With the processor's pixels, the text model's logits; with strata's own (one resized
+    // image, within a level of the processor's), the greedy tokens.
+    let n = tokens.len();
+    let (logits, greedy) = run_prompt(&model, &tower, &[n], greedy_want.len(), true);
+    let d = max_diff(&logits, &want["logits"]);
+    assert!(d < 1e-4, "logits differ by {d}");
+    assert_eq!(greedy, greedy_want, "greedy tokens");
+    let (_, greedy) = run_prompt(&model, &tower, &[n], greedy_want.len(), false);
+    assert_eq!(greedy, greedy_want, "greedy tokens from strata's own pixels");
+
+    // Chunks that cut through both images give the same.
+    let (chunked, greedy) = run_prompt(&model, &tower, &[9, 30, 1, 41, n - 81], greedy_want.len(), true);
+    let d = max_diff(&chunked, &logits);
+    assert!(d < 1e-4, "chunked prefill's logits differ by {d}");
+    assert_eq!(greedy, greedy_want, "greedy tokens after a chunked prefill");
+}
+
+#[test]
+fn image_tokens_and_images_must_agree() {
+    let folder = ModelFolder::open(&fixture()).unwrap();
+    let tower = folder.load_vision(DType::F32, &Device::Cpu).unwrap();
+    let cfg = tower.config();
+    let pad = cfg.image_token_id;
+    let tokens = [5, cfg.vision_start_token_id, pad, pad, pad, cfg.vision_end_token_id, 7];
+    // 2x4 patches merge to 1x2 tokens: three pads are one too many.
+    let err = strata_model::mrope_positions(&tokens, &[[1, 2, 4]], cfg).unwrap_err().to_string();
+    assert!(err.contains("run of 3 image tokens"), "{err}");
+    let err = strata_model::mrope_positions(&tokens, &[], cfg).unwrap_err().to_string();
+    assert!(err.contains("more runs of image tokens"), "{err}");
+    let err = strata_model::mrope_positions(&[5, 7], &[[1, 2, 2]], cfg).unwrap_err().to_string();
+    assert!(err.contains("more images were given"), "{err}");
+    // A 2x6 grid: three tokens on one row, text resuming past the wider side.
+    let (positions, delta) = strata_model::mrope_positions(&tokens, &[[1, 2, 6]], cfg).unwrap();
+    assert_eq!(positions, [[0; 3], [1; 3], [2, 2, 2], [2, 2, 3], [2, 2, 4], [5; 3], [6; 3]]);
+    assert_eq!(delta, 0);
+}

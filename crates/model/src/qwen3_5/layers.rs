@@ -302,16 +302,39 @@ impl Rotary {
 
     /// [`Rotary::tables`]' values, on the host.
     pub fn values(&self, starts: &[usize], t_len: usize) -> (Vec<f32>, Vec<f32>) {
-        let half = self.inv_freq.len();
-        let mut cos = Vec::with_capacity(starts.len() * t_len * half);
+        let positions: Vec<[usize; 3]> = starts.iter().flat_map(|&s| (s..s + t_len).map(|p| [p; 3])).collect();
+        self.values_at(&positions, [0; 3])
+    }
+
+    /// `cos`, `sin` `[B, 1, T, rotary_dim / 2]` at explicit (temporal, height, width) positions,
+    /// `[B · T]` row-major (f32): multimodal rotary positions (mRoPE), each frequency driven by
+    /// the stream `mrope_section` gives it (interleaved t, h, w, t, h, w, …, the rest temporal).
+    /// Equal streams give [`Rotary::tables`].
+    pub fn tables_at(
+        &self,
+        positions: &[[usize; 3]],
+        rows: usize,
+        mrope_section: [usize; 3],
+        device: &Device,
+    ) -> Result<(Tensor, Tensor)> {
+        let (cos, sin) = self.values_at(positions, mrope_section);
+        let shape = (rows, 1, positions.len() / rows, self.inv_freq.len());
+        Ok((Tensor::from_vec(cos, shape, device)?, Tensor::from_vec(sin, shape, device)?))
+    }
+
+    fn values_at(&self, positions: &[[usize; 3]], mrope_section: [usize; 3]) -> (Vec<f32>, Vec<f32>) {
+        let stream = |i: usize| match i % 3 {
+            1 if i < 3 * mrope_section[1] => 1,
+            2 if i < 3 * mrope_section[2] => 2,
+            _ => 0,
+        };
+        let mut cos = Vec::with_capacity(positions.len() * self.inv_freq.len());
         let mut sin = Vec::with_capacity(cos.capacity());
-        for &start in starts {
-            for p in start..start + t_len {
-                for &f in &self.inv_freq {
-                    let angle = p as f32 * f;
-                    cos.push(angle.cos());
-                    sin.push(angle.sin());
-                }
+        for p in positions {
+            for (i, &f) in self.inv_freq.iter().enumerate() {
+                let angle = p[stream(i)] as f32 * f;
+                cos.push(angle.cos());
+                sin.push(angle.sin());
             }
         }
         (cos, sin)

@@ -19,7 +19,7 @@ use self::deltanet::GatedDeltaNet;
 use self::experts::Experts;
 use self::layers::{Linear, Matrix, Mlp, Residual, RmsNorm, Rotary};
 pub use self::mtp::MtpHead;
-pub use self::vision::{VisionConfig, VisionTower};
+pub use self::vision::{mrope_positions, VisionConfig, VisionTower};
 use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
@@ -130,6 +130,16 @@ impl WeightSource for PlainWatch<'_> {
 #[derive(Debug)]
 pub struct Round {
     pub(crate) start: Vec<usize>,
+}
+
+/// Images in a forward (one row): their merged tokens replace the embeddings of the image
+/// tokens, in order, and every position takes an explicit (temporal, height, width) rotary
+/// position (see [`mrope_positions`]).
+pub struct ImageInputs<'a> {
+    /// Each image's merged tokens `[tokens, hidden]` ([`VisionTower::forward`]), in prompt order.
+    pub embeds: &'a [Tensor],
+    /// One per position fed.
+    pub positions: &'a [[usize; 3]],
 }
 
 /// Which positions' logits a forward returns.
@@ -301,7 +311,23 @@ impl Qwen35 {
         if let Some(logits) = self.graphs.decode(self, tokens, state, logits)? {
             return Ok(logits);
         }
-        let x = self.decode_layers(tokens, state)?;
+        self.finish(self.decode_layers(tokens, state, None)?, logits)
+    }
+
+    /// [`Qwen35::forward`] of one row whose tokens hold images (or follow them: decode steps
+    /// after an image prompt give their positions, the prompt's offset added), always eager.
+    pub fn forward_images(
+        &self,
+        tokens: &Tensor,
+        images: &ImageInputs,
+        state: &mut BatchState,
+        logits: Logits,
+    ) -> Result<Tensor> {
+        self.finish(self.decode_layers(tokens, state, Some(images))?, logits)
+    }
+
+    /// The output head over the stream `x` `[B, T, hidden]`: f32 logits.
+    fn finish(&self, x: Residual, logits: Logits) -> Result<Tensor> {
         let x = match logits {
             Logits::All => x,
             Logits::Last => x.map(|t| t.narrow(1, t.dim(1)? - 1, 1)?.squeeze(1))?,
@@ -313,7 +339,7 @@ impl Qwen35 {
     /// [`Qwen35::forward`], also returning every position's final normed hidden state
     /// `[B, T, hidden]` (what the multi-token-prediction head reads). The logits are the same.
     pub fn forward_with_hidden(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<(Tensor, Tensor)> {
-        let (_, hidden) = self.norm.forward_stream(&self.decode_layers(tokens, state)?)?;
+        let (_, hidden) = self.norm.forward_stream(&self.decode_layers(tokens, state, None)?)?;
         let x = match logits {
             Logits::All => hidden.clone(),
             Logits::Last => hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?,
@@ -328,13 +354,25 @@ impl Qwen35 {
     }
 
     /// Embedding and decoder layers: the stream of pre-norm hidden states `[B, T, hidden]`.
-    fn decode_layers(&self, tokens: &Tensor, state: &mut BatchState) -> Result<Residual> {
+    fn decode_layers(&self, tokens: &Tensor, state: &mut BatchState, images: Option<&ImageInputs>) -> Result<Residual> {
         let (b, t) = tokens.dims2()?;
         if b != state.rows() {
             return Err(ModelError::Invalid(format!("forward got {b} rows of tokens for a state of {} rows", state.rows())));
         }
-        let mut x = Residual::new(self.embed_tokens(tokens)?);
-        let rope = self.rotary.tables(&state.positions, t, &self.device)?;
+        let (embedded, rope) = match images {
+            None => (self.embed_tokens(tokens)?, self.rotary.tables(&state.positions, t, &self.device)?),
+            Some(images) => {
+                if b != 1 || images.positions.len() != t {
+                    return Err(ModelError::Invalid(format!(
+                        "a forward with images takes one row and a position per token, not {b} rows of {t} and {} positions",
+                        images.positions.len()
+                    )));
+                }
+                let rope = self.rotary.tables_at(images.positions, 1, self.cfg.mrope_section, &self.device)?;
+                (self.embed_with_images(tokens, images.embeds)?, rope)
+            }
+        };
+        let mut x = Residual::new(embedded);
         for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
             x = layer.forward(&x, layer_state, &rope)?;
         }
@@ -348,6 +386,39 @@ impl Qwen35 {
     fn embed_tokens(&self, tokens: &Tensor) -> Result<Tensor> {
         self.check_tokens(&tokens.flatten_all()?.to_vec1::<u32>()?)?;
         self.embed_checked(tokens)
+    }
+
+    /// `[1, T]` token ids as embeddings, each image token's replaced by the next row of the
+    /// images' merged tokens.
+    fn embed_with_images(&self, tokens: &Tensor, embeds: &[Tensor]) -> Result<Tensor> {
+        let ids = tokens.flatten_all()?.to_vec1::<u32>()?;
+        let embedded = self.embed_tokens(tokens)?.squeeze(0)?;
+        let image_token = self.cfg.vision.as_ref().map(|v| v.image_token_id);
+        let slots: Vec<usize> = ids.iter().enumerate().filter(|(_, &id)| Some(id) == image_token).map(|(i, _)| i).collect();
+        let given: usize = embeds.iter().map(|e| e.dim(0)).sum::<candle_core::Result<usize>>()?;
+        if slots.len() != given {
+            return Err(ModelError::Invalid(format!("{} image tokens for {given} merged image tokens", slots.len())));
+        }
+        if slots.is_empty() {
+            return Ok(embedded.unsqueeze(0)?);
+        }
+        // Rows of [embeddings; image tokens]: each position's own, or the next image row.
+        let mut next_image_row = ids.len() as u32;
+        let pick: Vec<u32> = ids
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| {
+                if Some(id) != image_token {
+                    return i as u32;
+                }
+                next_image_row += 1;
+                next_image_row - 1
+            })
+            .collect();
+        let mut rows = vec![embedded];
+        rows.extend(embeds.iter().map(|e| e.to_dtype(self.dtype)).collect::<candle_core::Result<Vec<_>>>()?);
+        let all = Tensor::cat(&rows, 0)?;
+        Ok(all.index_select(&Tensor::from_vec(pick, ids.len(), &self.device)?, 0)?.unsqueeze(0)?)
     }
 
     fn check_tokens(&self, ids: &[u32]) -> Result<()> {

@@ -309,3 +309,49 @@ impl VisionTower {
         Ok((angles.cos()?, angles.sin()?))
     }
 }
+
+/// The rotary positions of a prompt holding images, as transformers' `get_rope_index` gives
+/// them: text advances all three streams together; an image's tokens (each run of
+/// `image_token_id`, the next of `grids` per run) sit on its merged grid — temporal, row and
+/// column offset by the position it starts at — and the text after it resumes past its larger
+/// side. Returns each token's (temporal, height, width) position and the decode offset: the
+/// position after the prompt minus its length, which later tokens' positions add to theirs.
+pub fn mrope_positions(tokens: &[u32], grids: &[[usize; 3]], cfg: &VisionConfig) -> Result<(Vec<[usize; 3]>, i64)> {
+    let m = cfg.spatial_merge_size;
+    let mut positions = Vec::with_capacity(tokens.len());
+    let mut grids = grids.iter();
+    let mut next = 0usize;
+    let mut i = 0;
+    while i < tokens.len() {
+        if tokens[i] != cfg.image_token_id {
+            positions.push([next; 3]);
+            next += 1;
+            i += 1;
+            continue;
+        }
+        let run = tokens[i..].iter().take_while(|&&t| t == cfg.image_token_id).count();
+        let &[t, h, w] = grids.next().ok_or_else(|| {
+            ModelError::Invalid(format!("the prompt has more runs of image tokens than the {} images given", positions.len()))
+        })?;
+        let (h, w) = (h / m, w / m);
+        if run != t * h * w {
+            return Err(ModelError::Invalid(format!(
+                "a run of {run} image tokens at position {i} does not match its image's {} merged patches",
+                t * h * w
+            )));
+        }
+        for ti in 0..t {
+            for hi in 0..h {
+                for wi in 0..w {
+                    positions.push([next + ti, next + hi, next + wi]);
+                }
+            }
+        }
+        next += h.max(w);
+        i += run;
+    }
+    if grids.next().is_some() {
+        return Err(ModelError::Invalid("more images were given than the prompt has runs of image tokens".into()));
+    }
+    Ok((positions, next as i64 - tokens.len() as i64))
+}
