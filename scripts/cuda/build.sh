@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds the CUDA-enabled strata binary (no GPU needed): target/cuda/release/strata.
 # With --tests, also the GPU test binaries — the kernels against their CPU twins
-# (crates/kernels/tests/gpu.rs) and captured decode steps against eager ones
-# (crates/model/tests/gpu_graph.rs) — whose paths it prints last; run them on the GPU machine
+# (crates/kernels/tests/gpu.rs), captured decode steps against eager ones
+# (crates/model/tests/gpu_graph.rs) and images against transformers on CPU and GPU
+# (crates/model/tests/vision_oracle.rs) — whose paths it prints last; run them on the GPU machine
 # from their crate's folder.
 # With --check (CI), the same builds in the dev profile in the CPU build's target folder: they
 # compile and link everything the release build does and share the CPU build's optimised
@@ -27,7 +28,7 @@ if $tests; then
     # dev-dependencies, as the CPU test build has) and one profile, where a second command
     # (-p strata-kernels, or `cargo test` after `cargo build`) compiled shared dependencies
     # again. The test binaries' paths come from cargo's JSON messages.
-    cargo build "${profile[@]}" --workspace --features strata-cli/cuda --bins --test gpu --test gpu_graph \
+    cargo build "${profile[@]}" --workspace --features strata-cli/cuda --bins --test gpu --test gpu_graph --test vision_oracle \
         --message-format=json-render-diagnostics |
         grep '"kind":\["test"\]' | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p'
 else

@@ -1,5 +1,7 @@
 //! Images through the Qwen3.5 vision path against transformers (the fixture written by
-//! scripts/oracle/make_vision_fixture.py): the processor's pixels, the tower's merged tokens.
+//! scripts/oracle/make_vision_fixture.py): the processor's pixels, the tower's merged tokens,
+//! the positions, logits and greedy tokens of a prompt with two images — on the CPU, and on
+//! the GPU too in a CUDA build (`scripts/cuda/build.sh --tests` builds this file as well).
 
 use std::path::PathBuf;
 
@@ -14,8 +16,22 @@ fn reference() -> std::collections::HashMap<String, Tensor> {
     candle_core::safetensors::load(fixture().join("reference.safetensors"), &Device::Cpu).unwrap()
 }
 
+/// The CPU, and the GPU in a CUDA build.
+fn devices() -> Vec<Device> {
+    #[cfg(feature = "cuda")]
+    {
+        let device = Device::new_cuda(0).expect("a CUDA GPU");
+        let Device::Cuda(gpu) = &device else { unreachable!("asked for CUDA") };
+        strata_kernels::prepare_device(gpu).unwrap();
+        vec![Device::Cpu, device]
+    }
+    #[cfg(not(feature = "cuda"))]
+    vec![Device::Cpu]
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
     assert_eq!(a.dims(), b.dims());
+    let (a, b) = (a.to_device(&Device::Cpu).unwrap(), b.to_device(&Device::Cpu).unwrap());
     (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
 }
 
@@ -51,8 +67,14 @@ fn pixels_match_the_processor() {
 
 #[test]
 fn vision_tower_matches_transformers() {
-    let folder = ModelFolder::open(&fixture()).unwrap();
-    let tower = folder.load_vision(DType::F32, &Device::Cpu).unwrap();
+    for device in devices() {
+        let folder = ModelFolder::open(&fixture()).unwrap();
+        let tower = folder.load_vision(DType::F32, &device).unwrap();
+        merged_tokens_match(&folder, &tower);
+    }
+}
+
+fn merged_tokens_match(folder: &ModelFolder, tower: &strata_model::VisionTower) {
     let processor = folder.image_processor.as_ref().unwrap();
     let want = reference();
     for (name, key) in [("image-a.png", "a"), ("image-b.png", "b")] {
@@ -103,18 +125,19 @@ fn run_prompt(
         let n_images = ids.iter().filter(|&&t| t == cfg.image_token_id).count();
         let embeds = [merged.narrow(0, used, n_images).unwrap()];
         let input = ImageInputs { embeds: &embeds, positions: &positions[at..at + len] };
-        let row = Tensor::new(ids, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let row = Tensor::new(ids, model.device()).unwrap().unsqueeze(0).unwrap();
         logits.push(model.forward_images(&row, &input, &mut state, Logits::All).unwrap().squeeze(0).unwrap());
         (at, used) = (at + len, used + n_images);
     }
     assert_eq!(at, tokens.len(), "chunks cover the prompt");
     let logits = Tensor::cat(&logits, 0).unwrap();
-    let argmax = |t: &Tensor| t.argmax(0).unwrap().to_scalar::<u32>().unwrap();
+    let logits = logits.to_device(&Device::Cpu).unwrap();
+    let argmax = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap();
     let mut greedy = vec![argmax(&logits.get(tokens.len() - 1).unwrap())];
     while greedy.len() < decode {
         let p = (state.positions[0] as i64 + delta) as usize;
         let input = ImageInputs { embeds: &[], positions: &[[p; 3]] };
-        let row = Tensor::new(&[*greedy.last().unwrap()], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        let row = Tensor::new(&[*greedy.last().unwrap()], model.device()).unwrap().unsqueeze(0).unwrap();
         let next = model.forward_images(&row, &input, &mut state, Logits::Last).unwrap().squeeze(0).unwrap();
         greedy.push(argmax(&next));
     }
@@ -123,8 +146,14 @@ fn run_prompt(
 
 #[test]
 fn prompt_with_images_matches_transformers() {
-    let folder = ModelFolder::open(&fixture()).unwrap();
-    let (model, tower) = (folder.load(DType::F32, &Device::Cpu).unwrap(), folder.load_vision(DType::F32, &Device::Cpu).unwrap());
+    for device in devices() {
+        let folder = ModelFolder::open(&fixture()).unwrap();
+        let (model, tower) = (folder.load(DType::F32, &device).unwrap(), folder.load_vision(DType::F32, &device).unwrap());
+        prompt_matches(&model, &tower);
+    }
+}
+
+fn prompt_matches(model: &strata_model::Model, tower: &strata_model::VisionTower) {
     let want = reference();
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(fixture().join("reference.json")).unwrap()).unwrap();
@@ -141,15 +170,15 @@ fn prompt_with_images_matches_transformers() {
     // With the processor's pixels, the text model's logits; with strata's own (one resized
     // image, within a level of the processor's), the greedy tokens.
     let n = tokens.len();
-    let (logits, greedy) = run_prompt(&model, &tower, &[n], greedy_want.len(), true);
+    let (logits, greedy) = run_prompt(model, tower, &[n], greedy_want.len(), true);
     let d = max_diff(&logits, &want["logits"]);
     assert!(d < 1e-4, "logits differ by {d}");
     assert_eq!(greedy, greedy_want, "greedy tokens");
-    let (_, greedy) = run_prompt(&model, &tower, &[n], greedy_want.len(), false);
+    let (_, greedy) = run_prompt(model, tower, &[n], greedy_want.len(), false);
     assert_eq!(greedy, greedy_want, "greedy tokens from strata's own pixels");
 
     // Chunks that cut through both images give the same.
-    let (chunked, greedy) = run_prompt(&model, &tower, &[9, 30, 1, 41, n - 81], greedy_want.len(), true);
+    let (chunked, greedy) = run_prompt(model, tower, &[9, 30, 1, 41, n - 81], greedy_want.len(), true);
     let d = max_diff(&chunked, &logits);
     assert!(d < 1e-4, "chunked prefill's logits differ by {d}");
     assert_eq!(greedy, greedy_want, "greedy tokens after a chunked prefill");
