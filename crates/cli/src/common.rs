@@ -1,6 +1,6 @@
 //! Flags and helpers shared by the subcommands.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device};
@@ -131,6 +131,25 @@ pub fn parse_tokens(list: &str) -> Result<Vec<u32>> {
 
 pub fn open_model(dir: &Path) -> Result<ModelFolder> {
     Ok(ModelFolder::open(dir)?)
+}
+
+/// The images at `paths` through `folder`'s processor and vision tower, for the prompt `tokens`
+/// (each run of its image token filled by the next image).
+pub fn image_prompt(folder: &ModelFolder, model: &Model, tokens: &[u32], paths: &[PathBuf]) -> Result<strata_model::ImagePrompt> {
+    let processor = folder.image_processor.as_ref().with_context(|| {
+        format!("--image: {} takes no images (no vision tower and preprocessor_config.json)", folder.path.display())
+    })?;
+    let tower = folder.load_vision(model.dtype(), model.device())?;
+    let images = paths
+        .iter()
+        .map(|path| {
+            let bytes = std::fs::read(path).with_context(|| format!("--image {}: cannot read", path.display()))?;
+            processor
+                .prepare(&bytes, strata_model::ImageLimits::default())
+                .map_err(|e| anyhow::anyhow!("--image {}: {e}", path.display()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(strata_model::ImagePrompt::new(&tower, tokens, &images)?)
 }
 
 /// The CPU's model name, for benchmark reports.

@@ -16,6 +16,10 @@ pub struct Args {
     /// Token ids, e.g. 1,2,3.
     #[arg(long)]
     tokens: String,
+    /// An image file (PNG, JPEG, WebP, GIF) for a model with a vision tower; repeatable. Each
+    /// run of the image token in --tokens is filled by the next image, in order.
+    #[arg(long = "image", value_name = "PATH")]
+    images: Vec<PathBuf>,
     /// Output safetensors file; holds `logits`, f32, [positions, vocab].
     #[arg(long)]
     out: PathBuf,
@@ -33,18 +37,30 @@ pub fn run(a: Args) -> Result<()> {
     let device = parse_device(&a.device)?;
     let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let tokens = parse_tokens(&a.tokens)?;
-    let model = open_model(&a.model)?.load(dtype.dtype(), &device)?;
-    let row = |ids: &[u32]| -> Result<Tensor> { Ok(Tensor::new(ids, &device)?.unsqueeze(0)?) };
+    let folder = open_model(&a.model)?;
+    let model = folder.load(dtype.dtype(), &device)?;
+    let images = match a.images.is_empty() {
+        true => None,
+        false => Some(crate::common::image_prompt(&folder, &model, &tokens, &a.images)?),
+    };
     let mut state = model.new_state(1)?;
+    // Positions `range` of the tokens, with their images' inputs where there are images.
+    let mut feed = |range: std::ops::Range<usize>, which: Logits| -> Result<Tensor> {
+        let row = Tensor::new(&tokens[range.clone()], &device)?.unsqueeze(0)?;
+        Ok(match &images {
+            Some(images) => model.forward_images(&row, &images.inputs(range)?, &mut state, which)?,
+            None => model.forward(&row, &mut state, which)?,
+        })
+    };
     let logits = match a.incremental_from {
-        None => model.forward(&row(&tokens)?, &mut state, Logits::All)?.squeeze(0)?,
+        None => feed(0..tokens.len(), Logits::All)?.squeeze(0)?,
         Some(n) => {
             if n == 0 || n > tokens.len() {
                 bail!("--incremental-from {n}: must be between 1 and the number of tokens ({})", tokens.len());
             }
-            let mut rows = vec![model.forward(&row(&tokens[..n])?, &mut state, Logits::Last)?];
-            for &t in &tokens[n..] {
-                rows.push(model.forward(&row(&[t])?, &mut state, Logits::Last)?);
+            let mut rows = vec![feed(0..n, Logits::Last)?];
+            for t in n..tokens.len() {
+                rows.push(feed(t..t + 1, Logits::Last)?);
             }
             Tensor::cat(&rows, 0)?
         }

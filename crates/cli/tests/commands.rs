@@ -80,3 +80,48 @@ fn generate_json_reports_greedy_tokens() {
         }
     }
 }
+
+/// `logits --image`: the fixture's two images from their files, through strata's own processor.
+/// Up to the image that needs resizing the logits are transformers' (its pixels equal to 1e-6);
+/// past it strata's resize differs by a level at some pixels, so the prediction is compared.
+#[test]
+fn logits_command_takes_images() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/vision/qwen3_5-vl-tiny-g");
+    let reference = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let ids = reference["tokens"].to_vec1::<i64>().unwrap();
+    let tokens: Vec<String> = ids.iter().map(|t| t.to_string()).collect();
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let pad = json["vision_token_ids"]["<|image_pad|>"].as_i64().unwrap();
+    let first_image_len = json["image_tokens"][0].as_u64().unwrap() as usize;
+    let resized_start = ids.iter().enumerate().filter(|(_, &t)| t == pad).nth(first_image_len).unwrap().0;
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("logits.safetensors");
+    let (a, b) = (dir.join("image-a.png"), dir.join("image-b.png"));
+    let model = dir.to_str().unwrap();
+    let tokens = tokens.join(",");
+    for incremental in [None, Some("60")] {
+        let mut args =
+            vec!["logits", "--model", model, "--tokens", &tokens, "--image", a.to_str().unwrap(), "--image", b.to_str().unwrap()];
+        args.extend(["--out", out.to_str().unwrap()]);
+        if let Some(from) = incremental {
+            args.extend(["--incremental-from", from]);
+        }
+        strata(&args);
+        let got = candle_core::safetensors::load(&out, &Device::Cpu).unwrap()["logits"].clone();
+        if incremental.is_none() {
+            let diff =
+                max_diff(&got.narrow(0, 0, resized_start).unwrap(), &reference["logits"].narrow(0, 0, resized_start).unwrap());
+            assert!(diff < 1e-4, "logits before the resized image differ by {diff}");
+        }
+        let last = got.get(got.dim(0).unwrap() - 1).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap();
+        assert_eq!(last as u64, json["greedy_tokens"][0].as_u64().unwrap(), "{incremental:?}");
+    }
+    // Images the prompt has no place for are refused.
+    let out_s = out.to_str().unwrap();
+    let err = Command::new(env!("CARGO_BIN_EXE_strata"))
+        .args(["logits", "--model", model, "--tokens", "1,2,3", "--image", a.to_str().unwrap(), "--out", out_s])
+        .output()
+        .unwrap();
+    assert!(!err.status.success());
+    assert!(String::from_utf8_lossy(&err.stderr).contains("image"), "{}", String::from_utf8_lossy(&err.stderr));
+}

@@ -328,7 +328,7 @@ mod tests {
     fn a_failed_cache_copy_is_a_miss() {
         let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/qwen3_5-tiny-a");
         let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
-        let rowless = BatchState { layers: model.new_state(0).unwrap().layers, positions: vec![5] };
+        let rowless = BatchState::new(model.new_state(0).unwrap().layers, vec![5]);
         let config = EngineConfig {
             max_batch: 4,
             prefill_chunk: 8,

@@ -29,5 +29,5 @@ pub use gemma3::{Gemma3, Gemma3Config};
 pub use generation_config::GenerationConfig;
 pub use images::{ImageLimits, ImageProcessor, PreparedImage};
 pub use model::{ArchConfig, GraphStats, Model, ModelConfig};
-pub use qwen3_5::{mrope_positions, ImageInputs, Logits, MtpHead, Qwen35, Round, VisionTower};
+pub use qwen3_5::{mrope_positions, ImageInputs, ImagePrompt, Logits, MtpHead, Qwen35, Round, VisionTower};
 pub use tokenizer::Tokenizer;

@@ -98,7 +98,7 @@ fn run_prompt(
     decode: usize,
     their_pixels: bool,
 ) -> (Tensor, Vec<u32>) {
-    use strata_model::{mrope_positions, ImageInputs, Logits};
+    use strata_model::{ImagePrompt, Logits};
     let folder = ModelFolder::open(&fixture()).unwrap();
     let processor = folder.image_processor.as_ref().unwrap();
     let want = reference();
@@ -113,21 +113,14 @@ fn run_prompt(
             }
         })
         .collect();
-    let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid).collect();
-    let cfg = tower.config();
-    let (positions, delta) = mrope_positions(&tokens, &grids, cfg).unwrap();
-    let merged = Tensor::cat(&images.iter().map(|i| tower.forward(i).unwrap()).collect::<Vec<_>>(), 0).unwrap();
-
+    let prompt = ImagePrompt::new(tower, &tokens, &images).unwrap();
     let mut state = model.new_state(1).unwrap();
-    let (mut logits, mut at, mut used) = (Vec::new(), 0, 0);
+    let (mut logits, mut at) = (Vec::new(), 0);
     for &len in chunks {
-        let ids = &tokens[at..at + len];
-        let n_images = ids.iter().filter(|&&t| t == cfg.image_token_id).count();
-        let embeds = [merged.narrow(0, used, n_images).unwrap()];
-        let input = ImageInputs { embeds: &embeds, positions: &positions[at..at + len] };
-        let row = Tensor::new(ids, model.device()).unwrap().unsqueeze(0).unwrap();
+        let row = Tensor::new(&tokens[at..at + len], model.device()).unwrap().unsqueeze(0).unwrap();
+        let input = prompt.inputs(at..at + len).unwrap();
         logits.push(model.forward_images(&row, &input, &mut state, Logits::All).unwrap().squeeze(0).unwrap());
-        (at, used) = (at + len, used + n_images);
+        at += len;
     }
     assert_eq!(at, tokens.len(), "chunks cover the prompt");
     let logits = Tensor::cat(&logits, 0).unwrap();
@@ -135,10 +128,9 @@ fn run_prompt(
     let argmax = |t: &Tensor| t.to_device(&Device::Cpu).unwrap().argmax(0).unwrap().to_scalar::<u32>().unwrap();
     let mut greedy = vec![argmax(&logits.get(tokens.len() - 1).unwrap())];
     while greedy.len() < decode {
-        let p = (state.positions[0] as i64 + delta) as usize;
-        let input = ImageInputs { embeds: &[], positions: &[[p; 3]] };
+        // Plain decode steps: the state carries the rotary offset the images left.
         let row = Tensor::new(&[*greedy.last().unwrap()], model.device()).unwrap().unsqueeze(0).unwrap();
-        let next = model.forward_images(&row, &input, &mut state, Logits::Last).unwrap().squeeze(0).unwrap();
+        let next = model.forward(&row, &mut state, Logits::Last).unwrap().squeeze(0).unwrap();
         greedy.push(argmax(&next));
     }
     (logits, greedy)

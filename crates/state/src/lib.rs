@@ -263,9 +263,23 @@ fn select_rows(t: &Tensor, rows: &[usize]) -> Result<Tensor> {
 pub struct BatchState {
     pub layers: Vec<LayerState>,
     pub positions: Vec<usize>,
+    /// Added to each row's position for its rotary position: negative after images, whose
+    /// tokens take fewer rotary positions than they are tokens (mRoPE); zero for text.
+    pub rope_offsets: Vec<i64>,
 }
 
 impl BatchState {
+    /// Rows at `positions`, with text's rotary positions (offsets zero).
+    pub fn new(layers: Vec<LayerState>, positions: Vec<usize>) -> Self {
+        let rope_offsets = vec![0; positions.len()];
+        Self { layers, positions, rope_offsets }
+    }
+
+    /// Each row's rotary position: its position plus its offset.
+    pub fn rope_starts(&self) -> Vec<usize> {
+        self.positions.iter().zip(&self.rope_offsets).map(|(&p, &o)| (p as i64 + o).max(0) as usize).collect()
+    }
+
     pub fn rows(&self) -> usize {
         self.positions.len()
     }
@@ -285,6 +299,7 @@ impl BatchState {
             a.merge(b)?;
         }
         self.positions.extend_from_slice(&other.positions);
+        self.rope_offsets.extend_from_slice(&other.rope_offsets);
         Ok(())
     }
 
@@ -294,6 +309,7 @@ impl BatchState {
             layer.filter(keep)?;
         }
         self.positions = keep.iter().map(|&r| self.positions[r]).collect();
+        self.rope_offsets = keep.iter().map(|&r| self.rope_offsets[r]).collect();
         Ok(())
     }
 
@@ -304,7 +320,12 @@ impl BatchState {
         let mut rows: Vec<BatchState> = self
             .positions
             .iter()
-            .map(|&p| BatchState { layers: Vec::with_capacity(self.layers.len()), positions: vec![p] })
+            .zip(&self.rope_offsets)
+            .map(|(&p, &o)| BatchState {
+                layers: Vec::with_capacity(self.layers.len()),
+                positions: vec![p],
+                rope_offsets: vec![o],
+            })
             .collect();
         for layer in self.layers {
             for (row, layer) in rows.iter_mut().zip(layer.split()?) {
@@ -383,14 +404,15 @@ impl BatchState {
             }
             layers.push(layer);
         }
-        Ok(BatchState { layers, positions: vec![position] })
+        Ok(BatchState::new(layers, vec![position]))
     }
 
     /// An owned single-row copy of `row`.
     pub fn extract(&self, row: usize) -> Result<BatchState> {
         let rows = self.rows();
         let position = *self.positions.get(row).ok_or(StateError::RowOutOfRange { row, rows })?;
-        Ok(BatchState { layers: self.layers.iter().map(|l| l.extract(row)).collect::<Result<_>>()?, positions: vec![position] })
+        let layers = self.layers.iter().map(|l| l.extract(row)).collect::<Result<_>>()?;
+        Ok(BatchState { layers, positions: vec![position], rope_offsets: vec![self.rope_offsets[row]] })
     }
 
     /// A single-row state of `row` sharing what it can (see [`LayerState::share`]): a prompt
@@ -399,6 +421,7 @@ impl BatchState {
     pub fn share(&self, row: usize) -> Result<BatchState> {
         let rows = self.rows();
         let position = *self.positions.get(row).ok_or(StateError::RowOutOfRange { row, rows })?;
-        Ok(BatchState { layers: self.layers.iter().map(|l| l.share(row)).collect::<Result<_>>()?, positions: vec![position] })
+        let layers = self.layers.iter().map(|l| l.share(row)).collect::<Result<_>>()?;
+        Ok(BatchState { layers, positions: vec![position], rope_offsets: vec![self.rope_offsets[row]] })
     }
 }

@@ -239,7 +239,7 @@ impl StatePool {
                 LayerSpec::Window(shape) => LayerState::Window(WindowKvStore::empty(shape, rows, &cx, &pool.device)?),
             });
         }
-        Ok(BatchState { layers, positions: vec![0; rows] })
+        Ok(BatchState::new(layers, vec![0; rows]))
     }
 
     /// KV blocks free in every attention layer; `None` for a pool that grows instead of running

@@ -131,7 +131,7 @@ impl StateSpec {
     /// Fresh state for `rows` empty sequences, each layer in the storage its spec declares.
     pub fn new_state(&self, rows: usize, device: &Device) -> Result<BatchState> {
         let layers = self.layers.iter().zip(self.contexts()).map(|(layer, cx)| layer.empty(rows, &cx, device));
-        Ok(BatchState { layers: layers.collect::<Result<_>>()?, positions: vec![0; rows] })
+        Ok(BatchState::new(layers.collect::<Result<_>>()?, vec![0; rows]))
     }
 
     /// What each layer's storage is built with. (The policy's layer names were checked by

@@ -136,7 +136,7 @@ mod tests {
             }
             .unwrap();
         }
-        let state = BatchState { layers: vec![layer], positions: vec![tokens] };
+        let state = BatchState::new(vec![layer], vec![tokens]);
         Snapshot { namespace: 0, tokens: (0..tokens as u32).collect(), state, resume: None }
     }
 

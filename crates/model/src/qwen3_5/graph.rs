@@ -215,12 +215,13 @@ impl StepInputs {
 
     /// This step's tokens, rotary tables, KV lengths, block tables and slots, where the graph
     /// reads them; padding rows get token 0 at position 0 (one key, in the scratch block).
-    fn upload(&mut self, model: &Qwen35, ids: &[u32], positions: &[usize], pooled: &Pooled, shape: &Shape) -> Result<()> {
+    fn upload(&mut self, model: &Qwen35, ids: &[u32], state: &BatchState, pooled: &Pooled, shape: &Shape) -> Result<()> {
         let pad = shape.rows - ids.len();
         let ids: Vec<u32> = ids.iter().copied().chain(std::iter::repeat_n(0, pad)).collect();
-        let positions: Vec<usize> = positions.iter().copied().chain(std::iter::repeat_n(0, pad)).collect();
+        let padded = |p: Vec<usize>| -> Vec<usize> { p.into_iter().chain(std::iter::repeat_n(0, pad)).collect() };
+        let (positions, rope_starts) = (padded(state.positions.clone()), padded(state.rope_starts()));
         upload(&self.tokens, &ids)?;
-        let (cos, sin) = model.rotary.values(&positions, 1);
+        let (cos, sin) = model.rotary.values(&rope_starts, 1);
         upload(&self.rope.0, &cos)?;
         upload(&self.rope.1, &sin)?;
         let lens: Vec<usize> = positions.iter().map(|&p| p + 1).collect();
@@ -285,7 +286,7 @@ impl DecodeGraphs {
             self.replay_gpu_ns.fetch_add(timer.elapsed_ns()?, Ordering::Relaxed);
         }
         let logits = if let Some(graph) = graphs.get_mut(&shape) {
-            graph.inputs.upload(model, &ids, &state.positions, &pooled, &shape)?;
+            graph.inputs.upload(model, &ids, state, &pooled, &shape)?;
             self.prepare_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             timer.start()?;
             graph.graph.replay()?;
@@ -300,7 +301,7 @@ impl DecodeGraphs {
             return Ok(None);
         } else {
             seen.retain(|s| s != &shape);
-            let (graph, logits) = DecodeGraph::run_and_record(model, &ids, &state.positions, &pooled, &shape)?;
+            let (graph, logits) = DecodeGraph::run_and_record(model, &ids, state, &pooled, &shape)?;
             match graph {
                 Some(mut graph) => {
                     graph.last_used = *clock;
@@ -338,13 +339,13 @@ impl DecodeGraph {
     fn run_and_record(
         model: &Qwen35,
         ids: &[u32],
-        positions: &[usize],
+        state: &BatchState,
         pooled: &Pooled,
         shape: &Shape,
     ) -> Result<(Option<Self>, Tensor)> {
         let mut inputs = StepInputs::new(model, shape, pooled)?;
         let logits = Tensor::zeros((shape.rows, model.cfg.vocab_size), DType::F32, &model.device)?;
-        inputs.upload(model, ids, positions, pooled, shape)?;
+        inputs.upload(model, ids, state, pooled, shape)?;
         let recorded = StepGraph::run_and_record(&model.device, || model.record_step(&inputs, &logits))?;
         match recorded {
             Ok(graph) => Ok((Some(Self { graph, inputs, logits: logits.clone(), last_used: 0 }), logits)),

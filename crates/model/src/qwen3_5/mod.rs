@@ -19,7 +19,7 @@ use self::deltanet::GatedDeltaNet;
 use self::experts::Experts;
 use self::layers::{Linear, Matrix, Mlp, Residual, RmsNorm, Rotary};
 pub use self::mtp::MtpHead;
-pub use self::vision::{mrope_positions, VisionConfig, VisionTower};
+pub use self::vision::{mrope_positions, ImagePrompt, VisionConfig, VisionTower};
 use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
@@ -134,12 +134,13 @@ pub struct Round {
 
 /// Images in a forward (one row): their merged tokens replace the embeddings of the image
 /// tokens, in order, and every position takes an explicit (temporal, height, width) rotary
-/// position (see [`mrope_positions`]).
-pub struct ImageInputs<'a> {
-    /// Each image's merged tokens `[tokens, hidden]` ([`VisionTower::forward`]), in prompt order.
-    pub embeds: &'a [Tensor],
+/// position (see [`ImagePrompt`]).
+pub struct ImageInputs {
+    /// Merged image tokens `[tokens, hidden]` ([`VisionTower::forward`]) for the image tokens
+    /// fed, in order (none when the positions fed hold no image token).
+    pub embeds: Option<Tensor>,
     /// One per position fed.
-    pub positions: &'a [[usize; 3]],
+    pub positions: Vec<[usize; 3]>,
 }
 
 /// Which positions' logits a forward returns.
@@ -360,7 +361,7 @@ impl Qwen35 {
             return Err(ModelError::Invalid(format!("forward got {b} rows of tokens for a state of {} rows", state.rows())));
         }
         let (embedded, rope) = match images {
-            None => (self.embed_tokens(tokens)?, self.rotary.tables(&state.positions, t, &self.device)?),
+            None => (self.embed_tokens(tokens)?, self.rotary.tables(&state.rope_starts(), t, &self.device)?),
             Some(images) => {
                 if b != 1 || images.positions.len() != t {
                     return Err(ModelError::Invalid(format!(
@@ -368,8 +369,8 @@ impl Qwen35 {
                         images.positions.len()
                     )));
                 }
-                let rope = self.rotary.tables_at(images.positions, 1, self.cfg.mrope_section, &self.device)?;
-                (self.embed_with_images(tokens, images.embeds)?, rope)
+                let rope = self.rotary.tables_at(&images.positions, 1, self.cfg.mrope_section, &self.device)?;
+                (self.embed_with_images(tokens, images.embeds.as_ref())?, rope)
             }
         };
         let mut x = Residual::new(embedded);
@@ -378,6 +379,10 @@ impl Qwen35 {
         }
         for p in &mut state.positions {
             *p += t;
+        }
+        // Tokens fed after explicit positions continue past the largest of them.
+        if let Some(next) = images.and_then(|i| i.positions.iter().flatten().max()).map(|&p| p as i64 + 1) {
+            state.rope_offsets[0] = next - state.positions[0] as i64;
         }
         Ok(x)
     }
@@ -390,18 +395,18 @@ impl Qwen35 {
 
     /// `[1, T]` token ids as embeddings, each image token's replaced by the next row of the
     /// images' merged tokens.
-    fn embed_with_images(&self, tokens: &Tensor, embeds: &[Tensor]) -> Result<Tensor> {
+    fn embed_with_images(&self, tokens: &Tensor, embeds: Option<&Tensor>) -> Result<Tensor> {
         let ids = tokens.flatten_all()?.to_vec1::<u32>()?;
         let embedded = self.embed_tokens(tokens)?.squeeze(0)?;
         let image_token = self.cfg.vision.as_ref().map(|v| v.image_token_id);
-        let slots: Vec<usize> = ids.iter().enumerate().filter(|(_, &id)| Some(id) == image_token).map(|(i, _)| i).collect();
-        let given: usize = embeds.iter().map(|e| e.dim(0)).sum::<candle_core::Result<usize>>()?;
-        if slots.len() != given {
-            return Err(ModelError::Invalid(format!("{} image tokens for {given} merged image tokens", slots.len())));
+        let slots = ids.iter().filter(|&&id| Some(id) == image_token).count();
+        let given = embeds.map(|e| e.dim(0)).transpose()?.unwrap_or(0);
+        if slots != given {
+            return Err(ModelError::Invalid(format!("{slots} image tokens for {given} merged image tokens")));
         }
-        if slots.is_empty() {
+        let Some(embeds) = embeds.filter(|_| slots > 0) else {
             return Ok(embedded.unsqueeze(0)?);
-        }
+        };
         // Rows of [embeddings; image tokens]: each position's own, or the next image row.
         let mut next_image_row = ids.len() as u32;
         let pick: Vec<u32> = ids
@@ -415,9 +420,7 @@ impl Qwen35 {
                 next_image_row - 1
             })
             .collect();
-        let mut rows = vec![embedded];
-        rows.extend(embeds.iter().map(|e| e.to_dtype(self.dtype)).collect::<candle_core::Result<Vec<_>>>()?);
-        let all = Tensor::cat(&rows, 0)?;
+        let all = Tensor::cat(&[embedded, embeds.to_dtype(self.dtype)?], 0)?;
         Ok(all.index_select(&Tensor::from_vec(pick, ids.len(), &self.device)?, 0)?.unsqueeze(0)?)
     }
 

@@ -355,3 +355,53 @@ pub fn mrope_positions(tokens: &[u32], grids: &[[usize; 3]], cfg: &VisionConfig)
     }
     Ok((positions, next as i64 - tokens.len() as i64))
 }
+
+/// A prompt's images, ready for the forwards that feed it: the images' merged tokens and every
+/// prompt position's rotary position, so any chunk of the prompt (cutting through an image or
+/// not) and every later token get their inputs.
+pub struct ImagePrompt {
+    /// Every image's merged tokens, in prompt order: `[image tokens, hidden]`.
+    merged: Tensor,
+    positions: Vec<[usize; 3]>,
+    /// Image tokens before each prompt position (one more entry than positions).
+    images_before: Vec<usize>,
+    /// Added to a later token's index for its rotary position.
+    pub rope_delta: i64,
+}
+
+impl ImagePrompt {
+    /// Runs `images` through `tower` for the prompt `tokens`, whose runs of image tokens they
+    /// fill in order.
+    pub fn new(tower: &VisionTower, tokens: &[u32], images: &[PreparedImage]) -> Result<Self> {
+        let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid).collect();
+        let (positions, rope_delta) = mrope_positions(tokens, &grids, &tower.cfg)?;
+        let merged = images.iter().map(|i| tower.forward(i)).collect::<Result<Vec<_>>>()?;
+        let merged = match merged.is_empty() {
+            true => Tensor::zeros((0, tower.cfg.out_hidden_size), tower.dtype, &tower.device)?,
+            false => Tensor::cat(&merged, 0)?,
+        };
+        let mut images_before = vec![0];
+        for &t in tokens {
+            images_before.push(images_before.last().unwrap_or(&0) + usize::from(t == tower.cfg.image_token_id));
+        }
+        Ok(Self { merged, positions, images_before, rope_delta })
+    }
+
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// The inputs of prompt positions `range`.
+    pub fn inputs(&self, range: std::ops::Range<usize>) -> Result<super::ImageInputs> {
+        if range.end > self.len() || range.start > range.end {
+            return Err(ModelError::Invalid(format!("positions {range:?} of a {}-token prompt", self.len())));
+        }
+        let (first, end) = (self.images_before[range.start], self.images_before[range.end]);
+        let embeds = (end > first).then(|| self.merged.narrow(0, first, end - first)).transpose()?;
+        Ok(super::ImageInputs { embeds, positions: self.positions[range].to_vec() })
+    }
+}
