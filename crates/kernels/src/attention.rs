@@ -39,7 +39,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) ->
     if q.device().is_cuda() && gpu::takes(q, k, v)? {
         return match few_rows {
             true => gpu::attention_rows(&q.unsqueeze(0)?, &[(k.clone(), v.clone())], scoring, None)?.squeeze(0),
-            false => gpu::prefill(&q.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, scoring)?.squeeze(0),
+            false => gpu::prefill(&q.unsqueeze(0)?, &k.unsqueeze(0)?, &v.unsqueeze(0)?, scoring, true)?.squeeze(0),
         };
     }
     let few = few_rows && q.device().is_cpu() && k.dtype() == v.dtype();
@@ -72,7 +72,7 @@ pub fn causal_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scori
 pub fn causal_attention_batch(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if gpu::takes_batch(q, k, v)? {
-        return gpu::prefill(q, k, v, scoring);
+        return gpu::prefill(q, k, v, scoring, true);
     }
     causal_attention_rows(q, &batch_rows(k, v)?, scoring)
 }
@@ -81,7 +81,7 @@ pub fn causal_attention_batch(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scori
 pub fn gated_attention_batch(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, gate: &Tensor) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if gpu::takes_batch(q, k, v)? {
-        return sigmoid_gate(&gpu::prefill(q, k, v, scoring)?, gate);
+        return sigmoid_gate(&gpu::prefill(q, k, v, scoring, true)?, gate);
     }
     gated_attention_rows(q, &batch_rows(k, v)?, scoring, gate)
 }
@@ -100,6 +100,21 @@ pub fn gated_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scorin
         return gpu::attention_rows(q, kv, scoring, Some(gate));
     }
     sigmoid_gate(&causal_attention_rows(q, kv, scoring)?, gate)
+}
+
+/// Attention without a mask, every query seeing every key (a vision encoder's): `q` `[B, H, T, D]`,
+/// `k`, `v` `[B, H, L, D]`. Scores in `q`'s dtype, softmax in f32, as transformers' eager and SDPA
+/// attention round them; on CUDA the two matmuls run on tensor cores with one softmax kernel between.
+pub fn full_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    if q.rank() != 4 || k.dims() != v.dims() || q.dims()[..2] != k.dims()[..2] || q.dim(3)? != k.dim(3)? {
+        candle_core::bail!("full_attention: queries {:?} over keys {:?} and values {:?}", q.dims(), k.dims(), v.dims());
+    }
+    #[cfg(feature = "cuda")]
+    if gpu::takes_batch(q, k, v)? {
+        return gpu::prefill(q, k, v, Scoring::scaled(scale), false);
+    }
+    let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
+    candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(q.dtype())?.matmul(v)
 }
 
 /// `attended` `[B, H, T, D]` laid out `[B, T, H·D]`, times `sigmoid(gate)` (`gate` `[B, T, H, D]`),
@@ -409,9 +424,9 @@ pub(crate) mod gpu {
 
     /// Prompt blocks of a batch of rows, `q` `[B, Hq, T, D]` over `k`, `v` `[B, Hkv, L, D]`
     /// (every row's history equally long): the scores and the weighted values as (tensor-core)
-    /// matmuls batched over rows and KV heads, the causal mask and softmax between them as one
-    /// kernel, without a mask tensor.
-    pub(super) fn prefill(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring) -> Result<Tensor> {
+    /// matmuls batched over rows and KV heads, the causal mask (unless `causal` is false) and
+    /// softmax between them as one kernel, without a mask tensor.
+    pub(super) fn prefill(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, causal: bool) -> Result<Tensor> {
         let (b, hq, t_len, d) = q.dims4()?;
         let (_, hkv, l_len, _) = k.dims4()?;
         let qg = q.contiguous()?.reshape((b * hkv, hq / hkv * t_len, d))?;
@@ -426,7 +441,9 @@ pub(crate) mod gpu {
             Arg::at(&scores)?,
             Arg::at(&probs)?,
             Arg::dim(l_len)?,
-            Arg::dim(t_len)?,
+            // The kernel places a row's queries at the last `Tq` positions; as one, every query
+            // sits at the last position and sees every key.
+            Arg::dim(if causal { t_len } else { 1 })?,
             Arg::F32(scoring.scale as f32),
             Arg::dim(scoring.window.unwrap_or(0))?,
         ];

@@ -8,7 +8,9 @@ use std::io::Cursor;
 use std::path::Path;
 
 use image::imageops::FilterType;
-use image::{ImageFormat, ImageReader, RgbImage};
+use image::{ImageFormat, ImageReader};
+/// The decoded images the processor takes, for callers that make their own.
+pub use image::{Rgb, RgbImage};
 use serde_json::Value;
 
 use crate::config::{Fields, VisionConfig};

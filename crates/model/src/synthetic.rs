@@ -5,8 +5,9 @@ use candle_core::{DType, Device};
 
 use crate::config::{ExpertsConfig, FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
+use crate::images::ImageProcessor;
 use crate::model::Model;
-use crate::qwen3_5::{MtpHead, Qwen35};
+use crate::qwen3_5::{MtpHead, Qwen35, VisionConfig, VisionTower};
 use crate::source::RandomSource;
 
 /// The shapes that vary between releases, by name; also read by
@@ -25,6 +26,16 @@ struct Shape {
     linear_key_heads: usize,
     linear_value_heads: usize,
     tied: bool,
+    /// The release's vision tower, where the shape has one.
+    vision: Option<VisionShape>,
+}
+
+#[derive(Clone, Copy, serde::Deserialize)]
+struct VisionShape {
+    depth: usize,
+    hidden: usize,
+    intermediate: usize,
+    heads: usize,
 }
 
 #[derive(Clone, Copy, serde::Deserialize)]
@@ -35,16 +46,29 @@ struct ExpertsShape {
     shared: usize,
 }
 
+fn shape(name: &str) -> Result<Shape> {
+    let mut shapes: std::collections::BTreeMap<String, Shape> =
+        serde_json::from_str(SHAPES).expect("synthetic_shapes.json is valid (a test parses it)");
+    shapes.remove(name).ok_or_else(|| {
+        let known: Vec<&str> = shapes.keys().map(String::as_str).collect();
+        ModelError::Invalid(format!("unknown synthetic model `{name}` (known: {})", known.join(", ")))
+    })
+}
+
 /// The text config of a named public model shape.
 pub fn config(name: &str) -> Result<Qwen35Config> {
-    let shapes: std::collections::BTreeMap<String, Shape> =
-        serde_json::from_str(SHAPES).expect("synthetic_shapes.json is valid (a test parses it)");
-    let Some(shape) = shapes.get(name) else {
-        let known: Vec<&str> = shapes.keys().map(String::as_str).collect();
-        return Err(ModelError::Invalid(format!("unknown synthetic model `{name}` (known: {})", known.join(", "))));
-    };
-    let Shape { hidden, layers, intermediate, experts, heads, kv_heads: kv, linear_key_heads: lk, linear_value_heads: lv, tied } =
-        *shape;
+    let Shape {
+        hidden,
+        layers,
+        intermediate,
+        experts,
+        heads,
+        kv_heads: kv,
+        linear_key_heads: lk,
+        linear_value_heads: lv,
+        tied,
+        vision: _,
+    } = shape(name)?;
     let feed_forward = match (intermediate, experts) {
         (Some(intermediate_size), None) => FeedForward::Dense { intermediate_size },
         (None, Some(e)) => FeedForward::Experts(ExpertsConfig {
@@ -87,6 +111,33 @@ pub fn build(name: &str, dtype: DType, device: &Device) -> Result<Model> {
     Ok(Model::Qwen35(Qwen35::load(&cfg, &RandomSource::new(device.clone(), 0x5EED), dtype)?))
 }
 
+/// The vision config of a named shape, and its release's image processor (patches of 16, 2×2
+/// merges, between 256 and 16,384 patches' worth of pixels, mean and std 0.5).
+pub fn vision(name: &str) -> Result<(VisionConfig, ImageProcessor)> {
+    let shape = shape(name)?;
+    let Some(v) = shape.vision else {
+        return Err(ModelError::Invalid(format!("the synthetic model `{name}` has no vision tower")));
+    };
+    // Through the parsers a checkpoint's files go through, so the same checks apply.
+    let path = std::path::Path::new("synthetic_shapes.json");
+    let top = serde_json::json!({"vision_config": {
+        "depth": v.depth, "hidden_size": v.hidden, "intermediate_size": v.intermediate, "num_heads": v.heads,
+        "out_hidden_size": shape.hidden, "patch_size": 16, "num_position_embeddings": 2304,
+    }});
+    let cfg = VisionConfig::from_json(top.as_object().expect("an object"), path)?;
+    let processor = serde_json::json!({
+        "patch_size": 16, "merge_size": 2, "size": {"shortest_edge": 65_536, "longest_edge": 16_777_216},
+        "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+    });
+    let processor = ImageProcessor::from_json(&processor, path)?.checked_against(&cfg, path)?;
+    Ok((cfg, processor))
+}
+
+/// The vision tower of a named shape with random weights.
+pub fn build_vision(name: &str, dtype: DType, device: &Device) -> Result<VisionTower> {
+    VisionTower::load(&vision(name)?.0, &RandomSource::new(device.clone(), 0x515), dtype)
+}
+
 /// A random multi-token-prediction head for a synthetic `target` (for benchmarks of `--draft mtp`:
 /// its drafts are as good as chance, so it measures the head's cost, not its acceptance).
 pub fn build_mtp(target: &Model) -> Result<MtpHead> {
@@ -116,6 +167,11 @@ mod tests {
             shared_expert_intermediate_size: 512,
         };
         assert_eq!(moe.feed_forward, FeedForward::Experts(want));
+        // A 1024×1024 image is 64×64 patches, 1,024 tokens of the text model's width.
+        let (tower, processor) = vision("qwen3.5-4b").unwrap();
+        assert_eq!((tower.depth, tower.hidden_size, tower.out_hidden_size), (24, 1024, 2560));
+        assert_eq!(processor.resized(1024, 1024).unwrap(), (1024, 1024));
+        assert!(vision("qwen3.5-9b").unwrap_err().to_string().contains("no vision tower"));
         assert!(config("qwen3.5-1t").unwrap_err().to_string().contains("known: qwen3.5-0.8b"));
     }
 }

@@ -165,13 +165,14 @@ impl Block {
         let (n, d) = x.dims2()?;
         let hd = d / heads;
         let qkv = self.qkv.forward(&self.norm1.forward(x)?)?.reshape((n, 3, heads, hd))?.permute((1, 2, 0, 3))?;
-        // Rotation, scores and softmax in f32, as transformers computes them.
-        let part = |i: usize| -> Result<Tensor> { Ok(qkv.get(i)?.to_dtype(DType::F32)?.contiguous()?) };
-        let q = attention::rope(&part(0)?.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
-        let k = attention::rope(&part(1)?.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
-        let scores = (q.matmul(&k.t()?)? * (hd as f64).powf(-0.5))?;
-        let attended = candle_nn::ops::softmax_last_dim(&scores)?.matmul(&part(2)?)?;
-        let attended = attended.transpose(0, 1)?.reshape((n, d))?.to_dtype(x.dtype())?;
+        // The rotation in f32, rounded back, as transformers rotates them.
+        let rotated = |i: usize| -> Result<Tensor> {
+            let part = qkv.get(i)?.to_dtype(DType::F32)?.contiguous()?.unsqueeze(0)?;
+            Ok(attention::rope(&part, cos, sin)?.to_dtype(x.dtype())?)
+        };
+        let v = qkv.get(2)?.contiguous()?.unsqueeze(0)?;
+        let attended = attention::full_attention(&rotated(0)?, &rotated(1)?, &v, (hd as f64).powf(-0.5))?;
+        let attended = attended.squeeze(0)?.transpose(0, 1)?.reshape((n, d))?;
         let x = (x + self.proj.forward(&attended)?)?;
         let h = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?;
         Ok((&x + self.fc2.forward(&h)?)?)
