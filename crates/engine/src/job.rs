@@ -1,5 +1,7 @@
 //! A job and what it reports: what requesters hand the engine thread, and how it answers.
 
+use strata_model::PreparedImage;
+
 use crate::cache::Snapshot;
 use crate::generate::{Generation, GenerationOptions, Sampled};
 
@@ -30,11 +32,21 @@ pub struct Job {
     /// conversation so far ends in a chat prompt: the next turn re-renders the history and
     /// shares exactly that prefix, while the tail after it (the generation prompt) may differ.
     pub cache_points: Vec<usize>,
+    /// The prompt's images, in order: each run of the model's image token takes the next.
+    /// Prepared by the requester, off the engine thread.
+    pub images: Vec<PreparedImage>,
+    /// The prompt as the prompt cache keys it, where it holds images (set by `submit`).
+    pub(crate) image_key: Option<Vec<u32>>,
 }
 
 impl Job {
     pub fn new(prompt: Vec<u32>, opts: GenerationOptions, sink: Box<dyn EventSink>) -> Self {
-        Self { prompt, opts, sink, cache_points: Vec::new() }
+        Self { prompt, opts, sink, cache_points: Vec::new(), images: Vec::new(), image_key: None }
+    }
+
+    /// The prompt's tokens as the prompt cache and the SSD tier key them: images by content.
+    pub fn cache_tokens(&self) -> &[u32] {
+        self.image_key.as_deref().unwrap_or(&self.prompt)
     }
 }
 

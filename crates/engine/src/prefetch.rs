@@ -29,7 +29,7 @@ impl Prefetcher {
     /// Asks for the stored state `job` can use; the answer comes to [`Prefetcher::take`].
     pub fn ask(&mut self, job: &Job, checkpoints: Option<u64>) -> Fetch {
         self.next_id += 1;
-        let request = FetchRequest { id: self.next_id, prompt: job.prompt.clone(), checkpoints };
+        let request = FetchRequest { id: self.next_id, prompt: job.cache_tokens().to_vec(), checkpoints };
         match self.requests.send(request) {
             Ok(()) => Fetch::Pending(self.next_id),
             // Without its thread there is no SSD tier to read: a miss.

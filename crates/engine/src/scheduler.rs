@@ -41,7 +41,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor;
-use strata_model::Model;
+use strata_model::{ImagePrompt, Model};
 use strata_state::{BatchState, StateCost, StatePool};
 
 use self::apply::{Row, Step};
@@ -62,6 +62,8 @@ struct Preempted {
     row: Row,
     parts: Vec<(String, Tensor)>,
     position: usize,
+    /// Its rotary positions' offset from its sequence positions (after images; not a part).
+    rope_offset: i64,
 }
 
 /// A job being prefilled, in its own single-row state until it joins the batch.
@@ -70,6 +72,8 @@ struct Joiner {
     state: BatchState,
     /// What an MTP drafter's head read of the prompt so far.
     draft: JoinerDraft,
+    /// The prompt's images through the vision tower, with every position's rotary position.
+    images: Option<ImagePrompt>,
     fed: usize,
     reserved: usize,
     started: Instant,
@@ -209,8 +213,10 @@ impl<'a> Engine<'a> {
 
     /// Brings the first preempted row back into the batch.
     fn resume_preempted(&mut self) -> strata_model::Result<()> {
-        let Preempted { row, parts, position } = self.preempted.pop_front().expect("the policy resumes a preempted row");
-        let state = self.runner.restore(&parts, position)?;
+        let Preempted { row, parts, position, rope_offset } =
+            self.preempted.pop_front().expect("the policy resumes a preempted row");
+        let mut state = self.runner.restore(&parts, position)?;
+        state.rope_offsets[0] = rope_offset;
         // The draft model reads the context again, as after a checkpoint's resume.
         self.join_batch(row, state, JoinerDraft::default())
     }
@@ -228,11 +234,29 @@ impl<'a> Engine<'a> {
         match restored {
             Some(snap) if snap.resume.is_some_and(|r| r.prompt_len == job.prompt.len()) => self.resume(job, snap, need),
             restored => {
-                let (state, cached) = self.runner.restore_prompt(self.cache, &job.prompt, restored)?;
                 let mut job = job;
+                // The tower runs once per prompt, before its first chunk; an image it cannot
+                // take fails this job only.
+                let images = match job.images.is_empty() {
+                    true => None,
+                    false => match self.runner.image_prompt(&job) {
+                        Ok(images) => Some(images),
+                        Err(e) => {
+                            job.sink.send(Event::Failed(format!("the images: {e}")));
+                            return Ok(());
+                        }
+                    },
+                };
+                let (mut state, cached) = self.runner.restore_prompt(self.cache, job.cache_tokens(), restored)?;
+                // A text prompt's cached prefix holds no image; an entry made past one carries
+                // that prompt's offset. (A prompt with images gives every prefill position its
+                // own, and the offset follows the last.)
+                if images.is_none() {
+                    state.rope_offsets[0] = 0;
+                }
                 job.sink.send(Event::Started { cached_tokens: cached });
                 let (draft, started) = (JoinerDraft::default(), Instant::now());
-                self.joiners.push(Joiner { job, state, draft, fed: cached, reserved: need, started });
+                self.joiners.push(Joiner { job, state, draft, images, fed: cached, reserved: need, started });
                 Ok(())
             }
         }
@@ -260,9 +284,10 @@ impl<'a> Engine<'a> {
     /// Takes running row `i` out of the batch: its state to host memory, its blocks and slot
     /// back to the pool.
     fn preempt(&mut self, i: usize) -> strata_model::Result<()> {
+        let rope_offset = self.runner.batch().expect("a row runs").rope_offsets[i];
         let (parts, position) = self.runner.preempt(i, self.rows.len())?;
         let row = self.rows.remove(i);
-        self.preempted.push_front(Preempted { row, parts, position });
+        self.preempted.push_front(Preempted { row, parts, position, rope_offset });
         self.stats.preemptions.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -277,9 +302,7 @@ impl<'a> Engine<'a> {
         };
         match queued.fetch {
             Fetch::Ready(_) => return true,
-            Fetch::Unasked => {
-                queued.fetch = prefetch.ask(&queued.job, self.cache.checkpoint_namespace(&queued.job.prompt, &queued.job.opts))
-            }
+            Fetch::Unasked => queued.fetch = prefetch.ask(&queued.job, self.cache.checkpoint_namespace(&queued.job)),
             Fetch::Pending(id) => {
                 if let Some(snap) = prefetch.take(id, block, &self.cache.stats) {
                     queued.fetch = Fetch::Ready(snap);
@@ -302,7 +325,7 @@ impl<'a> Engine<'a> {
             generated: context[resume.prompt_len..].to_vec(),
             context,
             reserved,
-            checkpoints: self.cache.checkpoint_namespace(&job.prompt, &job.opts),
+            checkpoints: self.cache.checkpoint_namespace(&job),
             checkpointed: 0,
             rounds: 0,
             draft_len: self.runner.max_draft(),
@@ -348,7 +371,12 @@ impl<'a> Engine<'a> {
         let (len, members) = self.policy.cohort(&lens);
         // A state outside the pool would be copied in by the merge, taking blocks no check
         // counted: such a job prefills alone, when it is the oldest.
-        let members: Vec<usize> = members.into_iter().filter(|&i| i == 0 || self.joiners[i].state.is_pooled()).collect();
+        let mut members: Vec<usize> = members.into_iter().filter(|&i| i == 0 || self.joiners[i].state.is_pooled()).collect();
+        // A prompt with images runs alone: its rows' embeddings and positions are its own.
+        match members.first() {
+            Some(&first) if self.joiners[first].images.is_some() => members.truncate(1),
+            _ => members.retain(|&i| self.joiners[i].images.is_none()),
+        }
         let grow = members.iter().map(|&i| self.joiners[i].state.blocks_to_grow(len)).sum();
         if members.is_empty() || !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
             return Ok(());
@@ -358,7 +386,7 @@ impl<'a> Engine<'a> {
         for (i, j) in self.joiners.iter_mut().enumerate() {
             if member.next_if_eq(&i).is_some() {
                 let state = std::mem::take(&mut j.state);
-                feeds.push(Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft });
+                feeds.push(Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft, images: j.images.as_ref() });
             }
         }
         let started = Instant::now();
@@ -377,7 +405,7 @@ impl<'a> Engine<'a> {
                 done.push((i, k));
             } else if chunks[i].snapshot && chunks[i].end == joiner.fed {
                 if let Some(state) = cache.copied("a prefill snapshot", joiner.state.share(0)) {
-                    let tokens = joiner.job.prompt[..joiner.fed].to_vec();
+                    let tokens = joiner.job.cache_tokens()[..joiner.fed].to_vec();
                     apply::publish(cache, Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
                 }
             }
@@ -420,7 +448,7 @@ impl<'a> Engine<'a> {
             context: j.job.prompt.clone(),
             generated: Vec::new(),
             reserved: j.reserved,
-            checkpoints: cache.checkpoint_namespace(&j.job.prompt, &j.job.opts),
+            checkpoints: cache.checkpoint_namespace(&j.job),
             checkpointed: 0,
             rounds: 0,
             draft_len: self.runner.max_draft(),
@@ -434,7 +462,7 @@ impl<'a> Engine<'a> {
         match apply::first_token(self.stats, &mut row, logits) {
             Step::Done(reason) => {
                 if let Some(state) = caching.then(|| cache.copied("a prompt snapshot", j.state.share(0))).flatten() {
-                    let tokens = row.job.prompt.clone();
+                    let tokens = row.job.cache_tokens().to_vec();
                     apply::publish(cache, Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
                 }
                 apply::finish(self.stats, row, reason)
@@ -487,7 +515,7 @@ impl<'a> Engine<'a> {
         if apply::caching(self.cache) {
             for &(i, _) in &done {
                 let covered = batch.positions[i];
-                let tokens = self.rows[i].context[..covered].to_vec();
+                let tokens = self.rows[i].cache_tokens(covered);
                 if let Some(state) = self.cache.copied("a finished row's state", batch.share(i)) {
                     published.push(Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
                 }

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::cache::{CacheStats, Identity, RamCache, SsdOptions, SsdWriter};
-use crate::generate::GenerationOptions;
+use crate::job::Job;
 
 #[derive(Clone, Copy, Debug)]
 pub struct EngineConfig {
@@ -144,9 +144,13 @@ impl SharedCache {
     /// reproducible (unseeded sampling, or logprobs that a resume could not replay).
     /// Every checkpoint of one namespace belongs to the same prompt and settings, so the
     /// longest one is the one to resume from.
-    pub fn checkpoint_namespace(&self, prompt: &[u32], opts: &GenerationOptions) -> Option<u64> {
+    pub fn checkpoint_namespace(&self, job: &Job) -> Option<u64> {
+        let (prompt, opts) = (&job.prompt, &job.opts);
         let deterministic = opts.sampling.is_greedy() || opts.sampling.seed.is_some();
-        if self.config.checkpoint_every == 0 || self.writer.is_none() || !deterministic || opts.logprobs.is_some() {
+        // A checkpoint resumes from tokens alone, which do not hold a prompt's images.
+        let tokens_only = job.images.is_empty();
+        if self.config.checkpoint_every == 0 || self.writer.is_none() || !deterministic || opts.logprobs.is_some() || !tokens_only
+        {
             return None;
         }
         let mut key = xxhash_rust::xxh3::Xxh3::new();

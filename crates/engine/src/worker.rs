@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
-use strata_model::Model;
+use strata_model::{image_cache_key, mrope_positions, Model, VisionConfig};
 use strata_state::{PoolSize, PoolStats, StateCost, StatePool};
 
 use crate::cache::ssd::SsdError;
@@ -144,6 +144,8 @@ pub struct Worker {
     config: EngineConfig,
     max_positions: usize,
     pool: StatePool,
+    /// The vision tower's config, where the model takes images.
+    vision: Option<VisionConfig>,
 }
 
 impl Worker {
@@ -160,6 +162,7 @@ impl Worker {
         let cost = model.state_cost();
         let pool = config.state_pool(&model, &cache)?;
         let max_positions = model.max_position_embeddings();
+        let vision = model.vision().map(|tower| tower.config().clone());
         let (writer, recovery) = match &cache.ssd {
             Some(ssd) => {
                 let (store, recovery) = SsdStore::open(ssd.options.clone(), ssd.identity.clone(), cache_stats.clone())?;
@@ -199,7 +202,7 @@ impl Worker {
                 Engine::new(model, config, cost, &thread_stats, &thread_cache, drafter, prefetch, engine_pool).run(queue)
             })
             .expect("the OS can start a thread");
-        Ok(Self { jobs, stats, cache: shared, recovery, cost, config, max_positions, pool })
+        Ok(Self { jobs, stats, cache: shared, recovery, cost, config, max_positions, pool, vision })
     }
 
     /// Whether a job of `tokens` total tokens (prompt + output budget) can ever be admitted;
@@ -227,8 +230,15 @@ impl Worker {
         Ok(())
     }
 
-    pub fn submit(&self, job: Job) -> Result<(), String> {
+    pub fn submit(&self, mut job: Job) -> Result<(), String> {
         self.admissible(job.prompt.len() + job.opts.max_tokens)?;
+        if !job.images.is_empty() {
+            let vision = self.vision.as_ref().ok_or("this model takes no images (it has no vision tower)")?;
+            // The images fit their runs of image tokens, as the engine will place them.
+            let grids: Vec<[usize; 3]> = job.images.iter().map(|i| i.grid).collect();
+            mrope_positions(&job.prompt, &grids, vision).map_err(|e| e.to_string())?;
+            job.image_key = Some(image_cache_key(&job.prompt, &job.images, vision.image_token_id).map_err(|e| e.to_string())?);
+        }
         self.stats.queued.fetch_add(1, Ordering::Relaxed);
         self.jobs.send(Queued { job, fetch: Fetch::Unasked }).map_err(|_| {
             self.stats.queued.fetch_sub(1, Ordering::Relaxed);
@@ -238,6 +248,12 @@ impl Worker {
 
     /// The positions the model has (`max_position_embeddings`): the most tokens a sequence may
     /// hold.
+    /// The vision tower's config (its image token, patch and merge sizes), where the model
+    /// takes images.
+    pub fn vision(&self) -> Option<&VisionConfig> {
+        self.vision.as_ref()
+    }
+
     pub fn max_positions(&self) -> usize {
         self.max_positions
     }

@@ -144,6 +144,20 @@ impl ModelFolder {
         }
     }
 
+    /// [`ModelFolder::load`], with the vision tower attached where the folder has one.
+    pub fn load_with_vision(&self, dtype: DType, device: &Device) -> Result<Model> {
+        let mut model = self.load(dtype, device)?;
+        if let (Model::Qwen35(m), true) = (&mut model, self.has_vision()) {
+            m.set_vision(self.load_vision(dtype, device)?)?;
+        }
+        Ok(model)
+    }
+
+    /// Whether the folder has a vision tower and the processor of its images.
+    pub fn has_vision(&self) -> bool {
+        matches!(&self.config.arch, ArchConfig::Qwen35(Qwen35Config { vision: Some(_), .. })) && self.image_processor.is_some()
+    }
+
     /// Loads the model with every GGUF tensor dequantized to `dtype` (the same as [`load`] for
     /// safetensors folders): for comparison against references that dequantize.
     ///

@@ -11,7 +11,7 @@ use crate::config::Qwen35Config;
 use crate::dense::{Dense, DenseConfig};
 use crate::error::{ModelError, Result};
 use crate::gemma3::{Gemma3, Gemma3Config};
-use crate::qwen3_5::{ImageInputs, Logits, MtpHead, Qwen35, Round};
+use crate::qwen3_5::{ImageInputs, Logits, MtpHead, Qwen35, Round, VisionTower};
 use crate::source::WeightSource;
 
 /// A parsed `config.json`, by family.
@@ -117,6 +117,14 @@ impl Model {
             Model::Dense(_) | Model::Gemma3(_) => {
                 Err(ModelError::Invalid("images need a Qwen3.5 model with a vision tower".into()))
             }
+        }
+    }
+
+    /// The vision tower, where the model takes images.
+    pub fn vision(&self) -> Option<&VisionTower> {
+        match self {
+            Model::Qwen35(m) => m.vision(),
+            Model::Dense(_) | Model::Gemma3(_) => None,
         }
     }
 

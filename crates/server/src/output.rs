@@ -122,7 +122,8 @@ pub async fn drive(
     let mut cached_tokens = 0;
     let wants_logprobs = opts.logprobs.is_some();
     let (tx, mut rx) = mpsc::unbounded_channel();
-    let job = Job { cache_points: prompt.cache_points, ..Job::new(prompt.tokens, opts, Box::new(ChannelSink(tx))) };
+    let mut job = Job::new(prompt.tokens, opts, Box::new(ChannelSink(tx)));
+    (job.cache_points, job.images) = (prompt.cache_points, prompt.images);
     state.worker.submit(job).map_err(ApiError::internal)?;
 
     let tokenizer = &state.tokenizer;

@@ -9,7 +9,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 use strata_engine::{GenerationOptions, SamplingChoice, SamplingParams};
 use strata_model::tokenizer::Bound;
-use strata_model::ModelError;
+use strata_model::{ModelError, PreparedImage};
 
 use crate::error::{ApiError, ApiResult};
 use crate::parse::thinking::prompt_opens_thinking;
@@ -143,11 +143,13 @@ impl StopField {
 pub struct Prompt {
     pub tokens: Vec<u32>,
     pub cache_points: Vec<usize>,
+    /// The images its runs of image tokens stand for, in order.
+    pub images: Vec<PreparedImage>,
 }
 
 impl Prompt {
     pub fn plain(tokens: Vec<u32>) -> Self {
-        Self { tokens, cache_points: Vec::new() }
+        Self { tokens, cache_points: Vec::new(), images: Vec::new() }
     }
 }
 
@@ -239,7 +241,7 @@ pub async fn render_chat(
         let opens_thinking = prompt_opens_thinking(text.strip_prefix(history_text.as_str()).unwrap_or(&text));
         let cache_points =
             if history.len() < tokens.len() && tokens.starts_with(&history) { vec![history.len()] } else { Vec::new() };
-        Ok((opens_thinking, Prompt { tokens, cache_points }))
+        Ok((opens_thinking, Prompt { tokens, cache_points, images: Vec::new() }))
     })
     .await
 }

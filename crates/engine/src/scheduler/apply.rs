@@ -45,6 +45,16 @@ pub(super) type RowMasks = Option<Vec<Option<TokenMask>>>;
 
 /// The tokens position `j` of a row may take: any (`Ok(None)`), those of a mask, or none
 /// (`Err`: the structure cannot go on there, and the row ends).
+impl Row {
+    /// The first `covered` tokens of the row's context as the prompt cache keys them (images
+    /// by content).
+    pub fn cache_tokens(&self, covered: usize) -> Vec<u32> {
+        let key = self.job.cache_tokens();
+        let n = key.len().min(covered);
+        key[..n].iter().chain(&self.context[n..covered]).copied().collect()
+    }
+}
+
 fn allowed_at(masks: &RowMasks, j: usize) -> Result<Option<&TokenMask>, ()> {
     let Some(masks) = masks else { return Ok(None) };
     match masks.get(j) {

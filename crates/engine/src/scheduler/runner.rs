@@ -7,12 +7,13 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
-use strata_model::{Logits, Model, Round};
+use strata_model::{ImagePrompt, Logits, Model, Round};
 use strata_state::{BatchState, StatePool};
 
 use super::apply::{Row, RowMasks, Scores};
 use super::policy::Blocks;
 use crate::cache::{usable_prefix, Snapshot, PROMPT_NAMESPACE};
+use crate::job::Job;
 use crate::shared::{SharedCache, WorkerStats};
 use crate::speculative::{Drafter, JoinerDraft};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
@@ -45,6 +46,8 @@ pub(super) struct Feed<'a> {
     pub fed: usize,
     pub state: BatchState,
     pub draft: &'a mut JoinerDraft,
+    /// Its images, where the prompt has them (such a job prefills alone).
+    pub images: Option<&'a ImagePrompt>,
 }
 
 /// The pool's blocks, with the prompt cache giving up entries on demand.
@@ -154,6 +157,12 @@ impl Runner {
         })?)
     }
 
+    /// `job`'s images through the model's vision tower, placed in its prompt.
+    pub fn image_prompt(&self, job: &Job) -> strata_model::Result<ImagePrompt> {
+        let tower = self.model.vision().ok_or_else(|| strata_model::ModelError::Invalid("the model takes no images".into()))?;
+        ImagePrompt::new(tower, &job.prompt, &job.images)
+    }
+
     /// Gives a prefilling job's blocks and slot back to the pool, then fresh state for it.
     pub fn restart(&self, state: &mut BatchState) -> strata_model::Result<()> {
         state.filter(&[])?; // its blocks and slot back to the pool first
@@ -223,6 +232,11 @@ impl Runner {
         let input = Tensor::from_vec(tokens, (feeds.len(), len), self.model.device())?;
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
         let (logits, hidden) = match feeds {
+            // The drafter does not read a prompt with images; its drafts start after it.
+            [Feed { images: Some(images), fed, state, .. }] => {
+                let inputs = images.inputs(*fed..*fed + len)?;
+                (self.model.forward_images(&input, &inputs, state, Logits::Last)?, None)
+            }
             [one] => forward(&self.model, &input, &mut one.state, Logits::Last, hidden)?,
             _ => {
                 let mut cohort = self.new_state(0)?;

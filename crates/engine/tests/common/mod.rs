@@ -10,6 +10,7 @@ use strata_model::Model;
 
 /// Every Qwen3.5 fixture folder, and the Gemma 3 one (other dense ones live under
 /// `fixtures/dense/` and serve as drafts).
+#[allow(dead_code)] // not every test file runs every fixture
 pub fn fixtures() -> Vec<PathBuf> {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
     let mut dirs: Vec<PathBuf> =

@@ -19,7 +19,7 @@ use self::deltanet::GatedDeltaNet;
 use self::experts::Experts;
 use self::layers::{Linear, Matrix, Mlp, Residual, RmsNorm, Rotary};
 pub use self::mtp::MtpHead;
-pub use self::vision::{mrope_positions, ImagePrompt, VisionConfig, VisionTower};
+pub use self::vision::{image_cache_key, mrope_positions, ImagePrompt, VisionConfig, VisionTower};
 use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
@@ -163,6 +163,8 @@ pub struct Qwen35 {
     /// How attention KV is stored (`--kv-cache-dtype`).
     kv: KvPolicy,
     device: Device,
+    /// The vision tower, when the model takes images ([`Qwen35::set_vision`]).
+    vision: Option<VisionTower>,
     /// Whether every weight matrix is a plain tensor (none kept block-quantized).
     #[cfg(feature = "cuda")]
     plain_weights: bool,
@@ -200,6 +202,7 @@ impl Qwen35 {
             dtype,
             kv: KvPolicy::default(),
             device: src.device().clone(),
+            vision: None,
             #[cfg(feature = "cuda")]
             plain_weights: src.plain.get(),
             #[cfg(feature = "cuda")]
@@ -209,6 +212,23 @@ impl Qwen35 {
 
     pub fn config(&self) -> &Qwen35Config {
         &self.cfg
+    }
+
+    /// Lets the model take images through `tower` (its merged tokens must be the text width).
+    pub fn set_vision(&mut self, tower: VisionTower) -> Result<()> {
+        if tower.config().out_hidden_size != self.cfg.hidden_size {
+            return Err(ModelError::Invalid(format!(
+                "a vision tower of width {} for a text model of width {}",
+                tower.config().out_hidden_size,
+                self.cfg.hidden_size
+            )));
+        }
+        self.vision = Some(tower);
+        Ok(())
+    }
+
+    pub fn vision(&self) -> Option<&VisionTower> {
+        self.vision.as_ref()
     }
 
     pub fn dtype(&self) -> DType {

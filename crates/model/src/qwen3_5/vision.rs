@@ -370,6 +370,43 @@ pub struct ImagePrompt {
     pub rope_delta: i64,
 }
 
+/// The prompt as the prompt cache keys it: each image token replaced by an id past any
+/// vocabulary (top bit set), drawn from its image's pixel digest and its place in the image, so
+/// the same text with another image shares no entry past the first image token.
+pub fn image_cache_key(tokens: &[u32], images: &[PreparedImage], image_token_id: u32) -> Result<Vec<u32>> {
+    let mut key = Vec::with_capacity(tokens.len());
+    let (mut image, mut within) = (0usize, 0u64);
+    for (i, &t) in tokens.iter().enumerate() {
+        if t != image_token_id {
+            key.push(t);
+            continue;
+        }
+        if i > 0 && tokens[i - 1] != image_token_id {
+            (image, within) = (image + 1, 0);
+        } else if i == 0 {
+            image = 1;
+        }
+        let Some(prepared) = images.get(image - 1) else {
+            return Err(ModelError::Invalid(format!(
+                "the prompt has more runs of image tokens than the {} image(s) given",
+                images.len()
+            )));
+        };
+        let mut hash = xxhash_rust::xxh3::Xxh3::new();
+        hash.update(&prepared.digest.to_le_bytes());
+        hash.update(&within.to_le_bytes());
+        key.push(0x8000_0000 | (hash.digest() as u32 >> 1));
+        within += 1;
+    }
+    if image != images.len() {
+        return Err(ModelError::Invalid(format!(
+            "{} image(s) given for a prompt with {image} run(s) of image tokens",
+            images.len()
+        )));
+    }
+    Ok(key)
+}
+
 impl ImagePrompt {
     /// Runs `images` through `tower` for the prompt `tokens`, whose runs of image tokens they
     /// fill in order.
