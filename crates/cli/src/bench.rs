@@ -536,6 +536,7 @@ impl Source {
                     generation: GenerationConfig::default(),
                     eos_token_ids: config.eos_token_ids,
                     vocab_size: config.vocab_size,
+                    image_processor: None,
                 })
             }
         }
@@ -559,6 +560,7 @@ fn serve_and_measure(a: &Args, name: &str, source: &Source, device: &Device, mac
             api_key: None,
             special_tokens_in_content: false,
             http: HttpLimits { max_connections: strata_server::default_max_connections(open_files), ..HttpLimits::default() },
+            images: Default::default(),
         };
         let engine = a.pool.engine_config(device, a.prefill_chunk)?;
         let state = crate::serve::start(

@@ -133,14 +133,16 @@ pub fn open_model(dir: &Path) -> Result<ModelFolder> {
     Ok(ModelFolder::open(dir)?)
 }
 
-/// The images at `paths` through `folder`'s processor and vision tower, for the prompt `tokens`
-/// (each run of its image token filled by the next image).
-pub fn image_prompt(folder: &ModelFolder, model: &Model, tokens: &[u32], paths: &[PathBuf]) -> Result<strata_model::ImagePrompt> {
-    let processor = folder.image_processor.as_ref().with_context(|| {
-        format!("--image: {} takes no images (no vision tower and preprocessor_config.json)", folder.path.display())
-    })?;
-    let tower = folder.load_vision(model.dtype(), model.device())?;
-    let images = paths
+/// The image files at `paths` (`--image`) through `folder`'s processor.
+pub fn prepare_images(folder: &ModelFolder, paths: &[PathBuf]) -> Result<Vec<strata_model::PreparedImage>> {
+    if paths.is_empty() {
+        return Ok(Vec::new());
+    }
+    let processor = match (&folder.image_processor, folder.has_vision()) {
+        (Some(processor), true) => processor,
+        _ => bail!("--image: {} takes no images (no vision tower and preprocessor_config.json)", folder.path.display()),
+    };
+    paths
         .iter()
         .map(|path| {
             let bytes = std::fs::read(path).with_context(|| format!("--image {}: cannot read", path.display()))?;
@@ -148,7 +150,14 @@ pub fn image_prompt(folder: &ModelFolder, model: &Model, tokens: &[u32], paths: 
                 .prepare(&bytes, strata_model::ImageLimits::default())
                 .map_err(|e| anyhow::anyhow!("--image {}: {e}", path.display()))
         })
-        .collect::<Result<Vec<_>>>()?;
+        .collect()
+}
+
+/// The images at `paths` through `folder`'s processor and vision tower, for the prompt `tokens`
+/// (each run of its image token filled by the next image).
+pub fn image_prompt(folder: &ModelFolder, model: &Model, tokens: &[u32], paths: &[PathBuf]) -> Result<strata_model::ImagePrompt> {
+    let images = prepare_images(folder, paths)?;
+    let tower = folder.load_vision(model.dtype(), model.device())?;
     Ok(strata_model::ImagePrompt::new(&tower, tokens, &images)?)
 }
 

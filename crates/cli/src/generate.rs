@@ -4,8 +4,11 @@ use std::io::Write;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
+use std::path::PathBuf;
+
 use anyhow::{bail, Result};
 use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, FinishReason, GenerationOptions, Job, SamplingChoice, Worker};
+use strata_model::{ArchConfig, Qwen35Config};
 
 use crate::common::{open_model, parse_device, parse_tokens, DTypeArg, KvCacheArgs};
 use crate::draft::DraftArgs;
@@ -60,6 +63,11 @@ pub struct Args {
     /// Prompt tokens per prefill forward (default: 512 on CPU, 2048 on GPU).
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// An image file (PNG, JPEG, WebP, GIF) for a model with a vision tower; repeatable. With
+    /// --chat the images go into the user message before the text; with --tokens each run of
+    /// the image token is filled by the next image, in order.
+    #[arg(long = "image", value_name = "PATH")]
+    images: Vec<PathBuf>,
     /// Print, as the last line, a JSON object with the generated tokens and text.
     #[arg(long)]
     json: bool,
@@ -84,6 +92,7 @@ pub fn run(a: Args) -> Result<()> {
     let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let dir = crate::hub::resolve_model(a.model.as_deref())?;
     let folder = open_model(&dir)?;
+    let images = crate::common::prepare_images(&folder, &a.images)?;
     let prompt = match (&a.prompt, &a.chat, &a.tokens) {
         (Some(text), _, _) => folder.tokenizer.encode_prompt(text)?,
         (_, Some(text), _) => {
@@ -94,12 +103,27 @@ pub fn run(a: Args) -> Result<()> {
                     dir.display()
                 );
             };
+            let markup = match (&folder.config.arch, images.is_empty()) {
+                (_, true) => String::new(),
+                (ArchConfig::Qwen35(Qwen35Config { vision: Some(v), .. }), false) => {
+                    let one =
+                        folder.tokenizer.decode(&[v.vision_start_token_id, v.image_token_id, v.vision_end_token_id], false)?;
+                    one.repeat(images.len())
+                }
+                _ => bail!("--image: {} has no vision tower", dir.display()),
+            };
             let rendered = template.render(serde_json::json!({
-                "messages": [{"role": "user", "content": text}],
+                "messages": [{"role": "user", "content": markup + text}],
                 "add_generation_prompt": true,
                 "enable_thinking": !a.no_thinking,
             }))?;
-            folder.tokenizer.encode(&rendered)?
+            let tokens = folder.tokenizer.encode(&rendered)?;
+            match &folder.config.arch {
+                ArchConfig::Qwen35(Qwen35Config { vision: Some(v), .. }) if !images.is_empty() => {
+                    strata_model::expand_image_tokens(&tokens, &images, v)?
+                }
+                _ => tokens,
+            }
         }
         (_, _, Some(list)) => parse_tokens(list)?,
         _ => bail!("give one of --prompt, --chat or --tokens"),
@@ -117,7 +141,11 @@ pub fn run(a: Args) -> Result<()> {
     }
     .resolve(&folder.generation)
     .map_err(anyhow::Error::msg)?;
-    let model = a.kv.apply(folder.load(dtype.dtype(), &device)?)?;
+    let model = match images.is_empty() {
+        true => folder.load(dtype.dtype(), &device)?,
+        false => folder.load_with_vision(dtype.dtype(), &device)?,
+    };
+    let model = a.kv.apply(model)?;
     let speculation = a.draft.speculation(
         folder.config.vocab_size,
         || Ok(folder.load(dtype.dtype(), &device)?),
@@ -143,7 +171,9 @@ pub fn run(a: Args) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     let (tx, rx) = mpsc::channel();
     let stop = Arc::new(AtomicBool::new(false));
-    worker.submit(Job::new(prompt.clone(), opts, Box::new(Channel(tx, stop.clone())))).map_err(anyhow::Error::msg)?;
+    let mut job = Job::new(prompt.clone(), opts, Box::new(Channel(tx, stop.clone())));
+    job.images = images;
+    worker.submit(job).map_err(anyhow::Error::msg)?;
     let out = loop {
         match rx.recv()? {
             Event::Started { .. } => {}

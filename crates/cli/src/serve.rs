@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use strata_engine::{CacheConfig, EngineConfig, Speculation, Worker};
-use strata_model::{ChatTemplate, GenerationConfig, Model, ModelFolder, Tokenizer};
-use strata_server::{AppState, Cutoff, HttpLimits, ResponseStore, ServerConfig, Shared};
+use strata_model::{ChatTemplate, GenerationConfig, ImageProcessor, Model, ModelFolder, Tokenizer};
+use strata_server::{AppState, Cutoff, HttpLimits, ImageOptions, ResponseStore, ServerConfig, Shared};
 
 use crate::cache::{folder_identity, CacheArgs};
 use crate::common::{parse_device, DTypeArg, KvCacheArgs};
@@ -90,6 +90,13 @@ pub struct Args {
     /// as transformers' `apply_chat_template` does; by default message text is only ever text.
     #[arg(long)]
     special_tokens_in_content: bool,
+    /// Images one request may hold, for a model with a vision tower (0: take none, and leave
+    /// the tower unloaded).
+    #[arg(long, default_value_t = ImageOptions::default().max_per_request)]
+    max_images_per_request: usize,
+    /// Pixels (width × height) an image may have; a larger one is refused before it is decoded.
+    #[arg(long, default_value_t = ImageOptions::default().max_pixels)]
+    max_image_pixels: u64,
     /// Most responses kept for `GET /v1/responses/{id}` and `previous_response_id` (requests
     /// with `store`, the default); the least recently used go first. With --ssd-cache they are
     /// kept on disk too, in its `responses` folder, so a restart keeps them.
@@ -137,7 +144,18 @@ pub fn run(a: Args) -> Result<()> {
     }
     let engine = a.pool.engine_config(&device, a.prefill_chunk)?;
     let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, &a.kv.identity_dtype(dtype)?))?;
-    let model = a.kv.apply(folder.load(dtype.dtype(), &device)?)?;
+    let model = match a.max_images_per_request {
+        0 => folder.load(dtype.dtype(), &device)?,
+        _ => folder.load_with_vision(dtype.dtype(), &device)?,
+    };
+    let model = a.kv.apply(model)?;
+    if model.vision().is_some() {
+        tracing::info!(
+            max_images_per_request = a.max_images_per_request,
+            max_image_pixels = a.max_image_pixels,
+            "vision tower loaded"
+        );
+    }
     if model.state_cost().bytes(max_context).is_none() {
         bail!(
             "--max-context {max_context} (by default the model's max_position_embeddings): the state of that many tokens \
@@ -172,6 +190,7 @@ pub fn run(a: Args) -> Result<()> {
         api_key: a.api_key.clone(),
         special_tokens_in_content: a.special_tokens_in_content,
         http,
+        images: ImageOptions { max_per_request: a.max_images_per_request, max_pixels: a.max_image_pixels },
     };
     let state = start(model, ServedText::of(folder), engine, cache, speculation, config, responses)?;
     let worker = state.worker.clone();
@@ -268,6 +287,7 @@ pub struct ServedText {
     pub generation: GenerationConfig,
     pub eos_token_ids: Vec<u32>,
     pub vocab_size: usize,
+    pub image_processor: Option<ImageProcessor>,
 }
 
 impl ServedText {
@@ -278,6 +298,7 @@ impl ServedText {
             tokenizer: folder.tokenizer,
             template: folder.chat_template,
             generation: folder.generation,
+            image_processor: folder.image_processor,
         }
     }
 }
@@ -312,6 +333,7 @@ pub fn start(
         worker,
         tokenizer: text.tokenizer,
         template: text.template,
+        image_processor: text.image_processor,
         generation: text.generation,
         eos_token_ids: text.eos_token_ids,
         vocab_size: text.vocab_size,

@@ -125,3 +125,28 @@ fn logits_command_takes_images() {
     assert!(!err.status.success());
     assert!(String::from_utf8_lossy(&err.stderr).contains("image"), "{}", String::from_utf8_lossy(&err.stderr));
 }
+
+/// `generate --image` with --tokens: transformers' 16 greedy tokens from the fixture's image
+/// files; with --chat the images go before the text, each placed as one run of image tokens.
+#[test]
+fn generate_takes_images() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/vision/qwen3_5-vl-tiny-g");
+    let reference = candle_core::safetensors::load(dir.join("reference.safetensors"), &Device::Cpu).unwrap();
+    let tokens: Vec<String> = reference["tokens"].to_vec1::<i64>().unwrap().iter().map(|t| t.to_string()).collect();
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("reference.json")).unwrap()).unwrap();
+    let (a, b) = (dir.join("image-a.png"), dir.join("image-b.png"));
+    let (model, a, b) = (dir.to_str().unwrap(), a.to_str().unwrap(), b.to_str().unwrap());
+    let tokens = tokens.join(",");
+    let common = ["--max-tokens", "16", "--temperature", "0", "--ignore-eos", "--json"];
+    let last = |args: &[&str]| -> serde_json::Value {
+        let stdout = strata(&[&["generate", "--model", model][..], args, &common].concat());
+        serde_json::from_str(stdout.trim_end().lines().last().unwrap()).unwrap()
+    };
+    assert_eq!(last(&["--tokens", &tokens, "--image", a, "--image", b])["tokens"], json["greedy_tokens"]);
+    // Two images of 12 and 54 tokens before the text, each between its start and end tokens.
+    let with = last(&["--chat", "What differs?", "--image", a, "--image", b]);
+    let without = last(&["--chat", "What differs?"]);
+    let count = |v: &serde_json::Value| v["prompt_tokens"].as_u64().unwrap();
+    assert_eq!(count(&with), count(&without) + 2 * 2 + 12 + 54, "a start and an end token an image, 12 and 54 image tokens");
+    assert_ne!(with["tokens"], without["tokens"]);
+}

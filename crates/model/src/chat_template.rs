@@ -85,23 +85,34 @@ impl ChatTemplate {
     /// string typed in it becomes the tokens of its characters, and only the template's own
     /// markup yields added tokens (see [`crate::literal`]). Without, as transformers'
     /// `apply_chat_template` does: `<|im_start|>` in a message is the control token.
+    ///
+    /// With `images` (a placeholder character and its markup), each placeholder the rendering
+    /// carries from the messages becomes that markup as the template's own (an image's tokens).
     pub fn render_tokens(
         &self,
         mut context: serde_json::Value,
         tokenizer: &Tokenizer,
         content_as_text: bool,
         bound: &Bound,
+        images: Option<(char, &str)>,
     ) -> Result<(String, Vec<u32>)> {
+        let render = |context: &serde_json::Value| -> Result<String> {
+            let text = self.render(context)?;
+            Ok(match images {
+                Some((placeholder, markup)) => text.replace(placeholder, markup),
+                None => text,
+            })
+        };
         let rendered = if content_as_text {
             let literal = tokenizer.literal();
             literal.escape_context(&mut context);
             let restore = |text| literal.restore(text).text;
-            literal.restore(self.render(&context).map_err(|e| match e {
+            literal.restore(render(&context).map_err(|e| match e {
                 ModelError::Template(message) => ModelError::Template(restore(message)),
                 other => other,
             })?)
         } else {
-            Rendered { text: self.render(&context)?, typed: Vec::new() }
+            Rendered { text: render(&context)?, typed: Vec::new() }
         };
         let ids = tokenizer.encode_rendered(&rendered.text, &rendered.typed, bound)?;
         Ok((rendered.text, ids))

@@ -281,6 +281,18 @@ fn round_half_even(x: f64) -> f64 {
     }
 }
 
+/// The media type of an encoded image, from its first bytes: `image/png`, `image/jpeg`,
+/// `image/webp` or `image/gif` (the kinds [`decode`] takes), or `None`.
+pub fn media_type(bytes: &[u8]) -> Option<&'static str> {
+    match image::guess_format(bytes).ok()? {
+        ImageFormat::Png => Some("image/png"),
+        ImageFormat::Jpeg => Some("image/jpeg"),
+        ImageFormat::WebP => Some("image/webp"),
+        ImageFormat::Gif => Some("image/gif"),
+        _ => None,
+    }
+}
+
 /// Decodes an encoded image (its format recognised from its bytes) to RGB, refusing one whose
 /// header declares more than `limits` allows before decoding its pixels. Transparent pixels
 /// are composited over white, as transformers' `convert_to_rgb` does.

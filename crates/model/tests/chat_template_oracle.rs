@@ -29,7 +29,7 @@ fn templates_and_tokens_match_transformers() {
                 context[k] = v.clone();
             }
             // Content kept literal changes nothing where it holds no added-token string.
-            let (text, ids) = template.render_tokens(context, &folder.tokenizer, true, &Bound::none()).unwrap();
+            let (text, ids) = template.render_tokens(context, &folder.tokenizer, true, &Bound::none(), None).unwrap();
             assert_eq!(text, chat["text"].as_str().unwrap(), "{}", dir.display());
             let want: Vec<u32> = serde_json::from_value(chat["ids"].clone()).unwrap();
             assert_eq!(ids, want, "{}", dir.display());
@@ -64,7 +64,7 @@ fn added_tokens_typed_in_a_request_are_text() {
         "add_generation_prompt": true,
     });
     let count = |ids: &[u32], token: &str| ids.iter().filter(|&&id| Some(id) == tokenizer.token_id(token)).count();
-    let (text, ids) = template.render_tokens(context.clone(), tokenizer, true, &Bound::none()).unwrap();
+    let (text, ids) = template.render_tokens(context.clone(), tokenizer, true, &Bound::none(), None).unwrap();
     // The template saw the request as it is, and the tokens spell the whole rendering.
     assert_eq!(text, template.render(&context).unwrap());
     assert_eq!(tokenizer.decode(&ids, false).unwrap(), text);
@@ -77,7 +77,7 @@ fn added_tokens_typed_in_a_request_are_text() {
     assert_eq!(count(&ids, "<think>"), 2);
 
     // The opt-out tokenizes as transformers' `apply_chat_template` does.
-    let (legacy_text, legacy) = template.render_tokens(context, tokenizer, false, &Bound::none()).unwrap();
+    let (legacy_text, legacy) = template.render_tokens(context, tokenizer, false, &Bound::none(), None).unwrap();
     assert_eq!(legacy_text, text);
     assert_eq!(legacy, tokenizer.encode(&text).unwrap());
     assert_eq!(count(&legacy, "<|im_start|>"), 8);

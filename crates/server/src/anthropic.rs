@@ -14,6 +14,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use crate::error::{parse_body, ApiError, ApiResult, Dialect};
+use crate::images::{ImagePart, PLACEHOLDER};
 use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
 use crate::parse::tool_calls::schema_problem;
 use crate::request::{generation_options, null_as_default, render_chat, SamplingFields};
@@ -55,7 +56,7 @@ fn text_of(v: &Value, param: &str) -> ApiResult<String> {
 }
 
 /// Anthropic messages → the OpenAI-shaped messages the chat template reads.
-fn to_chat_messages(system: Option<&Value>, messages: &[Value]) -> ApiResult<Vec<Value>> {
+fn to_chat_messages(system: Option<&Value>, messages: &[Value], images: &mut Vec<ImagePart>) -> ApiResult<Vec<Value>> {
     if messages.is_empty() {
         return Err(bad("messages must not be empty", "messages"));
     }
@@ -83,6 +84,23 @@ fn to_chat_messages(system: Option<&Value>, messages: &[Value]) -> ApiResult<Vec
             let param = format!("messages[{i}].content[{j}]");
             match b.get("type").and_then(Value::as_str) {
                 Some("text") => text.push_str(b.get("text").and_then(Value::as_str).unwrap_or_default()),
+                Some("image") if role == "user" => {
+                    let source = b.get("source").unwrap_or(&Value::Null);
+                    let field = |name: &str| source.get(name).and_then(Value::as_str);
+                    let part = match field("type") {
+                        Some("base64") => match (field("media_type"), field("data")) {
+                            (Some(media_type), Some(data)) => ImagePart::from_base64(media_type, data, &param),
+                            _ => Err(bad(format!("{param}: a base64 source needs media_type and data"), &param)),
+                        },
+                        Some("url") => Err(bad(
+                            format!("{param}: image URLs are not fetched by this server; send the image as a base64 source"),
+                            &param,
+                        )),
+                        other => Err(bad(format!("{param}: source.type {other:?} is not base64"), &param)),
+                    };
+                    images.push(part.map_err(|e| e.in_dialect(Dialect::Anthropic))?);
+                    text.push(PLACEHOLDER);
+                }
                 Some("thinking") => reasoning = b.get("thinking").and_then(Value::as_str).map(str::to_string),
                 Some("tool_use") if role == "assistant" => calls.push(json!({
                     "type": "function",
@@ -152,7 +170,8 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     // temperature, top_p, top_k, and the OpenAI-style extensions (seed, penalties, logit_bias).
     let sampling: SamplingFields = parse_body(&body)?;
     let sampling = sampling.resolve(&state)?;
-    let messages = to_chat_messages(req.system.as_ref(), &req.messages)?;
+    let mut images = Vec::new();
+    let messages = to_chat_messages(req.system.as_ref(), &req.messages, &mut images)?;
     let (tool_choice, parallel) = ToolChoice::anthropic(req.tool_choice.as_ref())?;
     check_tools(req.tools.as_deref().unwrap_or_default())?;
     let tools: Option<Vec<Value>> = req.tools.filter(|t| !t.is_empty() && tool_choice != ToolChoice::None).map(|tools| {
@@ -164,7 +183,7 @@ async fn handle(state: AppState, body: Bytes) -> ApiResult<Response> {
     let thinking_on = req.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) == Some("enabled");
     let mut kwargs = Map::new();
     kwargs.insert("enable_thinking".into(), Value::Bool(thinking_on));
-    let (opens_thinking, prompt) = render_chat(&state, messages, tools.clone(), kwargs).await?;
+    let (opens_thinking, prompt) = render_chat(&state, messages, tools.clone(), kwargs, images).await?;
     let mut opts = generation_options(&state, (prompt.tokens.len(), "messages"), Some(req.max_tokens), 0, sampling, None, false)?;
     if let Some(calls) = tool_choice.structure(tools.as_deref().unwrap_or_default(), parallel)? {
         opts.grammar = Some(structured::compile(&state, calls, opens_thinking, "tool_choice").await?);

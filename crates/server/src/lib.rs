@@ -6,6 +6,7 @@ mod admin;
 mod anthropic;
 pub mod error;
 mod http;
+mod images;
 mod openai;
 mod output;
 pub mod parse;
@@ -28,6 +29,7 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 
 use crate::error::{ApiError, Dialect};
 pub use crate::http::{default_max_connections, raise_open_files_limit, serve, HttpLimits};
+pub use crate::images::ImageOptions;
 pub use crate::response_store::ResponseStore;
 pub use crate::state::{AppState, Cutoff, ServerConfig, Shared};
 

@@ -15,6 +15,7 @@ use tokio_stream::wrappers::UnboundedReceiverStream;
 use tokio_stream::StreamExt;
 
 use crate::error::{parse_body, ApiError, ApiResult};
+use crate::images::{ImagePart, PLACEHOLDER};
 use crate::output::{client_gone, drive, Finish, Outcome, OutputOptions, Piece};
 use crate::parse::tool_calls::schema_problem;
 use crate::request::{encode_prompt, generation_options, null_as_default, render_chat, Prompt, SamplingFields, StopField};
@@ -83,7 +84,7 @@ pub(crate) fn now() -> u64 {
 
 /// Messages as the chat template expects them: text content parts joined, tool-call arguments
 /// given as JSON strings parsed into objects, `developer` treated as `system`.
-fn template_messages(messages: &[Value]) -> ApiResult<Vec<Value>> {
+fn template_messages(messages: &[Value], images: &mut Vec<ImagePart>) -> ApiResult<Vec<Value>> {
     if messages.is_empty() {
         return Err(ApiError::bad_request("messages must not be empty", Some("messages")));
     }
@@ -113,11 +114,20 @@ fn template_messages(messages: &[Value]) -> ApiResult<Vec<Value>> {
                 Some(Value::Array(parts)) => {
                     let mut text = String::new();
                     for (j, part) in parts.iter().enumerate() {
+                        let param = format!("messages[{i}].content[{j}]");
                         match (part.get("type").and_then(Value::as_str), part.get("text").and_then(Value::as_str)) {
                             (Some("text"), Some(t)) => text.push_str(t),
+                            (Some("image_url"), _) if role == "user" => {
+                                let url = part.get("image_url").and_then(|u| u.get("url").or(Some(u))).and_then(Value::as_str);
+                                let url = url.ok_or_else(|| {
+                                    ApiError::bad_request(format!("{param}: image_url.url must be a string"), Some(&param))
+                                })?;
+                                images.push(ImagePart::from_url(url, &param)?);
+                                text.push(PLACEHOLDER);
+                            }
                             _ => {
                                 return Err(ApiError::bad_request(
-                                    format!("messages[{i}].content[{j}]: only text parts are supported"),
+                                    format!("{param}: only text parts (and image_url parts in user messages) are supported"),
                                     Some(&format!("messages[{i}].content")),
                                 ))
                             }
@@ -236,7 +246,8 @@ pub(crate) async fn prepare_chat(state: &AppState, req: ChatRequest, sampling: &
         return Err(ApiError::bad_request("only n = 1 is supported", Some("n")));
     }
     let sampling = sampling.resolve(state)?;
-    let messages = template_messages(&req.messages)?;
+    let mut images = Vec::new();
+    let messages = template_messages(&req.messages, &mut images)?;
     let tool_choice = ToolChoice::openai(req.tool_choice.as_ref())?;
     check_tools(req.tools.as_deref().unwrap_or_default())?;
     let parallel = req.parallel_tool_calls.unwrap_or(true);
@@ -257,7 +268,7 @@ pub(crate) async fn prepare_chat(state: &AppState, req: ChatRequest, sampling: &
     if req.reasoning_effort.as_deref() == Some("none") {
         kwargs.insert("enable_thinking".into(), Value::Bool(false));
     }
-    let (opens_thinking, prompt) = render_chat(state, messages, tools.clone(), kwargs).await?;
+    let (opens_thinking, prompt) = render_chat(state, messages, tools.clone(), kwargs, images).await?;
     if req.top_logprobs.is_some_and(|n| n > 20) {
         return Err(ApiError::bad_request("top_logprobs must be at most 20", Some("top_logprobs")));
     }

@@ -11,6 +11,8 @@ use strata_engine::{GenerationOptions, SamplingChoice, SamplingParams};
 use strata_model::tokenizer::Bound;
 use strata_model::{ModelError, PreparedImage};
 
+use crate::images::{ImagePart, PLACEHOLDER};
+
 use crate::error::{ApiError, ApiResult};
 use crate::parse::thinking::prompt_opens_thinking;
 use crate::state::AppState;
@@ -211,9 +213,15 @@ pub async fn render_chat(
     messages: Vec<Value>,
     tools: Option<Vec<Value>>,
     kwargs: Map<String, Value>,
+    images: Vec<ImagePart>,
 ) -> ApiResult<(bool, Prompt)> {
     let state = state.clone();
     prepare(move |cancelled| {
+        let prepared = crate::images::prepare(&state, &images)?;
+        let markup = match prepared.is_empty() {
+            true => None,
+            false => crate::images::markup(&state),
+        };
         let template = state
             .template
             .as_ref()
@@ -230,7 +238,7 @@ pub async fn render_chat(
             }
             let content_as_text = !state.config.special_tokens_in_content;
             template
-                .render_tokens(context, &state.tokenizer, content_as_text, &bound)
+                .render_tokens(context, &state.tokenizer, content_as_text, &bound, markup.as_deref().map(|m| (PLACEHOLDER, m)))
                 .map_err(|e| prompt_error(&state, e, "messages"))
         };
         // The prompt first: one past the context is refused before its history is rendered.
@@ -241,7 +249,15 @@ pub async fn render_chat(
         let opens_thinking = prompt_opens_thinking(text.strip_prefix(history_text.as_str()).unwrap_or(&text));
         let cache_points =
             if history.len() < tokens.len() && tokens.starts_with(&history) { vec![history.len()] } else { Vec::new() };
-        Ok((opens_thinking, Prompt { tokens, cache_points, images: Vec::new() }))
+        // Each image's one token becomes as many as the image gives (the cache point, where the
+        // history ends, follows every image: it moves by as many).
+        let grown = |tokens: Vec<u32>| crate::images::expand(&state, tokens, &prepared);
+        let (before, tokens) = (tokens.len(), grown(tokens)?);
+        let cache_points = cache_points.into_iter().map(|p| p + tokens.len() - before).collect();
+        if tokens.len() > state.context() {
+            return Err(prompt_error(&state, ModelError::TooLong(state.context()), "messages"));
+        }
+        Ok((opens_thinking, Prompt { tokens, cache_points, images: prepared }))
     })
     .await
 }

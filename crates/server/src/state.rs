@@ -5,10 +5,11 @@ use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use strata_engine::{Grammars, Worker};
-use strata_model::{ChatTemplate, GenerationConfig, Tokenizer};
+use strata_model::{ChatTemplate, GenerationConfig, ImageProcessor, Tokenizer};
 use tokio::sync::watch;
 
 use crate::http::HttpLimits;
+use crate::images::ImageOptions;
 use crate::response_store::ResponseStore;
 
 pub struct ServerConfig {
@@ -24,6 +25,8 @@ pub struct ServerConfig {
     pub special_tokens_in_content: bool,
     /// Connection and request-reading limits.
     pub http: HttpLimits,
+    /// How many images a request may hold, and how large.
+    pub images: ImageOptions,
 }
 
 pub struct Shared {
@@ -31,6 +34,8 @@ pub struct Shared {
     pub worker: Worker,
     pub tokenizer: Tokenizer,
     pub template: Option<ChatTemplate>,
+    /// How the model's images are prepared, where it takes images.
+    pub image_processor: Option<ImageProcessor>,
     pub generation: GenerationConfig,
     pub eos_token_ids: Vec<u32>,
     pub vocab_size: usize,

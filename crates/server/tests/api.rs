@@ -440,7 +440,7 @@ async fn special_tokens_typed_in_messages_are_text_unless_opted_out() {
     let folder = ModelFolder::open(&fixture("qwen3_5-tiny-a")).unwrap();
     let template = folder.chat_template.as_ref().unwrap();
     let tokens = |content_as_text| {
-        template.render_tokens(context.clone(), &folder.tokenizer, content_as_text, &Bound::none()).unwrap().1.len()
+        template.render_tokens(context.clone(), &folder.tokenizer, content_as_text, &Bound::none(), None).unwrap().1.len()
     };
     let (as_text, as_tokens) = (tokens(true) as u64, tokens(false) as u64);
     assert!(as_text > as_tokens + 6, "{as_text} vs {as_tokens}");

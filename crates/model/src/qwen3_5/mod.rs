@@ -19,7 +19,7 @@ use self::deltanet::GatedDeltaNet;
 use self::experts::Experts;
 use self::layers::{Linear, Matrix, Mlp, Residual, RmsNorm, Rotary};
 pub use self::mtp::MtpHead;
-pub use self::vision::{image_cache_key, mrope_positions, ImagePrompt, VisionConfig, VisionTower};
+pub use self::vision::{expand_image_tokens, image_cache_key, mrope_positions, ImagePrompt, VisionConfig, VisionTower};
 use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;

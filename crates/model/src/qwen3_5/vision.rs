@@ -370,6 +370,28 @@ pub struct ImagePrompt {
     pub rope_delta: i64,
 }
 
+/// A rendered prompt whose images each hold one image token (the chat template's markup), with
+/// each repeated as many times as its image gives merged tokens.
+pub fn expand_image_tokens(tokens: &[u32], images: &[PreparedImage], cfg: &VisionConfig) -> Result<Vec<u32>> {
+    let placed = tokens.iter().filter(|&&t| t == cfg.image_token_id).count();
+    if placed != images.len() {
+        return Err(ModelError::Invalid(format!("{} image(s) for a prompt that places {placed}", images.len())));
+    }
+    let merge = cfg.spatial_merge_size * cfg.spatial_merge_size;
+    let mut next = images.iter();
+    let mut out = Vec::with_capacity(tokens.len());
+    for &t in tokens {
+        match t == cfg.image_token_id {
+            true => {
+                let [frames, h, w] = next.next().expect("counted above").grid;
+                out.extend(std::iter::repeat_n(t, frames * h * w / merge));
+            }
+            false => out.push(t),
+        }
+    }
+    Ok(out)
+}
+
 /// The prompt as the prompt cache keys it: each image token replaced by an id past any
 /// vocabulary (top bit set), drawn from its image's pixel digest and its place in the image, so
 /// the same text with another image shares no entry past the first image token.
