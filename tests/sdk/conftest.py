@@ -21,12 +21,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def start(*extra):
+def start(*extra, fixture=FIXTURE):
     port = free_port()
     # The log goes to a file: a pipe nobody reads fills up, and then every server thread that
     # logs blocks on it.
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([str(BINARY), "serve", "--model", str(FIXTURE), "--port", str(port), *extra],
+    proc = subprocess.Popen([str(BINARY), "serve", "--model", str(fixture), "--port", str(port), *extra],
                             stdout=subprocess.DEVNULL, stderr=log)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
