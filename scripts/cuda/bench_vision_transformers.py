@@ -15,8 +15,6 @@ import time
 
 import numpy as np
 import torch
-from PIL import Image
-from transformers import Qwen2VLImageProcessor
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
@@ -26,8 +24,23 @@ SHAPES = json.loads((pathlib.Path(__file__).parents[2] / "crates/model/src/synth
 def image(size):
     """strata bench's image: red along x, green along y, blue (x + y) mod 256."""
     x, y = np.meshgrid(np.arange(size), np.arange(size))
-    rgb = np.stack([x * 255 // size, y * 255 // size, (x + y) % 256], -1).astype(np.uint8)
-    return Image.fromarray(rgb)
+    return np.stack([x * 255 // size, y * 255 // size, (x + y) % 256], -1).astype(np.uint8)
+
+
+def prepare(rgb):
+    """The processor's pixel values and grid, and its milliseconds; without PIL (which the slow
+    processor needs), values of the same shape: the tower's time does not depend on them."""
+    try:
+        from PIL import Image
+        from transformers import Qwen2VLImageProcessor
+    except ImportError:
+        side = rgb.shape[0] // 16 // 2 * 2
+        return torch.randn(side * side, 3 * 2 * 16 * 16), torch.tensor([[1, side, side]]), None
+    processor = Qwen2VLImageProcessor(size={"shortest_edge": 65_536, "longest_edge": 16_777_216}, patch_size=16,
+                                      merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    start = time.perf_counter()
+    inputs = processor(images=[Image.fromarray(rgb)], return_tensors="pt")
+    return inputs["pixel_values"], inputs["image_grid_thw"], (time.perf_counter() - start) * 1e3
 
 
 def main():
@@ -39,14 +52,8 @@ def main():
     a = ap.parse_args()
     shape = SHAPES[a.shape]
     v = shape["vision"]
-    processor = Qwen2VLImageProcessor(size={"shortest_edge": 65_536, "longest_edge": 16_777_216}, patch_size=16,
-                                      merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    picture = image(a.image_size)
-    start = time.perf_counter()
-    inputs = processor(images=[picture], return_tensors="pt")
-    preprocess_ms = (time.perf_counter() - start) * 1e3
-    pixels = inputs["pixel_values"].to(a.device, torch.bfloat16)
-    grid = inputs["image_grid_thw"].to(a.device)
+    pixels, grid, preprocess_ms = prepare(image(a.image_size))
+    pixels, grid = pixels.to(a.device, torch.bfloat16), grid.to(a.device)
     for attention in a.attention.split(","):
         cfg = Qwen3_5VisionConfig(depth=v["depth"], hidden_size=v["hidden"], intermediate_size=v["intermediate"],
                                   num_heads=v["heads"], out_hidden_size=shape["hidden"], patch_size=16,
