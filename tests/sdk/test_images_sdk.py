@@ -1,12 +1,15 @@
 """Images through the official OpenAI and Anthropic SDKs against `strata serve` on the vision
-fixture: a base64 image gets the tokens `strata generate --image` gives; every bad image is a
-400 naming its content part; the same text with another image gives another output without
+fixture: a base64 image gets the tokens `strata generate --image` gives, and so does its URL
+where the server fetches URLs; every bad image is a 400 naming its content part; the same text with another image gives another output without
 reusing state past the image; 8 concurrent requests mixing images and text give their solo
 outputs."""
 import base64
+import functools
+import http.server
 import json
 import struct
 import subprocess
+import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
@@ -103,7 +106,7 @@ BAD = [
     ("decompression bomb", lambda: openai_part(png(50_000, 50_000, rows=False))),
     ("more pixels than allowed", lambda: openai_part(png(120, 100))),
     ("not base64", lambda: {"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}),
-    ("a URL", lambda: {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}),
+    ("a URL, not fetched here", lambda: {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}),
 ]
 
 
@@ -141,3 +144,41 @@ def test_concurrent_requests_mixing_images_and_text_give_their_solo_outputs(visi
     with ThreadPoolExecutor(8) as pool:
         together = list(pool.map(run, requests))
     assert together == solo
+
+
+@pytest.fixture(scope="module")
+def image_site():
+    """The fixture's folder over HTTP on a local port."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(VISION))
+    handler.log_message = lambda *args: None
+    site = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=site.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{site.server_address[1]}"
+    site.shutdown()
+
+
+def test_image_urls_are_fetched_with_allow_image_urls(image_site):
+    proc, url = start("--allow-image-urls", fixture=VISION)
+    try:
+        want = cli("image-a.png", "image-b.png")
+        c = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        content = [{"type": "image_url", "image_url": {"url": f"{image_site}/image-a.png"}},
+                   {"type": "image_url", "image_url": {"url": f"{image_site}/image-b.png"}},
+                   {"type": "text", "text": TEXT}]
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}],
+                                      max_tokens=8, temperature=0, extra_body=NO_THINKING)
+        assert r.choices[0].message.content == want["text"]
+        a = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+        blocks = [{"type": "image", "source": {"type": "url", "url": f"{image_site}/image-{n}.png"}} for n in "ab"]
+        r = a.messages.create(model="tiny", max_tokens=8, extra_body={"temperature": 0, "ignore_eos": True},
+                              messages=[{"role": "user", "content": blocks + [{"type": "text", "text": TEXT}]}])
+        assert "".join(b.text for b in r.content if b.type == "text") == want["text"]
+        # A missing file and a file that is not an image: 400s naming the part.
+        for name in ("missing.png", "config.json"):
+            content = [{"type": "text", "text": TEXT}, {"type": "image_url", "image_url": {"url": f"{image_site}/{name}"}}]
+            with pytest.raises(openai.BadRequestError) as e:
+                c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": content}], max_tokens=2)
+            assert e.value.body["param"] == "messages[0].content[1]", e.value.body
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -97,6 +97,10 @@ pub struct Args {
     /// Pixels (width × height) an image may have; a larger one is refused before it is decoded.
     #[arg(long, default_value_t = ImageOptions::default().max_pixels)]
     max_image_pixels: u64,
+    /// Fetch images given as http(s) URLs (at most 32 MiB and 20 s each). Off by default: the
+    /// server then reaches whatever address a client names.
+    #[arg(long)]
+    allow_image_urls: bool,
     /// Most responses kept for `GET /v1/responses/{id}` and `previous_response_id` (requests
     /// with `store`, the default); the least recently used go first. With --ssd-cache they are
     /// kept on disk too, in its `responses` folder, so a restart keeps them.
@@ -190,7 +194,11 @@ pub fn run(a: Args) -> Result<()> {
         api_key: a.api_key.clone(),
         special_tokens_in_content: a.special_tokens_in_content,
         http,
-        images: ImageOptions { max_per_request: a.max_images_per_request, max_pixels: a.max_image_pixels },
+        images: ImageOptions {
+            max_per_request: a.max_images_per_request,
+            max_pixels: a.max_image_pixels,
+            allow_urls: a.allow_image_urls,
+        },
     };
     let state = start(model, ServedText::of(folder), engine, cache, speculation, config, responses)?;
     let worker = state.worker.clone();

@@ -92,10 +92,12 @@ fn to_chat_messages(system: Option<&Value>, messages: &[Value], images: &mut Vec
                             (Some(media_type), Some(data)) => ImagePart::from_base64(media_type, data, &param),
                             _ => Err(bad(format!("{param}: a base64 source needs media_type and data"), &param)),
                         },
-                        Some("url") => Err(bad(
-                            format!("{param}: image URLs are not fetched by this server; send the image as a base64 source"),
-                            &param,
-                        )),
+                        Some("url") => match field("url") {
+                            Some(url) if url.starts_with("http://") || url.starts_with("https://") => {
+                                ImagePart::from_url(url, &param)
+                            }
+                            _ => Err(bad(format!("{param}: a url source needs an http(s) url"), &param)),
+                        },
                         other => Err(bad(format!("{param}: source.type {other:?} is not base64"), &param)),
                     };
                     images.push(part.map_err(|e| e.in_dialect(Dialect::Anthropic))?);

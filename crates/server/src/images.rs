@@ -1,9 +1,12 @@
 //! Images in requests. Where the messages are read, each image content part (OpenAI
-//! `image_url` with a `data:` URL, Anthropic `image` with a `base64` source) becomes its bytes
-//! and a placeholder in the message's text; off the async threads the images are decoded and
-//! prepared by the model's processor, the chat template carries the placeholders to where the
+//! `image_url`, Anthropic `image`) becomes its bytes (inline base64) or its URL, and a
+//! placeholder in the message's text; off the async threads URLs are fetched (when the server
+//! allows it), the images decoded and prepared by the model's processor, the chat template carries the placeholders to where the
 //! images stand and they become its vision markup, and each image token is then repeated as many
 //! times as its image gives tokens.
+
+use std::io::Read;
+use std::time::Duration;
 
 use base64::Engine as _;
 use strata_model::images::media_type;
@@ -25,28 +28,39 @@ pub struct ImageOptions {
     pub max_per_request: usize,
     /// Pixels an image may declare before it is decoded (a decompression bomb is refused).
     pub max_pixels: u64,
+    /// Whether `http(s)` image URLs are fetched (the server then reaches what the client names).
+    pub allow_urls: bool,
 }
 
 impl Default for ImageOptions {
     fn default() -> Self {
-        Self { max_per_request: 8, max_pixels: ImageLimits::default().max_pixels }
+        Self { max_per_request: 8, max_pixels: ImageLimits::default().max_pixels, allow_urls: false }
     }
 }
 
+/// Most bytes, and most time, a fetched image may take.
+const URL_MAX_BYTES: u64 = 32 << 20;
+const URL_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// One image of a request as sent, and the request parameter it came from.
 pub struct ImagePart {
-    pub bytes: Vec<u8>,
-    /// The media type the request declared.
-    pub media_type: String,
+    pub source: Source,
     pub param: String,
 }
 
+pub enum Source {
+    /// The bytes, and the media type the request declared.
+    Inline { bytes: Vec<u8>, media_type: String },
+    /// An `http(s)` URL, fetched only where the server allows it.
+    Url(String),
+}
+
 impl ImagePart {
-    /// An OpenAI `image_url.url`: a `data:image/…;base64,…` URL.
+    /// An OpenAI `image_url.url`: a `data:image/…;base64,…` URL, or an `http(s)` one.
     pub fn from_url(url: &str, param: &str) -> ApiResult<Self> {
         let bad = |why: &str| ApiError::bad_request(format!("{param}: {why}"), Some(param));
         if url.starts_with("http://") || url.starts_with("https://") {
-            return Err(bad("image URLs are not fetched by this server; send the image inline as a data: URL (base64)"));
+            return Ok(Self { source: Source::Url(url.into()), param: param.into() });
         }
         let rest = url.strip_prefix("data:").ok_or_else(|| bad("expected a data: URL (data:image/png;base64,…)"))?;
         let (header, data) = rest.split_once(',').ok_or_else(|| bad("the data: URL has no comma before its data"))?;
@@ -64,7 +78,31 @@ impl ImagePart {
         let bytes = base64::engine::general_purpose::STANDARD
             .decode(data.trim())
             .map_err(|e| bad(format!("the image data is not valid base64: {e}")))?;
-        Ok(Self { bytes, media_type: media_type.into(), param: param.into() })
+        Ok(Self { source: Source::Inline { bytes, media_type: media_type.into() }, param: param.into() })
+    }
+
+    /// The image's bytes and their media type: inline, or fetched (within [`URL_MAX_BYTES`] and
+    /// [`URL_TIMEOUT`]) where `options` allow it.
+    fn bytes(&self, options: &ImageOptions) -> Result<(std::borrow::Cow<'_, [u8]>, String), String> {
+        let url = match &self.source {
+            Source::Inline { bytes, media_type } => return Ok((bytes.into(), media_type.clone())),
+            Source::Url(url) if options.allow_urls => url,
+            Source::Url(_) => return Err(
+                "image URLs are not fetched by this server (start it with --allow-image-urls); send the image inline as base64"
+                    .into(),
+            ),
+        };
+        let agent = ureq::AgentBuilder::new().timeout(URL_TIMEOUT).redirects(4).build();
+        let response = agent.get(url).call().map_err(|e| format!("cannot fetch {url}: {e}"))?;
+        let declared = response.content_type().to_string();
+        let mut bytes = Vec::new();
+        response.into_reader().take(URL_MAX_BYTES + 1).read_to_end(&mut bytes).map_err(|e| format!("cannot fetch {url}: {e}"))?;
+        if bytes.len() as u64 > URL_MAX_BYTES {
+            return Err(format!("{url} is more than {URL_MAX_BYTES} bytes"));
+        }
+        // A server's declared type is often generic (application/octet-stream): the bytes decide.
+        let media_type = media_type(&bytes).map(str::to_string).unwrap_or(declared);
+        Ok((bytes.into(), media_type))
     }
 }
 
@@ -95,13 +133,12 @@ pub fn prepare(state: &Shared, parts: &[ImagePart]) -> ApiResult<Vec<PreparedIma
         .iter()
         .map(|part| {
             let bad = |why: String| ApiError::bad_request(format!("{}: {why}", part.param), Some(&part.param));
-            match media_type(&part.bytes) {
-                Some(found) if found != part.media_type => {
-                    return Err(bad(format!("the data is {found}, not the declared {}", part.media_type)))
-                }
+            let (bytes, declared) = part.bytes(options).map_err(bad)?;
+            match media_type(&bytes) {
+                Some(found) if found != declared => return Err(bad(format!("the data is {found}, not the declared {declared}"))),
                 _ => {}
             }
-            processor.prepare(&part.bytes, limits).map_err(bad)
+            processor.prepare(&bytes, limits).map_err(bad)
         })
         .collect()
 }
