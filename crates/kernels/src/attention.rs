@@ -105,9 +105,24 @@ pub fn gated_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scorin
 /// Attention without a mask, every query seeing every key (a vision encoder's): `q` `[B, H, T, D]`,
 /// `k`, `v` `[B, H, L, D]`. Scores in `q`'s dtype, softmax in f32, as transformers' eager and SDPA
 /// attention round them; on CUDA the two matmuls run on tensor cores with one softmax kernel between.
+///
+/// The queries go in blocks whose scores take at most [`FULL_ATTENTION_SCORES`] values, so a
+/// large image's attention needs memory linear in its patches, not quadratic.
 pub fn full_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    full_attention_within(q, k, v, scale, FULL_ATTENTION_SCORES)
+}
+
+/// [`full_attention`] holding at most `max_scores` scores at once.
+fn full_attention_within(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, max_scores: usize) -> Result<Tensor> {
     if q.rank() != 4 || k.dims() != v.dims() || q.dims()[..2] != k.dims()[..2] || q.dim(3)? != k.dim(3)? {
         candle_core::bail!("full_attention: queries {:?} over keys {:?} and values {:?}", q.dims(), k.dims(), v.dims());
+    }
+    let (b, h, t, _) = q.dims4()?;
+    let block = (max_scores / (b * h * k.dim(2)?).max(1)).clamp(1, t.max(1));
+    if block < t {
+        let blocks =
+            (0..t).step_by(block).map(|s| full_attention_within(&q.narrow(2, s, block.min(t - s))?, k, v, scale, max_scores));
+        return Tensor::cat(&blocks.collect::<Result<Vec<_>>>()?, 2);
     }
     #[cfg(feature = "cuda")]
     if gpu::takes_batch(q, k, v)? {
@@ -116,6 +131,9 @@ pub fn full_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<
     let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
     candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(q.dtype())?.matmul(v)
 }
+
+/// Most scores [`full_attention`] holds at once: 2²⁸ (1 GiB in f32).
+pub const FULL_ATTENTION_SCORES: usize = 1 << 28;
 
 /// `attended` `[B, H, T, D]` laid out `[B, T, H·D]`, times `sigmoid(gate)` (`gate` `[B, T, H, D]`),
 /// in `attended`'s dtype: the sigmoid computed in f32 and rounded to it once, then the product
@@ -1106,6 +1124,38 @@ mod tests {
     /// Scorings every test covers: plain causal and two sliding windows.
     fn scorings(scale: f64) -> [Scoring; 3] {
         [Scoring::scaled(scale), Scoring { scale, window: Some(3) }, Scoring { scale, window: Some(1) }]
+    }
+
+    /// Every query over every key, by the definition; and in blocks of queries, the same.
+    #[test]
+    fn full_attention_sees_every_key_in_any_blocks() {
+        let dev = Device::Cpu;
+        let (h, t, d) = (2, 7, 4);
+        let q = Tensor::randn(0f32, 1.0, (1, h, t, d), &dev).unwrap();
+        let k = Tensor::randn(0f32, 1.0, (1, h, t, d), &dev).unwrap();
+        let v = Tensor::randn(0f32, 1.0, (1, h, t, d), &dev).unwrap();
+        let (qs, ks, vs) = [&q, &k, &v].map(|x| x.flatten_all().unwrap().to_vec1::<f32>().unwrap()).into();
+        let at = |x: &[f32], hh: usize, i: usize, j: usize| x[(hh * t + i) * d + j];
+        let mut want = vec![0f32; h * t * d];
+        for hh in 0..h {
+            for i in 0..t {
+                let scores: Vec<f32> =
+                    (0..t).map(|j| (0..d).map(|c| at(&qs, hh, i, c) * at(&ks, hh, j, c)).sum::<f32>() * 0.5).collect();
+                let max = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                let total: f32 = scores.iter().map(|s| (s - max).exp()).sum();
+                for (j, s) in scores.iter().enumerate() {
+                    for c in 0..d {
+                        want[(hh * t + i) * d + c] += (s - max).exp() / total * at(&vs, hh, j, c);
+                    }
+                }
+            }
+        }
+        for max_scores in [FULL_ATTENTION_SCORES, h * t * 3, 1] {
+            let got =
+                full_attention_within(&q, &k, &v, 0.5, max_scores).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let worst = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+            assert!(worst < 1e-5, "blocks of {max_scores} scores: off by {worst}");
+        }
     }
 
     /// Against a direct per-head, per-position loop, for both paths.
