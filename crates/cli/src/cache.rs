@@ -87,6 +87,10 @@ pub fn folder_identity(dir: &Path, dtype: &str) -> Result<Identity> {
     let read = |name: &str| std::fs::read(dir.join(name)).with_context(|| format!("cannot read {}", dir.join(name).display()));
     let mut config = Xxh3::new();
     config.update(&read("config.json")?);
+    // How images are prepared decides what their cached tokens hold.
+    if let Ok(processor) = std::fs::read(dir.join("preprocessor_config.json")) {
+        config.update(&processor);
+    }
     let mut weights: Vec<PathBuf> = std::fs::read_dir(dir)
         .with_context(|| format!("cannot list {}", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))

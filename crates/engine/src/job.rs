@@ -44,6 +44,11 @@ impl Job {
         Self { prompt, opts, sink, cache_points: Vec::new(), images: Vec::new(), image_key: None }
     }
 
+    /// Whether the prompt holds images (they are let go once the vision tower has read them).
+    pub fn has_images(&self) -> bool {
+        !self.images.is_empty() || self.image_key.is_some()
+    }
+
     /// The prompt's tokens as the prompt cache and the SSD tier key them: images by content.
     pub fn cache_tokens(&self) -> &[u32] {
         self.image_key.as_deref().unwrap_or(&self.prompt)

@@ -94,6 +94,8 @@ pub(crate) struct Engine<'a> {
     preempted: VecDeque<Preempted>,
     /// Reads SSD state for the job at the front of `waiting` (with an SSD tier).
     prefetch: Option<Prefetcher>,
+    /// Whether the last prefill forward was the chunk of a prompt with images.
+    image_turn_taken: bool,
 }
 
 impl<'a> Engine<'a> {
@@ -109,7 +111,7 @@ impl<'a> Engine<'a> {
     ) -> Self {
         let (policy, runner) = (Policy::new(&config), Runner::new(model, pool, drafter));
         let (waiting, joiners, rows, preempted) = (VecDeque::new(), Vec::new(), Vec::new(), VecDeque::new());
-        Self { policy, runner, cost, stats, cache, waiting, joiners, rows, preempted, prefetch }
+        Self { policy, runner, cost, stats, cache, waiting, joiners, rows, preempted, prefetch, image_turn_taken: false }
     }
 
     pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
@@ -240,7 +242,12 @@ impl<'a> Engine<'a> {
                 let images = match job.images.is_empty() {
                     true => None,
                     false => match self.runner.image_prompt(&job) {
-                        Ok(images) => Some(images),
+                        // The pixels are let go: the merged tokens and the cache key hold what
+                        // the job still needs of them.
+                        Ok(images) => {
+                            job.images = Vec::new();
+                            Some(images)
+                        }
                         Err(e) => {
                             job.sink.send(Event::Failed(format!("the images: {e}")));
                             return Ok(());
@@ -368,15 +375,21 @@ impl<'a> Engine<'a> {
             })
             .collect();
         let lens: Vec<usize> = chunks.iter().zip(&self.joiners).map(|(c, j)| c.end - j.fed).collect();
-        let (len, members) = self.policy.cohort(&lens);
+        // A prompt with images prefills alone (its embeddings and positions are its own). While
+        // the oldest joiner has images, its chunks take turns with a cohort of the text prompts.
+        let has_images = |i: usize| self.joiners[i].images.is_some();
+        let text: Vec<usize> = (0..self.joiners.len()).filter(|&i| !has_images(i)).collect();
+        let image_turn = !self.joiners.is_empty() && has_images(0) && (text.is_empty() || !self.image_turn_taken);
+        let candidates = if image_turn { vec![0] } else { text };
+        let (len, members) = self.policy.cohort(&candidates.iter().map(|&i| lens[i]).collect::<Vec<_>>());
         // A state outside the pool would be copied in by the merge, taking blocks no check
         // counted: such a job prefills alone, when it is the oldest.
-        let mut members: Vec<usize> = members.into_iter().filter(|&i| i == 0 || self.joiners[i].state.is_pooled()).collect();
-        // A prompt with images runs alone: its rows' embeddings and positions are its own.
-        match members.first() {
-            Some(&first) if self.joiners[first].images.is_some() => members.truncate(1),
-            _ => members.retain(|&i| self.joiners[i].images.is_none()),
-        }
+        let members: Vec<usize> = members
+            .into_iter()
+            .map(|k| candidates[k])
+            .filter(|&i| i == candidates[0] || self.joiners[i].state.is_pooled())
+            .collect();
+        self.image_turn_taken = image_turn;
         let grow = members.iter().map(|&i| self.joiners[i].state.blocks_to_grow(len)).sum();
         if members.is_empty() || !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
             return Ok(());

@@ -148,7 +148,7 @@ impl SharedCache {
         let (prompt, opts) = (&job.prompt, &job.opts);
         let deterministic = opts.sampling.is_greedy() || opts.sampling.seed.is_some();
         // A checkpoint resumes from tokens alone, which do not hold a prompt's images.
-        let tokens_only = job.images.is_empty();
+        let tokens_only = !job.has_images();
         if self.config.checkpoint_every == 0 || self.writer.is_none() || !deterministic || opts.logprobs.is_some() || !tokens_only
         {
             return None;

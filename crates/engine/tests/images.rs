@@ -5,11 +5,12 @@
 //! it all; 8 requests mixing images and text at once give their solo outputs.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::mpsc;
 use std::time::Duration;
 
 use candle_core::{DType, Device};
-use strata_engine::{CacheConfig, DraftSource, Event, Job, Speculation, Worker};
+use strata_engine::{CacheConfig, DraftSource, EngineConfig, Event, Job, Speculation, Worker};
 use strata_model::images::RgbImage;
 use strata_model::{ImageProcessor, Model, ModelFolder, PreparedImage};
 
@@ -87,12 +88,47 @@ fn the_prompt_cache_keys_on_the_images() {
     assert_eq!(cold.cached, 0);
     let other = collect(submit(&worker, &prompt, &[inverted_a.clone(), b.clone()], 12));
     assert!(other.cached <= first_image, "reused {} tokens, past the first image at {first_image}", other.cached);
+    assert!(other.cached > 0, "the text before the image (a stride snapshot) is reused");
     assert_ne!(other.tokens, cold.tokens, "another image, the same output");
     let again = collect(submit(&worker, &prompt, &[a, b.clone()], 12));
     assert_eq!(again.cached, prompt.len() - 1, "the same images reuse the whole prompt");
     assert_eq!(again.tokens, cold.tokens);
     let cold_other = collect(submit(&small_engine(load(), CacheConfig::off(), None), &prompt, &[inverted_a, b], 12));
     assert_eq!(cold_other.tokens, other.tokens, "served from the text before the image");
+    // A text prompt sharing the text before the image reuses it, and gives its cold output.
+    let text: Vec<u32> = prompt[..first_image - 1].iter().chain(&prompt[first_image + 12..first_image + 20]).copied().collect();
+    let warm_text = collect(submit(&worker, &text, &[], 12));
+    assert!(warm_text.cached > 0 && warm_text.cached < first_image, "{}", warm_text.cached);
+    assert_eq!(warm_text.tokens, collect(submit(&small_engine(load(), CacheConfig::off(), None), &text, &[], 12)).tokens);
+}
+
+/// Rows with images outgrowing a small pool are preempted (their state to host memory) and
+/// resumed with their rotary offsets: every output equals its solo run.
+#[test]
+fn preempted_rows_with_images_resume_exactly() {
+    let prompt = prompt_tokens(&fixture());
+    let ((a, inverted_a), b) = (images("image-a.png"), images("image-b.png").0);
+    let cost = load().state_cost();
+    let (rows, blocks, block) = (4, 28, 16);
+    let config = EngineConfig {
+        max_batch: rows,
+        prefill_chunk: 8,
+        kv_block_size: block,
+        kv_cache_bytes: Some((rows + 1) * cost.bytes_per_row + blocks * block * cost.bytes_per_token),
+        ..EngineConfig::for_device(&Device::Cpu)
+    };
+    let pictures = [vec![a.clone(), b.clone()], vec![inverted_a.clone(), b.clone()], vec![a, b.clone()], vec![inverted_a, b]];
+    let solo: Vec<Run> =
+        pictures.iter().map(|p| collect(submit(&small_engine(load(), CacheConfig::off(), None), &prompt, p, 90))).collect();
+    let worker = Worker::spawn(load(), config, CacheConfig::off(), None).unwrap();
+    let pending: Vec<_> = pictures.iter().map(|p| submit(&worker, &prompt, p, 90)).collect();
+    for (i, (rx, solo)) in pending.into_iter().zip(&solo).enumerate() {
+        assert_eq!(collect(rx).tokens, solo.tokens, "request {i}");
+    }
+    assert!(
+        worker.stats().preemptions.load(Ordering::Relaxed) > 0,
+        "four rows of 190 positions (17 blocks each) in {blocks} blocks"
+    );
 }
 
 #[test]

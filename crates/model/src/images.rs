@@ -41,7 +41,8 @@ pub struct PreparedImage {
     pub pixels: Vec<f32>,
     /// Patches along time (1 for an image), height and width.
     pub grid: [usize; 3],
-    /// A digest of the decoded pixels: what a prompt cache keys the image's tokens on.
+    /// A digest of the decoded pixels and the processor's settings (which decide the values the
+    /// tower sees): what a prompt cache keys the image's tokens on.
     pub digest: u128,
 }
 
@@ -170,7 +171,7 @@ impl ImageProcessor {
     /// Prepares an RGB image: resized as the processor resizes it (bicubic, antialiased), then
     /// rescaled, normalized and patchified.
     pub fn prepare_rgb(&self, image: RgbImage) -> std::result::Result<PreparedImage, String> {
-        let digest = pixel_digest(&image);
+        let digest = self.digest(&image);
         let image = self.resize(image)?;
         let (h, w) = (image.height() as usize, image.width() as usize);
         let pixels = self.patchify(&self.normalized(&image), h, w);
@@ -333,13 +334,16 @@ pub fn decode(bytes: &[u8], limits: ImageLimits) -> std::result::Result<RgbImage
     })
 }
 
-/// The pixels' digest (128-bit xxh3 over the dimensions and the RGB bytes).
-fn pixel_digest(image: &RgbImage) -> u128 {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    h.update(&image.width().to_le_bytes());
-    h.update(&image.height().to_le_bytes());
-    h.update(image.as_raw());
-    h.digest128()
+impl ImageProcessor {
+    /// 128-bit xxh3 over the settings, the dimensions and the RGB bytes.
+    fn digest(&self, image: &RgbImage) -> u128 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(format!("{self:?}").as_bytes());
+        h.update(&image.width().to_le_bytes());
+        h.update(&image.height().to_le_bytes());
+        h.update(image.as_raw());
+        h.digest128()
+    }
 }
 
 #[cfg(test)]
@@ -399,5 +403,8 @@ mod tests {
         other.put_pixel(3, 5, image::Rgb([0, 0, 1]));
         assert_ne!(a.digest, p.prepare_rgb(other).unwrap().digest);
         assert_eq!(a.digest, p.prepare_rgb(RgbImage::new(16, 16)).unwrap().digest);
+        // Another processor gives the same file other values: another key.
+        let shifted = ImageProcessor { normalize: Some(([0.4; 3], [0.5; 3])), ..p };
+        assert_ne!(a.digest, shifted.prepare_rgb(RgbImage::new(16, 16)).unwrap().digest);
     }
 }

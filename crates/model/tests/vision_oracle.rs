@@ -50,10 +50,10 @@ fn pixels_match_the_processor() {
         assert_eq!(prepared.grid.map(|g| g as i64).to_vec(), grid, "{name}: grid");
         let pixels = Tensor::from_slice(&prepared.pixels, want[&format!("pixels_{key}")].dims(), &Device::Cpu).unwrap();
         let d = max_diff(&pixels, &want[&format!("pixels_{key}")]);
-        if key == "a" {
-            // No resize: only the arithmetic of rescale and normalize differs.
-            assert!(d <= 1e-6, "{name}: pixel values differ by {d}");
-        }
+        // No resize: only the arithmetic of rescale and normalize differs. Resized: what the
+        // resize allows (below), through the normalization's std of 0.5.
+        let allowed = if key == "a" { 1e-6 } else { 2.0 / 255.0 / 0.5 + 1e-6 };
+        assert!(d <= allowed, "{name}: pixel values differ by {d}");
     }
     // The resized image, in [0, 1] before normalization.
     let decoded = strata_model::images::decode(&image("image-b.png"), ImageLimits::default()).unwrap();

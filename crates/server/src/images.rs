@@ -111,11 +111,11 @@ impl ImagePart {
 pub fn prepare(state: &Shared, parts: &[ImagePart]) -> ApiResult<Vec<PreparedImage>> {
     let Some(first) = parts.first() else { return Ok(Vec::new()) };
     let options = &state.config.images;
+    if options.max_per_request == 0 {
+        return Err(ApiError::bad_request("this server takes no images (--max-images-per-request 0)", Some(&first.param)));
+    }
     let processor = match (&state.image_processor, state.worker.vision()) {
-        (Some(processor), Some(_)) if options.max_per_request > 0 => processor,
-        (Some(_), Some(_)) => {
-            return Err(ApiError::bad_request("this server takes no images (--max-images-per-request 0)", Some(&first.param)))
-        }
+        (Some(processor), Some(_)) => processor,
         _ => return Err(ApiError::bad_request("this model takes no images (it has no vision tower)", Some(&first.param))),
     };
     if let Some(extra) = parts.get(options.max_per_request) {
