@@ -182,3 +182,10 @@ def test_image_urls_are_fetched_with_allow_image_urls(image_site):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_images_to_a_model_without_a_vision_tower_are_a_400(server):
+    with pytest.raises(openai.BadRequestError) as e:
+        openai_chat(server, [image("image-a.png")])
+    assert e.value.body["param"] == "messages[0].content[0]"
+    assert "no vision tower" in e.value.body["message"]
