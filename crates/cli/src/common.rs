@@ -153,14 +153,6 @@ pub fn prepare_images(folder: &ModelFolder, paths: &[PathBuf]) -> Result<Vec<str
         .collect()
 }
 
-/// The images at `paths` through `folder`'s processor and vision tower, for the prompt `tokens`
-/// (each run of its image token filled by the next image).
-pub fn image_prompt(folder: &ModelFolder, model: &Model, tokens: &[u32], paths: &[PathBuf]) -> Result<strata_model::ImagePrompt> {
-    let images = prepare_images(folder, paths)?;
-    let tower = folder.load_vision(model.dtype(), model.device())?;
-    Ok(strata_model::ImagePrompt::new(&tower, tokens, &images)?)
-}
-
 /// The CPU's model name, for benchmark reports.
 pub fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")

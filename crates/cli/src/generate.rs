@@ -1,14 +1,12 @@
 //! `strata generate`.
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
-use std::path::PathBuf;
-
 use anyhow::{bail, Result};
 use strata_engine::{CacheConfig, EngineConfig, Event, EventSink, FinishReason, GenerationOptions, Job, SamplingChoice, Worker};
-use strata_model::{ArchConfig, Qwen35Config};
 
 use crate::common::{open_model, parse_device, parse_tokens, DTypeArg, KvCacheArgs};
 use crate::draft::DraftArgs;
@@ -103,26 +101,18 @@ pub fn run(a: Args) -> Result<()> {
                     dir.display()
                 );
             };
-            let markup = match (&folder.config.arch, images.is_empty()) {
-                (_, true) => String::new(),
-                (ArchConfig::Qwen35(Qwen35Config { vision: Some(v), .. }), false) => {
-                    let one =
-                        folder.tokenizer.decode(&[v.vision_start_token_id, v.image_token_id, v.vision_end_token_id], false)?;
-                    one.repeat(images.len())
-                }
-                _ => bail!("--image: {} has no vision tower", dir.display()),
-            };
+            // prepare_images checked that a folder given images has a vision tower.
+            let vision = folder.vision_config().filter(|_| !images.is_empty());
+            let markup = vision.map(|v| v.markup(&folder.tokenizer)).transpose()?.unwrap_or_default().repeat(images.len());
             let rendered = template.render(serde_json::json!({
                 "messages": [{"role": "user", "content": markup + text}],
                 "add_generation_prompt": true,
                 "enable_thinking": !a.no_thinking,
             }))?;
             let tokens = folder.tokenizer.encode(&rendered)?;
-            match &folder.config.arch {
-                ArchConfig::Qwen35(Qwen35Config { vision: Some(v), .. }) if !images.is_empty() => {
-                    strata_model::expand_image_tokens(&tokens, &images, v)?
-                }
-                _ => tokens,
+            match vision {
+                Some(v) => strata_model::expand_image_tokens(&tokens, &images, v)?,
+                None => tokens,
             }
         }
         (_, _, Some(list)) => parse_tokens(list)?,

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
-use strata_model::Logits;
+use strata_model::{ImagePrompt, Logits};
 
 use crate::common::{open_model, parse_device, parse_tokens, DTypeArg};
 
@@ -38,10 +38,15 @@ pub fn run(a: Args) -> Result<()> {
     let dtype = DTypeArg::or_default_for(a.dtype, &device);
     let tokens = parse_tokens(&a.tokens)?;
     let folder = open_model(&a.model)?;
-    let model = folder.load(dtype.dtype(), &device)?;
-    let images = match a.images.is_empty() {
-        true => None,
-        false => Some(crate::common::image_prompt(&folder, &model, &tokens, &a.images)?),
+    let images = crate::common::prepare_images(&folder, &a.images)?;
+    let (model, images) = match images.is_empty() {
+        true => (folder.load(dtype.dtype(), &device)?, None),
+        false => {
+            let model = folder.load_with_vision(dtype.dtype(), &device)?;
+            let tower = model.vision().expect("prepare_images checked the folder has a vision tower");
+            let prompt = ImagePrompt::new(tower, &tokens, &images)?;
+            (model, Some(prompt))
+        }
     };
     let mut state = model.new_state(1)?;
     // Positions `range` of the tokens, with their images' inputs where there are images.

@@ -44,9 +44,10 @@ impl Job {
         Self { prompt, opts, sink, cache_points: Vec::new(), images: Vec::new(), image_key: None }
     }
 
-    /// Whether the prompt holds images (they are let go once the vision tower has read them).
+    /// Whether the prompt holds images (known from `submit` on; the images themselves are let
+    /// go once the vision tower has read them).
     pub fn has_images(&self) -> bool {
-        !self.images.is_empty() || self.image_key.is_some()
+        self.image_key.is_some()
     }
 
     /// The prompt's tokens as the prompt cache and the SSD tier key them: images by content.

@@ -147,10 +147,11 @@ impl SharedCache {
     pub fn checkpoint_namespace(&self, job: &Job) -> Option<u64> {
         let (prompt, opts) = (&job.prompt, &job.opts);
         let deterministic = opts.sampling.is_greedy() || opts.sampling.seed.is_some();
+        if self.config.checkpoint_every == 0 || self.writer.is_none() || !deterministic || opts.logprobs.is_some() {
+            return None;
+        }
         // A checkpoint resumes from tokens alone, which do not hold a prompt's images.
-        let tokens_only = !job.has_images();
-        if self.config.checkpoint_every == 0 || self.writer.is_none() || !deterministic || opts.logprobs.is_some() || !tokens_only
-        {
+        if job.has_images() {
             return None;
         }
         let mut key = xxhash_rust::xxh3::Xxh3::new();

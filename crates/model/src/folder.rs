@@ -12,7 +12,7 @@ use crate::generation_config::GenerationConfig;
 use crate::gguf::GgufFile;
 use crate::images::ImageProcessor;
 use crate::model::{ArchConfig, Model, ModelConfig};
-use crate::qwen3_5::{MtpHead, VisionTower};
+use crate::qwen3_5::{MtpHead, VisionConfig, VisionTower};
 use crate::source::FileSource;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
@@ -155,7 +155,15 @@ impl ModelFolder {
 
     /// Whether the folder has a vision tower and the processor of its images.
     pub fn has_vision(&self) -> bool {
-        matches!(&self.config.arch, ArchConfig::Qwen35(Qwen35Config { vision: Some(_), .. })) && self.image_processor.is_some()
+        self.vision_config().is_some() && self.image_processor.is_some()
+    }
+
+    /// The vision tower's config (`vision_config` of a Qwen3.5 `config.json`), where there is one.
+    pub fn vision_config(&self) -> Option<&VisionConfig> {
+        match &self.config.arch {
+            ArchConfig::Qwen35(Qwen35Config { vision, .. }) => vision.as_ref(),
+            _ => None,
+        }
     }
 
     /// Loads the model with every GGUF tensor dequantized to `dtype` (the same as [`load`] for
@@ -191,9 +199,8 @@ impl ModelFolder {
     /// missing when the folder cannot take images (no `vision_config`, no
     /// `preprocessor_config.json`, a GGUF file).
     pub fn load_vision(&self, dtype: DType, device: &Device) -> Result<VisionTower> {
-        let vision = match &self.config.arch {
-            ArchConfig::Qwen35(Qwen35Config { vision: Some(vision), .. }) => vision,
-            _ => return Err(ModelError::file(&self.path, "has no vision tower (its config.json has no vision_config)")),
+        let Some(vision) = self.vision_config() else {
+            return Err(ModelError::file(&self.path, "has no vision tower (its config.json has no vision_config)"));
         };
         if self.image_processor.is_none() {
             return Err(ModelError::file(&self.path, "has no preprocessor_config.json, which says how images are prepared"));

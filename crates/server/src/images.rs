@@ -153,10 +153,3 @@ pub fn expand(state: &Shared, tokens: Vec<u32>, images: &[PreparedImage]) -> Api
         )
     })
 }
-
-/// The markup an image becomes in a rendered prompt: the vision start, image and end tokens'
-/// strings.
-pub fn markup(state: &Shared) -> Option<String> {
-    let v = state.worker.vision()?;
-    state.tokenizer.decode(&[v.vision_start_token_id, v.image_token_id, v.vision_end_token_id], false).ok()
-}

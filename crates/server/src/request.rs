@@ -218,9 +218,9 @@ pub async fn render_chat(
     let state = state.clone();
     prepare(move |cancelled| {
         let prepared = crate::images::prepare(&state, &images)?;
-        let markup = match prepared.is_empty() {
-            true => None,
-            false => crate::images::markup(&state),
+        let markup = match (prepared.is_empty(), state.worker.vision()) {
+            (false, Some(vision)) => Some(vision.markup(&state.tokenizer).map_err(|e| ApiError::internal(e.to_string()))?),
+            _ => None,
         };
         let template = state
             .template

@@ -43,8 +43,6 @@ pub(super) struct Row {
 /// `None` for a row without a structure.
 pub(super) type RowMasks = Option<Vec<Option<TokenMask>>>;
 
-/// The tokens position `j` of a row may take: any (`Ok(None)`), those of a mask, or none
-/// (`Err`: the structure cannot go on there, and the row ends).
 impl Row {
     /// The first `covered` tokens of the row's context as the prompt cache keys them (images
     /// by content).
@@ -55,6 +53,8 @@ impl Row {
     }
 }
 
+/// The tokens position `j` of a row may take: any (`Ok(None)`), those of a mask, or none
+/// (`Err`: the structure cannot go on there, and the row ends).
 fn allowed_at(masks: &RowMasks, j: usize) -> Result<Option<&TokenMask>, ()> {
     let Some(masks) = masks else { return Ok(None) };
     match masks.get(j) {

@@ -15,6 +15,7 @@ use crate::config::Fields;
 use crate::error::{ModelError, Result};
 use crate::images::PreparedImage;
 use crate::source::WeightSource;
+use crate::tokenizer::Tokenizer;
 
 /// `vision_config` of a nested Qwen3.5 config, and the vision token ids beside it.
 #[derive(Clone, Debug, PartialEq)]
@@ -102,6 +103,12 @@ impl VisionConfig {
             return Err(f.err("num_position_embeddings", format!("{} is not a square", cfg.num_position_embeddings)));
         }
         Ok(cfg)
+    }
+
+    /// What one image is in a rendered prompt: its start, image and end tokens' strings (the
+    /// image token then repeated by [`expand_image_tokens`]).
+    pub fn markup(&self, tokenizer: &Tokenizer) -> Result<String> {
+        tokenizer.decode(&[self.vision_start_token_id, self.image_token_id, self.vision_end_token_id], false)
     }
 
     pub fn head_dim(&self) -> usize {
@@ -357,19 +364,6 @@ pub fn mrope_positions(tokens: &[u32], grids: &[[usize; 3]], cfg: &VisionConfig)
     Ok((positions, next as i64 - tokens.len() as i64))
 }
 
-/// A prompt's images, ready for the forwards that feed it: the images' merged tokens and every
-/// prompt position's rotary position, so any chunk of the prompt (cutting through an image or
-/// not) and every later token get their inputs.
-pub struct ImagePrompt {
-    /// Every image's merged tokens, in prompt order: `[image tokens, hidden]`.
-    merged: Tensor,
-    positions: Vec<[usize; 3]>,
-    /// Image tokens before each prompt position (one more entry than positions).
-    images_before: Vec<usize>,
-    /// Added to a later token's index for its rotary position.
-    pub rope_delta: i64,
-}
-
 /// A rendered prompt whose images each hold one image token (the chat template's markup), with
 /// each repeated as many times as its image gives merged tokens.
 pub fn expand_image_tokens(tokens: &[u32], images: &[PreparedImage], cfg: &VisionConfig) -> Result<Vec<u32>> {
@@ -403,10 +397,8 @@ pub fn image_cache_key(tokens: &[u32], images: &[PreparedImage], image_token_id:
             key.push(t);
             continue;
         }
-        if i > 0 && tokens[i - 1] != image_token_id {
+        if i == 0 || tokens[i - 1] != image_token_id {
             (image, within) = (image + 1, 0);
-        } else if i == 0 {
-            image = 1;
         }
         let Some(prepared) = images.get(image - 1) else {
             return Err(ModelError::Invalid(format!(
@@ -429,12 +421,23 @@ pub fn image_cache_key(tokens: &[u32], images: &[PreparedImage], image_token_id:
     Ok(key)
 }
 
+/// A prompt's images, ready for the forwards that feed it: the images' merged tokens and every
+/// prompt position's rotary position, so any chunk of the prompt (cutting through an image or
+/// not) and every later token get their inputs.
+pub struct ImagePrompt {
+    /// Every image's merged tokens, in prompt order: `[image tokens, hidden]`.
+    merged: Tensor,
+    positions: Vec<[usize; 3]>,
+    /// Image tokens before each prompt position (one more entry than positions).
+    images_before: Vec<usize>,
+}
+
 impl ImagePrompt {
     /// Runs `images` through `tower` for the prompt `tokens`, whose runs of image tokens they
     /// fill in order.
     pub fn new(tower: &VisionTower, tokens: &[u32], images: &[PreparedImage]) -> Result<Self> {
         let grids: Vec<[usize; 3]> = images.iter().map(|i| i.grid).collect();
-        let (positions, rope_delta) = mrope_positions(tokens, &grids, &tower.cfg)?;
+        let (positions, _) = mrope_positions(tokens, &grids, &tower.cfg)?;
         let merged = images.iter().map(|i| tower.forward(i)).collect::<Result<Vec<_>>>()?;
         let merged = match merged.is_empty() {
             true => Tensor::zeros((0, tower.cfg.out_hidden_size), tower.dtype, &tower.device)?,
@@ -444,21 +447,14 @@ impl ImagePrompt {
         for &t in tokens {
             images_before.push(images_before.last().unwrap_or(&0) + usize::from(t == tower.cfg.image_token_id));
         }
-        Ok(Self { merged, positions, images_before, rope_delta })
-    }
-
-    pub fn len(&self) -> usize {
-        self.positions.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.positions.is_empty()
+        Ok(Self { merged, positions, images_before })
     }
 
     /// The inputs of prompt positions `range`.
     pub fn inputs(&self, range: std::ops::Range<usize>) -> Result<super::ImageInputs> {
-        if range.end > self.len() || range.start > range.end {
-            return Err(ModelError::Invalid(format!("positions {range:?} of a {}-token prompt", self.len())));
+        let len = self.positions.len();
+        if range.end > len || range.start > range.end {
+            return Err(ModelError::Invalid(format!("positions {range:?} of a {len}-token prompt")));
         }
         let (first, end) = (self.images_before[range.start], self.images_before[range.end]);
         let embeds = (end > first).then(|| self.merged.narrow(0, first, end - first)).transpose()?;
