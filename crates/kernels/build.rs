@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: &[&str] = &["recurrent", "norm", "attention", "sampling", "matmul"];
+const KERNELS: &[&str] = &["recurrent", "norm", "attention", "flash", "sampling", "matmul"];
 
 fn main() {
     println!("cargo::rerun-if-changed=cuda");

@@ -443,6 +443,31 @@ __device__ void norm_rope(const T* x, const float* scale, const float* cos, cons
     }
 }
 
+// The NeoX half-split rotary embedding in f32, rounded to T once (as transformers rotates a
+// vision tower's queries and keys: in f32, then cast back): x [B, T, H, D] with strides sb, st,
+// sh (d contiguous), cos / sin f32 [B·T, half]; each product and the sum or difference rounded
+// to f32 (no fused multiply-add), dims past 2·half unrotated. out [B, H, T, D] contiguous. One
+// thread per rotated pair (d, d + half) or unrotated dim, so each input is read once.
+template <typename T>
+__device__ void rope_f32(const T* x, const float* cos, const float* sin, T* out, int B, int Tn, int H, int D, int half,
+                         long long sb, long long st, long long sh) {
+    const int per_row = D - half;  // half pairs, then D - 2·half unrotated dims
+    const long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (idx >= (long long)B * H * Tn * per_row) return;
+    const int p = idx % per_row, t = (idx / per_row) % Tn, h = (idx / ((long long)per_row * Tn)) % H;
+    const int b = idx / ((long long)per_row * Tn * H);
+    const T* xr = x + b * sb + t * st + h * sh;
+    T* o = out + (((long long)b * H + h) * Tn + t) * D;
+    if (p >= half) {
+        o[p + half] = xr[p + half];
+        return;
+    }
+    const long long at = ((long long)b * Tn + t) * half + p;
+    const float x1 = to_f32(xr[p]), x2 = to_f32(xr[p + half]), c = cos[at], s = sin[at];
+    o[p] = from_f32<T>(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)));
+    o[p + half] = from_f32<T>(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+}
+
 // The softmax of a prompt block's attention scores, causal mask included: scores and probs
 // [R, L] with row r the query r mod T (rows run over heads, then the queries of a block of T
 // at positions L - T ..); query i sees keys first..=pos. f32 inside, probabilities in T, 0 for
@@ -695,5 +720,11 @@ __device__ void decode_codes(const uint8_t* codes, T* out, long long vectors, in
                                                 float eps) {                                                   \
         await_previous_kernel();                                                                               \
         norm_rope<T>(x, scale, cos, sin, out, B, Tn, H, D, half, token_stride, head_stride, eps);             \
+    }                                                                                                          \
+    extern "C" __global__ void rope_f32_##NAME(const T* x, const float* cos, const float* sin, T* out, int B,  \
+                                               int Tn, int H, int D, int half, long long sb, long long st,     \
+                                               long long sh) {                                                 \
+        await_previous_kernel();                                                                               \
+        rope_f32<T>(x, cos, sin, out, B, Tn, H, D, half, sb, st, sh);                                          \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)

@@ -9,15 +9,20 @@ constexpr int NORM_WARPS = 4;
 constexpr int MAX_ROW_ITEMS = 16;  // per thread of a row block: D <= 16 * blockDim.x
 constexpr int MAX_HEAD_ITEMS = 8;  // per lane of a per-head norm: D <= 8 * 32
 
-// sum = x + h (in T), y = x rsqrt(mean(sum^2) + eps) scale: a residual add and the norm after it
-// (without h, the norm of x alone and no sum), one block per row of D, whose threads hold the
-// row in registers between the sum of squares and the scaling. With `pieces` (D a multiple of
-// 16 bytes' worth, rows 16-byte aligned) each thread moves 16-byte pieces, else single elements.
-template <typename T>
-__device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum, T* y, int D, float eps, int pieces) {
+// sum = x + h (in T), then y = x rsqrt(mean(sum^2) + eps) scale (RMSNorm) or, `centered`,
+// y = (x - mean) rsqrt(mean((x - mean)^2) + eps) scale + bias (LayerNorm, bias optional): a
+// residual add and the norm after it (without h, the norm of x alone and no sum), one block
+// per row of D, whose threads hold the row in registers between the reductions and the
+// scaling. The parameters P are f32 or T. With `pieces` (D a multiple of 16 bytes' worth, rows
+// 16-byte aligned) each thread moves 16-byte pieces, else single elements.
+template <typename T, typename P>
+__device__ void add_norm(const T* x, const T* h, const P* scale, const P* bias, T* sum, T* y, int D, float eps,
+                         int pieces, bool centered) {
     constexpr int VEC = 16 / sizeof(T), PIECES = MAX_ROW_ITEMS / VEC;
     const long long base = (long long)blockIdx.x * D;
     const auto stream = [&](T xv, T hv) { return h ? from_f32<T>(to_f32(xv) + to_f32(hv)) : xv; };
+    // Where item i of this thread sits in the row.
+    const auto column = [&](int i) { return pieces ? (threadIdx.x + i / VEC * blockDim.x) * VEC + i % VEC : threadIdx.x + i * blockDim.x; };
     float v[MAX_ROW_ITEMS];
     if (pieces) {
 #pragma unroll
@@ -50,26 +55,38 @@ __device__ void add_rms_norm(const T* x, const T* h, const float* scale, T* sum,
             }
         }
     }
+    if (centered) {
+        float total = 0.0f;
+#pragma unroll
+        for (int i = 0; i < MAX_ROW_ITEMS; ++i) total += v[i];
+        const float mean = block_sum(total) / D;
+#pragma unroll
+        for (int i = 0; i < MAX_ROW_ITEMS; ++i) v[i] = column(i) < D ? v[i] - mean : 0.0f;
+    }
     float acc = 0.0f;
 #pragma unroll
     for (int i = 0; i < MAX_ROW_ITEMS; ++i) acc += v[i] * v[i];
     const float inv = rsqrtf(block_sum(acc) / D + eps);
+    const auto out = [&](int i, int d) {
+        const float r = v[i] * inv * to_f32(scale[d]);
+        return from_f32<T>(bias ? r + to_f32(bias[d]) : r);
+    };
     if (pieces) {
 #pragma unroll
         for (int i = 0; i < PIECES; ++i) {
             const int d = (threadIdx.x + i * blockDim.x) * VEC;
             if (d >= D) continue;
-            uint4 out;
-            T* oe = reinterpret_cast<T*>(&out);
+            uint4 o;
+            T* oe = reinterpret_cast<T*>(&o);
 #pragma unroll
-            for (int e = 0; e < VEC; ++e) oe[e] = from_f32<T>(v[i * VEC + e] * inv * scale[d + e]);
-            *reinterpret_cast<uint4*>(y + base + d) = out;
+            for (int e = 0; e < VEC; ++e) oe[e] = out(i * VEC + e, d + e);
+            *reinterpret_cast<uint4*>(y + base + d) = o;
         }
     } else {
 #pragma unroll
         for (int i = 0; i < MAX_ROW_ITEMS; ++i) {
             const int d = threadIdx.x + i * blockDim.x;
-            if (d < D) y[base + d] = from_f32<T>(v[i] * inv * scale[d]);
+            if (d < D) y[base + d] = out(i, d);
         }
     }
 }
@@ -148,16 +165,54 @@ __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long
     }
 }
 
+// y = act(x + bias) for x [rows, cols] contiguous and bias [cols]: the sum rounded to T (as a
+// separate add stores it), the activation in f32 rounded to T once (as PyTorch computes a GELU
+// on a 16-bit tensor). act: 0 none, 1 GELU (tanh approximation), 2 GELU (erf). Threads take
+// 16-byte pieces of a row as silu_mul does.
+template <typename T>
+__device__ void bias_act(const T* x, const T* bias, T* y, int rows, int cols, int act, int pieces) {
+    constexpr int VEC = 16 / sizeof(T);
+    const long long r = blockIdx.x;
+    const int c = (blockIdx.y * blockDim.x + threadIdx.x) * VEC;
+    if (r >= rows || c >= cols) return;
+    const T* xr = x + r * cols + c;
+    T* out = y + r * cols + c;
+    const auto apply = [act](T xv, T bv) {
+        const float s = round_to<T>(to_f32(xv) + to_f32(bv));
+        switch (act) {
+            case 1: return from_f32<T>(s / (1.0f + expf(-2.0f * 0.7978845608f * (s + 0.044715f * s * s * s))));
+            case 2: return from_f32<T>(0.5f * s * (1.0f + erff(s * 0.7071067812f)));
+            default: return from_f32<T>(s);
+        }
+    };
+    if (pieces && c + VEC <= cols) {
+        const uint4 xv = *reinterpret_cast<const uint4*>(xr), bv = *reinterpret_cast<const uint4*>(bias + c);
+        uint4 ov;
+        const T *xe = reinterpret_cast<const T*>(&xv), *be = reinterpret_cast<const T*>(&bv);
+        T* oe = reinterpret_cast<T*>(&ov);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) oe[e] = apply(xe[e], be[e]);
+        *reinterpret_cast<uint4*>(out) = ov;
+    } else {
+        for (int e = 0; e < VEC && c + e < cols; ++e) out[e] = apply(xr[e], bias[c + e]);
+    }
+}
+
 #define INSTANTIATE(T, NAME)                                                                                   \
-    extern "C" __global__ void rms_norm_##NAME(const T* x, const float* scale, T* y, int D, float eps,         \
+    extern "C" __global__ void rms_norm_##NAME(const T* x, const T* h, const float* scale, T* sum, T* y, int D, \
+                                               float eps, int pieces) {                                        \
+        await_previous_kernel();                                                                               \
+        add_norm<T, float>(x, h, scale, nullptr, sum, y, D, eps, pieces, false);                               \
+    }                                                                                                          \
+    extern "C" __global__ void layer_norm_##NAME(const T* x, const T* h, const T* weight, const T* bias,      \
+                                                 T* sum, T* y, int D, float eps, int pieces) {                 \
+        await_previous_kernel();                                                                               \
+        add_norm<T, T>(x, h, weight, bias, sum, y, D, eps, pieces, true);                                      \
+    }                                                                                                          \
+    extern "C" __global__ void bias_act_##NAME(const T* x, const T* bias, T* y, int rows, int cols, int act,  \
                                                int pieces) {                                                   \
         await_previous_kernel();                                                                               \
-        add_rms_norm<T>(x, nullptr, scale, nullptr, y, D, eps, pieces);                                        \
-    }                                                                                                          \
-    extern "C" __global__ void add_rms_norm_##NAME(const T* x, const T* h, const float* scale, T* sum, T* y,  \
-                                                   int D, float eps, int pieces) {                             \
-        await_previous_kernel();                                                                               \
-        add_rms_norm<T>(x, h, scale, sum, y, D, eps, pieces);                                                  \
+        bias_act<T>(x, bias, y, rows, cols, act, pieces);                                                      \
     }                                                                                                          \
     extern "C" __global__ void gated_rms_norm_##NAME(const float* x, const T* gate, long long gate_stride,    \
                                                      const float* weight, T* y, int rows, int H, int D,        \

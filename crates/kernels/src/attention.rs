@@ -103,20 +103,38 @@ pub fn gated_attention_rows(q: &Tensor, kv: &[(Tensor, Tensor)], scoring: Scorin
 }
 
 /// Attention without a mask, every query seeing every key (a vision encoder's): `q` `[B, H, T, D]`,
-/// `k`, `v` `[B, H, L, D]`. Scores in `q`'s dtype, softmax in f32, as transformers' eager and SDPA
-/// attention round them; on CUDA the two matmuls run on tensor cores with one softmax kernel between.
+/// `k`, `v` `[B, H, L, D]`. On CUDA in bf16 / f16 with a head width the flash kernels take, one
+/// kernel that keeps scores in f32 registers and never writes them out (as SDPA's flash backend
+/// computes them); otherwise scores in `q`'s dtype and softmax in f32, as transformers' eager
+/// attention rounds them, the two matmuls on tensor cores on CUDA with one softmax kernel
+/// between.
 ///
-/// The queries go in blocks whose scores take at most [`FULL_ATTENTION_SCORES`] values, so a
-/// large image's attention needs memory linear in its patches, not quadratic.
+/// Outside the flash kernel the queries go in blocks whose scores take at most
+/// [`FULL_ATTENTION_SCORES`] values, so a large image's attention needs memory linear in its
+/// patches, not quadratic.
 pub fn full_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    if q.rank() != 4 || k.dims() != v.dims() || q.dims()[..2] != k.dims()[..2] || q.dim(3)? != k.dim(3)? {
+        candle_core::bail!("full_attention: queries {:?} over keys {:?} and values {:?}", q.dims(), k.dims(), v.dims());
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(out) = flash_attention(q, k, v, Scoring::scaled(scale), false)? {
+        return Ok(out);
+    }
     full_attention_within(q, k, v, scale, FULL_ATTENTION_SCORES)
+}
+
+/// `q` `[B, Hq, T, D]` over `k`, `v` `[B, Hkv, L, D]` by the flash kernels (cuda/flash.cu):
+/// every query sees every key, or with `causal` query `i` sits at position `L - T + i` and sees
+/// the keys up to it (the last `scoring.window` of them). The result is a `[B, Hq, T, D]` view of
+/// a `[B, T, Hq, D]` tensor (the layout the output projection reads). `None` where the kernels do
+/// not take these tensors (not on CUDA, f32, a head width other than 64, 128 or 256).
+#[cfg(feature = "cuda")]
+pub fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, causal: bool) -> Result<Option<Tensor>> {
+    gpu::flash(q, k, v, scoring, causal)
 }
 
 /// [`full_attention`] holding at most `max_scores` scores at once.
 fn full_attention_within(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, max_scores: usize) -> Result<Tensor> {
-    if q.rank() != 4 || k.dims() != v.dims() || q.dims()[..2] != k.dims()[..2] || q.dim(3)? != k.dim(3)? {
-        candle_core::bail!("full_attention: queries {:?} over keys {:?} and values {:?}", q.dims(), k.dims(), v.dims());
-    }
     let (b, h, t, _) = q.dims4()?;
     let block = (max_scores / (b * h * k.dim(2)?).max(1)).clamp(1, t.max(1));
     if block < t {
@@ -128,8 +146,8 @@ fn full_attention_within(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, max_sco
     if gpu::takes_batch(q, k, v)? {
         return gpu::prefill(q, k, v, Scoring::scaled(scale), false);
     }
-    let scores = (q.matmul(&k.t()?)? * scale)?.to_dtype(DType::F32)?;
-    candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(q.dtype())?.matmul(v)
+    let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?.to_dtype(DType::F32)?;
+    candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(q.dtype())?.matmul(&v.contiguous()?)
 }
 
 /// Most scores [`full_attention`] holds at once: 2²⁸ (1 GiB in f32).
@@ -395,6 +413,18 @@ pub fn norm_rope(x: &Tensor, scale: &Tensor, eps: f32, cos: &Tensor, sin: &Tenso
     rope(&normed.transpose(1, 2)?, cos, sin)
 }
 
+/// [`rope`] in f32 with the result rounded to `x`'s dtype once, as transformers rotates a vision
+/// tower's queries and keys: `x` `[B, T, H, D]` (any strides) in, `[B, H, T, D]` out (the layout
+/// attention reads); `cos`, `sin` `[.., T, half]`. One kernel on CUDA, reading `x` where it lies.
+pub fn rope_f32(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if x.device().is_cuda() && crate::cuda::supports(x.dtype()) && 2 * cos.dim(D::Minus1)? <= x.dim(D::Minus1)? {
+        return gpu::rope_f32(x, cos, sin);
+    }
+    let rotated = rope(&x.transpose(1, 2)?.to_dtype(DType::F32)?.contiguous()?, cos, sin)?;
+    rotated.to_dtype(x.dtype())
+}
+
 #[cfg(feature = "cuda")]
 pub(crate) mod gpu {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
@@ -440,11 +470,92 @@ pub(crate) mod gpu {
         Ok(q.device().is_cuda() && q.dim(2)? > crate::matmul::MAX_EXACT_ROWS && takes(&q.get(0)?, &k.get(0)?, &v.get(0)?)?)
     }
 
+    /// Queries a flash block takes (cuda/flash.cu's FLASH_QUERIES, 16 per warp).
+    const FLASH_QUERIES: usize = 64;
+    const FLASH_WARPS: u32 = 4;
+
+    /// [`super::flash_attention`].
+    pub(super) fn flash(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, causal: bool) -> Result<Option<Tensor>> {
+        let (b, hq, t, d) = q.dims4()?;
+        let (kb, hkv, l, kd) = k.dims4()?;
+        let name = match d {
+            64 => "flash_attention_d64",
+            128 => "flash_attention_d128",
+            256 => "flash_attention_d256",
+            _ => return Ok(None),
+        };
+        let dtype = q.dtype();
+        if !matches!(dtype, DType::BF16 | DType::F16)
+            || k.dtype() != dtype
+            || v.dtype() != dtype
+            || v.dims() != k.dims()
+            || (kb, kd) != (b, d)
+            || hkv == 0
+            || hq % hkv != 0
+            || l < if causal { t } else { 1 }
+        {
+            return Ok(None);
+        }
+        // Keys per tile (fewer at 256) and the shared memory of the queries and two tiles of
+        // keys and values, rows padded by 16 bytes.
+        let keys = if d <= 128 { 64 } else { 32 };
+        let shared = ((FLASH_QUERIES + 4 * keys) * (d + 8) * dtype.size_in_bytes()) as u32;
+        if !cuda::fits(q.device(), &cuda::FLASH, name, dtype, shared) {
+            return Ok(None);
+        }
+        let (q, qs) = rows_in_pieces(q)?;
+        let (k, ks) = rows_in_pieces(k)?;
+        let (v, vs) = rows_in_pieces(v)?;
+        // Written [B, T, Hq, D] (what the projection after attention reads), returned as a
+        // [B, Hq, T, D] view of it.
+        let out = cuda::output((b, t, hq, d), dtype, q.device())?;
+        let grid = |n: usize| u32::try_from(n).ok().filter(|&n| n <= 65535);
+        let (Some(heads), Some(rows)) = (grid(hq), grid(b)) else { return Ok(None) };
+        let cfg = LaunchConfig {
+            grid_dim: (t.div_ceil(FLASH_QUERIES).max(1) as u32, heads, rows),
+            block_dim: (FLASH_WARPS * 32, 1, 1),
+            shared_mem_bytes: shared,
+        };
+        let mut args = vec![Arg::at(&q)?, Arg::at(&k)?, Arg::at(&v)?, Arg::at(&out)?];
+        let os = [t * hq * d, d, hq * d];
+        args.extend([qs, ks, vs, os].into_iter().flatten().map(|s| Arg::I64(s as i64)));
+        args.extend([
+            Arg::dim(hq)?,
+            Arg::dim(hkv)?,
+            Arg::dim(t)?,
+            Arg::dim(l)?,
+            Arg::I32(i32::from(causal)),
+            Arg::F32(scoring.scale as f32),
+            Arg::dim(if causal { scoring.window.unwrap_or(0) } else { 0 })?,
+        ]);
+        cuda::launch(q.device(), &cuda::FLASH, name, dtype, cfg, &args)?;
+        Ok(Some(out.transpose(1, 2)?))
+    }
+
+    /// `x` `[B, H, L, D]` with its last dimension contiguous and every position's row 16-byte
+    /// aligned (copied where not), and its strides of rows, heads and positions (0 for a dimension
+    /// of one, whose stride nothing reads).
+    fn rows_in_pieces(x: &Tensor) -> Result<(Tensor, [usize; 3])> {
+        let strides =
+            |x: &Tensor| -> [usize; 3] { std::array::from_fn(|i| if x.dim(i).unwrap_or(1) == 1 { 0 } else { x.stride()[i] }) };
+        let whole_pieces = |x: &Tensor| -> Result<bool> {
+            let piece = 16 / x.dtype().size_in_bytes();
+            Ok(x.stride()[3] == 1 && cuda::in_pieces(x, 0)? && strides(x).iter().all(|s| s % piece == 0))
+        };
+        let x = if whole_pieces(x)? { x.clone() } else { x.contiguous()? };
+        let s = strides(&x);
+        Ok((x, s))
+    }
+
     /// Prompt blocks of a batch of rows, `q` `[B, Hq, T, D]` over `k`, `v` `[B, Hkv, L, D]`
-    /// (every row's history equally long): the scores and the weighted values as (tensor-core)
-    /// matmuls batched over rows and KV heads, the causal mask (unless `causal` is false) and
-    /// softmax between them as one kernel, without a mask tensor.
+    /// (every row's history equally long): the flash kernel where it takes them; otherwise the
+    /// scores and the weighted values as (tensor-core) matmuls batched over rows and KV heads,
+    /// the causal mask (unless `causal` is false) and softmax between them as one kernel, without
+    /// a mask tensor.
     pub(super) fn prefill(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, causal: bool) -> Result<Tensor> {
+        if let Some(out) = flash(q, k, v, scoring, causal)? {
+            return Ok(out);
+        }
         let (b, hq, t_len, d) = q.dims4()?;
         let (_, hkv, l_len, _) = k.dims4()?;
         let qg = q.contiguous()?.reshape((b * hkv, hq / hkv * t_len, d))?;
@@ -1106,6 +1217,34 @@ pub(crate) mod gpu {
             Arg::F32(eps),
         ];
         cuda::launch(x.device(), &cuda::ATTENTION, "norm_rope", x.dtype(), cfg, &args)?;
+        Ok(out)
+    }
+
+    /// [`super::rope_f32`].
+    pub(super) fn rope_f32(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let (b, t, h, d) = x.dims4()?;
+        let half = cos.dim(candle_core::D::Minus1)?;
+        let x = if x.stride()[3] == 1 { x.clone() } else { x.contiguous()? };
+        let table = |c: &Tensor| c.to_dtype(DType::F32)?.reshape(((), t, half))?.broadcast_as((b, t, half))?.contiguous();
+        let (cos, sin) = (table(cos)?, table(sin)?);
+        let out = cuda::output((b, h, t, d), x.dtype(), x.device())?;
+        let s = x.stride();
+        let args = [
+            Arg::at(&x)?,
+            Arg::at(&cos)?,
+            Arg::at(&sin)?,
+            Arg::at(&out)?,
+            Arg::dim(b)?,
+            Arg::dim(t)?,
+            Arg::dim(h)?,
+            Arg::dim(d)?,
+            Arg::dim(half)?,
+            Arg::I64(s[0] as i64),
+            Arg::I64(s[1] as i64),
+            Arg::I64(s[2] as i64),
+        ];
+        // One thread per rotated pair or unrotated dim.
+        cuda::launch(x.device(), &cuda::ATTENTION, "rope_f32", x.dtype(), cuda::grid_for(b * h * t * (d - half), 256)?, &args)?;
         Ok(out)
     }
 }

@@ -27,6 +27,7 @@ macro_rules! module {
 
 pub(crate) const RECURRENT: Module = module!("recurrent");
 pub(crate) const ATTENTION: Module = module!("attention");
+pub(crate) const FLASH: Module = module!("flash");
 pub(crate) const SAMPLING: Module = module!("sampling");
 pub(crate) const NORM: Module = module!("norm");
 pub(crate) const MATMUL: Module = module!("matmul");

@@ -29,6 +29,53 @@ pub fn add_rms_norm(x: &Tensor, h: &Tensor, scale: &Tensor, eps: f32) -> Result<
     Ok((sum, normed))
 }
 
+/// LayerNorm over the last dimension, `weight` and `bias` `[D]`: `(x - mean) / sqrt(var + eps)
+/// · weight + bias` in f32, rounded to `x`'s dtype once. One kernel on CUDA.
+pub fn layer_norm(x: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some((_, y)) = gpu::layer_norm(x, None, weight, bias, eps)? {
+        return Ok(y);
+    }
+    candle_nn::ops::layer_norm(x, weight, bias, eps)
+}
+
+/// A residual add and the LayerNorm after it: `(x + h, layer_norm(x + h))`, the sum in `x`'s
+/// dtype.
+pub fn add_layer_norm(x: &Tensor, h: &Tensor, weight: &Tensor, bias: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+    #[cfg(feature = "cuda")]
+    if let Some((Some(sum), y)) = gpu::layer_norm(x, Some(h), weight, bias, eps)? {
+        return Ok((sum, y));
+    }
+    let sum = (x + h)?;
+    let normed = layer_norm(&sum, weight, bias, eps)?;
+    Ok((sum, normed))
+}
+
+/// What a projection's output goes through after its bias.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    Identity,
+    /// GELU, tanh approximation (`gelu_pytorch_tanh`).
+    GeluTanh,
+    /// GELU, exact (erf).
+    GeluErf,
+}
+
+/// `act(x + bias)`, `bias` `[cols]` for `x` `[.., cols]`: the sum rounded to `x`'s dtype, the
+/// activation in f32 rounded once on CUDA (one kernel), candle's ops elsewhere.
+pub fn add_bias_act(x: &Tensor, bias: &Tensor, act: Activation) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if let Some(y) = gpu::add_bias_act(x, bias, act)? {
+        return Ok(y);
+    }
+    let sum = x.broadcast_add(bias)?;
+    match act {
+        Activation::Identity => Ok(sum),
+        Activation::GeluTanh => sum.gelu(),
+        Activation::GeluErf => sum.gelu_erf(),
+    }
+}
+
 /// The Gated DeltaNet output norm per head: `x` (f32 `[.., H, D]`, rounded to `gate`'s dtype
 /// first) normalised, rounded again, times `weight` (f32 `[D]`; the product rounded again) and
 /// `silu(gate)`; in `gate`'s dtype, shaped like `x`. `gate` holds the same elements as `[.., H·D]` or `[.., H, D]`.
@@ -98,6 +145,7 @@ mod gpu {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::{DType, Tensor};
 
+    use super::Activation;
     use crate::cuda::{self, Arg};
     use crate::Result;
 
@@ -157,45 +205,86 @@ mod gpu {
     }
 
     pub(super) fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<Option<Tensor>> {
-        if !on_cuda(x, &[scale]) {
-            return Ok(None);
-        }
-        let (rows, d) = rows_and_dim(x)?;
-        let (x, scale) = (x.contiguous()?, f32_param(scale)?);
-        let Some((threads, pieces)) = norm_block(d, &[&x])? else { return Ok(None) };
-        let y = cuda::output(x.shape(), x.dtype(), x.device())?;
-        if rows > 0 {
-            let cfg = cuda::grid_rows(rows, threads, threads as u32)?;
-            let args = [Arg::at(&x)?, Arg::at(&scale)?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps), Arg::I32(pieces.into())];
-            cuda::launch(x.device(), &cuda::NORM, "rms_norm", x.dtype(), cfg, &args)?;
-        }
-        Ok(Some(y))
+        Ok(row_norm(x, None, &f32_param(scale)?, None, eps)?.map(|(_, y)| y))
     }
 
     pub(super) fn add_rms_norm(x: &Tensor, h: &Tensor, scale: &Tensor, eps: f32) -> Result<Option<(Tensor, Tensor)>> {
-        if !on_cuda(x, &[h, scale]) || h.dtype() != x.dtype() || h.shape() != x.shape() {
+        Ok(row_norm(x, Some(h), &f32_param(scale)?, None, eps)?.map(|(sum, y)| (sum.expect("a sum with h"), y)))
+    }
+
+    /// LayerNorm (`h`: after adding it), its weight and bias in `x`'s dtype.
+    pub(super) fn layer_norm(
+        x: &Tensor,
+        h: Option<&Tensor>,
+        weight: &Tensor,
+        bias: &Tensor,
+        eps: f32,
+    ) -> Result<Option<(Option<Tensor>, Tensor)>> {
+        let param = |p: &Tensor| p.to_dtype(x.dtype())?.contiguous();
+        row_norm(x, h, &param(weight)?, Some(&param(bias)?), eps)
+    }
+
+    /// The row norm kernels: RMSNorm with an f32 `scale` or, with a `bias`, LayerNorm with
+    /// parameters in `x`'s dtype; with `h`, after the residual add `x + h`, which they return too.
+    fn row_norm(
+        x: &Tensor,
+        h: Option<&Tensor>,
+        scale: &Tensor,
+        bias: Option<&Tensor>,
+        eps: f32,
+    ) -> Result<Option<(Option<Tensor>, Tensor)>> {
+        let others: Vec<&Tensor> = [Some(scale), h, bias].into_iter().flatten().collect();
+        if !on_cuda(x, &others) || h.is_some_and(|h| h.dtype() != x.dtype() || h.shape() != x.shape()) {
             return Ok(None);
         }
         let (rows, d) = rows_and_dim(x)?;
-        let (x, h, scale) = (x.contiguous()?, h.contiguous()?, f32_param(scale)?);
-        let Some((threads, pieces)) = norm_block(d, &[&x, &h])? else { return Ok(None) };
-        let sum = cuda::output(x.shape(), x.dtype(), x.device())?;
+        let x = x.contiguous()?;
+        let h = h.map(Tensor::contiguous).transpose()?;
+        let inputs: Vec<&Tensor> = [Some(&x), h.as_ref()].into_iter().flatten().collect();
+        let Some((threads, pieces)) = norm_block(d, &inputs)? else { return Ok(None) };
+        let sum = h.as_ref().map(|_| cuda::output(x.shape(), x.dtype(), x.device())).transpose()?;
         let y = cuda::output(x.shape(), x.dtype(), x.device())?;
         if rows > 0 {
             let cfg = cuda::grid_rows(rows, threads, threads as u32)?;
-            let args = [
-                Arg::at(&x)?,
-                Arg::at(&h)?,
-                Arg::at(&scale)?,
-                Arg::at(&sum)?,
-                Arg::at(&y)?,
-                Arg::dim(d)?,
-                Arg::F32(eps),
-                Arg::I32(pieces.into()),
-            ];
-            cuda::launch(x.device(), &cuda::NORM, "add_rms_norm", x.dtype(), cfg, &args)?;
+            let mut args = vec![Arg::at(&x)?, Arg::at_or_null(h.as_ref())?, Arg::at(scale)?];
+            if let Some(bias) = bias {
+                args.push(Arg::at(bias)?);
+            }
+            args.extend([Arg::at_or_null(sum.as_ref())?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps), Arg::I32(pieces.into())]);
+            let name = if bias.is_some() { "layer_norm" } else { "rms_norm" };
+            cuda::launch(x.device(), &cuda::NORM, name, x.dtype(), cfg, &args)?;
         }
         Ok(Some((sum, y)))
+    }
+
+    pub(super) fn add_bias_act(x: &Tensor, bias: &Tensor, act: Activation) -> Result<Option<Tensor>> {
+        let cols = x.dims().last().copied().unwrap_or(1);
+        if !on_cuda(x, &[bias]) || bias.dims() != [cols] {
+            return Ok(None);
+        }
+        let (x, bias) = (x.contiguous()?, bias.to_dtype(x.dtype())?.contiguous()?);
+        let rows = x.elem_count() / cols.max(1);
+        let y = cuda::output(x.shape(), x.dtype(), x.device())?;
+        let vec = 16 / x.dtype().size_in_bytes();
+        let pieces = cuda::in_pieces(&x, cols)? && cuda::in_pieces(&bias, 0)? && cuda::in_pieces(&y, cols)?;
+        let act = match act {
+            Activation::Identity => 0,
+            Activation::GeluTanh => 1,
+            Activation::GeluErf => 2,
+        };
+        let args = [
+            Arg::at(&x)?,
+            Arg::at(&bias)?,
+            Arg::at(&y)?,
+            Arg::dim(rows)?,
+            Arg::dim(cols)?,
+            Arg::I32(act),
+            Arg::I32(pieces.into()),
+        ];
+        if rows > 0 {
+            cuda::launch(x.device(), &cuda::NORM, "bias_act", x.dtype(), cuda::grid_rows(rows, cols.div_ceil(vec), 256)?, &args)?;
+        }
+        Ok(Some(y))
     }
 
     pub(super) fn gated_rms_norm(x: &Tensor, gate: &Tensor, weight: &Tensor, eps: f32) -> Result<Option<Tensor>> {

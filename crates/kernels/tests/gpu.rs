@@ -7,14 +7,16 @@
 
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention::{
-    causal_attention, causal_attention_rows, gated_attention_rows, norm_rope, sigmoid_gate, write_rows, DecodeRows,
-    PagedDecodeRows, Scoring,
+    causal_attention, causal_attention_rows, flash_attention, full_attention, gated_attention_rows, norm_rope, rope_f32,
+    sigmoid_gate, write_rows, DecodeRows, PagedDecodeRows, Scoring,
 };
 use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
 use strata_kernels::gated_delta::{gated_delta_rule, gated_delta_rule_in_place, on_tensor_cores, Gating, Inputs};
 use strata_kernels::kv_quant::{Affine, KvCodec, LayerCodes, PartCodes, Turbo, TurboVariant};
 use strata_kernels::matmul::matmul_t;
-use strata_kernels::norm::{add_rms_norm, gated_rms_norm, rms_norm, silu_mul};
+use strata_kernels::norm::{
+    add_bias_act, add_layer_norm, add_rms_norm, gated_rms_norm, layer_norm, rms_norm, silu_mul, Activation,
+};
 use strata_kernels::sampling::{argmax_rows, draw_rows, first_allowed_max, first_max, Adjust, Draw};
 
 fn gpu() -> Device {
@@ -277,6 +279,62 @@ fn causal_attention_on_gpu_matches_cpu() {
     }
 }
 
+/// The flash kernels against attention in f32 over the same (rounded) inputs: every head width
+/// they take, bf16 and f16, causal (with a cached prefix, a sliding window, grouped queries) and
+/// not (a vision tower's), query counts off the 64-query blocks, keys and values read through
+/// strided views of longer buffers. The limit is tight enough that one key seen or missed shows
+/// (it moves an output by about a value over the keys seen): the kernels round only the
+/// probabilities and the output to the dtype.
+#[test]
+fn flash_attention_on_gpu_matches_f32_attention() {
+    let gpu = gpu();
+    let on = |x: &Tensor, dtype: DType| x.to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+    let rounded = |x: &Tensor, dtype: DType| x.to_dtype(dtype).unwrap().to_dtype(DType::F32).unwrap();
+    let check = |what: String, got: &Tensor, want: &Tensor| {
+        let flat = |x: &Tensor| {
+            x.to_device(&Device::Cpu).unwrap().to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        };
+        let (got, want) = (flat(got), flat(want));
+        let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(diff <= 4e-3, "{what}: differs from f32 attention by {diff}");
+    };
+    for d in [64, 128, 256] {
+        let scale = 2.0 / (d as f64).sqrt();
+        for dtype in [DType::BF16, DType::F16] {
+            // Causal: (queries, keys) with the queries the last positions; capacity past the keys.
+            for (t, l, window) in [(65, 65, None), (130, 300, None), (200, 200, Some(48)), (77, 500, Some(100))] {
+                let (hq, hkv, capacity) = (8, 2, l + 24);
+                let q = values(&[1, hq, t, d], 1.0, 31);
+                let k_buf = values(&[1, hkv, capacity, d], 1.0, 32);
+                let v_buf = values(&[1, hkv, capacity, d], 1.0, 33);
+                let scoring = Scoring { scale, window };
+                let (k, v) = (k_buf.narrow(2, 0, l).unwrap(), v_buf.narrow(2, 0, l).unwrap());
+                let want = causal_attention(
+                    &rounded(&q, dtype).squeeze(0).unwrap(),
+                    &rounded(&k, dtype).squeeze(0).unwrap(),
+                    &rounded(&v, dtype).squeeze(0).unwrap(),
+                    scoring,
+                )
+                .unwrap();
+                let (k, v) = (on(&k_buf, dtype).narrow(2, 0, l).unwrap(), on(&v_buf, dtype).narrow(2, 0, l).unwrap());
+                let got = flash_attention(&on(&q, dtype), &k, &v, scoring, true).unwrap().expect("the flash kernel takes these");
+                check(format!("causal d={d} {dtype:?} t={t} l={l} window={window:?}"), &got.squeeze(0).unwrap(), &want);
+            }
+            // Every query sees every key, two images in a batch.
+            for n in [64, 100, 333] {
+                let (q, k, v) = (values(&[2, 4, n, d], 1.0, 34), values(&[2, 4, n, d], 1.0, 35), values(&[2, 4, n, d], 1.0, 36));
+                let want = full_attention(&rounded(&q, dtype), &rounded(&k, dtype), &rounded(&v, dtype), scale).unwrap();
+                let got = flash_attention(&on(&q, dtype), &on(&k, dtype), &on(&v, dtype), Scoring::scaled(scale), false)
+                    .unwrap()
+                    .expect("the flash kernel takes these");
+                check(format!("full d={d} {dtype:?} n={n}"), &got, &want);
+                let through = full_attention(&on(&q, dtype), &on(&k, dtype), &on(&v, dtype), scale).unwrap();
+                assert_eq!(diff_bits(&through, &got), 0, "full_attention takes the flash kernel");
+            }
+        }
+    }
+}
+
 #[test]
 fn matmul_t_on_gpu_matches_cpu() {
     let gpu = gpu();
@@ -342,6 +400,21 @@ fn norms_and_swiglu_on_gpu_match_cpu() {
             assert_close(&what("add_rms_norm sum"), dtype, &sum, &want_sum);
             assert_close(&what("add_rms_norm"), dtype, &normed, &want_normed);
 
+            // LayerNorm (a vision tower's): rows off zero, so the mean matters; parameters in
+            // the rows' dtype.
+            let shifted = (&x + 3.0).unwrap();
+            let (weight, bias) = (values(&[d], 1.5, 47).to_dtype(dtype).unwrap(), values(&[d], 0.5, 48).to_dtype(dtype).unwrap());
+            let got = layer_norm(&on(&shifted), &on(&weight), &on(&bias), 1e-6).unwrap();
+            assert_close(&what("layer_norm"), dtype, &got, &layer_norm(&shifted, &weight, &bias, 1e-6).unwrap());
+            let (sum, normed) = add_layer_norm(&on(&shifted), &on(&h), &on(&weight), &on(&bias), 1e-6).unwrap();
+            let (want_sum, want_normed) = add_layer_norm(&shifted, &h, &weight, &bias, 1e-6).unwrap();
+            assert_close(&what("add_layer_norm sum"), dtype, &sum, &want_sum);
+            assert_close(&what("add_layer_norm"), dtype, &normed, &want_normed);
+            for act in [Activation::Identity, Activation::GeluTanh, Activation::GeluErf] {
+                let got = add_bias_act(&on(&x), &on(&bias), act).unwrap();
+                assert_close(&what(&format!("add_bias_act {act:?}")), dtype, &got, &add_bias_act(&x, &bias, act).unwrap());
+            }
+
             let recurrent_out = values(&[rows, d], 3.0, 44);
             let got = gated_rms_norm(&on(&recurrent_out), &on(&h), &on(&scale), 1e-6).unwrap();
             let want = gated_rms_norm(&recurrent_out, &h, &scale, 1e-6).unwrap();
@@ -385,6 +458,24 @@ fn norm_rope_on_gpu_matches_cpu() {
 
 /// A batch's KV append and attention, rows of different lengths in buffers with spare
 /// capacity (as the KV store keeps them): one kernel each on the GPU, per row on the CPU.
+/// The f32 rotation (a vision tower's) is the CPU's arithmetic: the same bits, read through
+/// strided views (queries and keys cut from one projection).
+#[test]
+fn rope_f32_on_gpu_is_the_cpus_bits() {
+    let gpu = gpu();
+    let on = |x: &Tensor| x.to_device(&gpu).unwrap();
+    for (b, t, h, d, half) in [(1, 37, 4, 64, 32), (2, 5, 3, 64, 16)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let qkv = values(&[b, t, 3, h, d], 4.0, 55).to_dtype(dtype).unwrap();
+            let (cos, sin) = (values(&[b, 1, t, half], 1.0, 56), values(&[b, 1, t, half], 1.0, 57));
+            let x = |qkv: &Tensor| qkv.narrow(2, 1, 1).unwrap().squeeze(2).unwrap();
+            let want = rope_f32(&x(&qkv), &cos, &sin).unwrap();
+            let got = rope_f32(&x(&on(&qkv)), &on(&cos), &on(&sin)).unwrap();
+            assert_eq!(diff_bits(&got, &want), 0, "rope_f32 {b}x{t}x{h}x{d} half {half} {dtype:?}");
+        }
+    }
+}
+
 #[test]
 fn batched_kv_append_and_attention_on_gpu_match_cpu() {
     let gpu = gpu();

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
+use strata_kernels::norm::Activation;
 use strata_kernels::quant::QuantMatrix;
 use strata_kernels::{attention, norm};
 
@@ -80,10 +81,15 @@ impl Linear {
     /// few enough for the batch-invariant kernel, every position stays in it however many rows
     /// the forward has, so a row gets the bits it gets alone.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_then(x, Activation::Identity)
+    }
+
+    /// `act(forward(x))`; after a bias, the bias and the activation as one pass on CUDA.
+    pub fn forward_then(&self, x: &Tensor, act: Activation) -> Result<Tensor> {
         let (rows, in_dim) = Self::rows_of(x);
         let positions = if x.rank() == 3 { x.dims()[1] } else { 1 };
         let rowwise = positions <= strata_kernels::matmul::MAX_EXACT_ROWS;
-        self.finish(self.weight.multiply(&x.reshape((rows, in_dim))?, rowwise)?, x.dims())
+        self.finish(self.weight.multiply(&x.reshape((rows, in_dim))?, rowwise)?, x.dims(), act)
     }
 
     /// `forward` of several projections of one input. Block-quantized weights share one pass
@@ -95,7 +101,11 @@ impl Linear {
             Some(packed) => {
                 let (rows, in_dim) = Self::rows_of(x);
                 let ys = QuantMatrix::matmul_t_many(&packed, &x.reshape((rows, in_dim))?)?;
-                linears.iter().zip(ys).map(|(l, y)| l.finish(y.to_dtype(x.dtype())?, x.dims())).collect::<Result<_>>()?
+                linears
+                    .iter()
+                    .zip(ys)
+                    .map(|(l, y)| l.finish(y.to_dtype(x.dtype())?, x.dims(), Activation::Identity))
+                    .collect::<Result<_>>()?
             }
             None => linears.iter().map(|l| l.forward(x)).collect::<Result<_>>()?,
         };
@@ -108,11 +118,13 @@ impl Linear {
         (x.elem_count() / in_dim, in_dim)
     }
 
-    /// Adds the bias to `y` `[rows, out]` and gives it `x`'s leading dims.
-    fn finish(&self, y: Tensor, x_dims: &[usize]) -> Result<Tensor> {
-        let y = match &self.bias {
-            Some(b) => y.broadcast_add(b)?,
-            None => y,
+    /// Adds the bias to `y` `[rows, out]`, applies `act` and gives it `x`'s leading dims.
+    fn finish(&self, y: Tensor, x_dims: &[usize], act: Activation) -> Result<Tensor> {
+        let y = match (&self.bias, act) {
+            (Some(b), act) => norm::add_bias_act(&y, b, act)?,
+            (None, Activation::Identity) => y,
+            (None, Activation::GeluTanh) => y.gelu()?,
+            (None, Activation::GeluErf) => y.gelu_erf()?,
         };
         let mut out_shape = x_dims.to_vec();
         *out_shape.last_mut().expect("input has at least one dim") = self.weight.rows()?;

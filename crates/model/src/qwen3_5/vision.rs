@@ -9,6 +9,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 use serde_json::{Map, Value};
 use strata_kernels::attention;
+use strata_kernels::norm::{self, Activation};
 
 use super::layers::{Linear, Matrix};
 use crate::config::Fields;
@@ -141,7 +142,12 @@ impl LayerNorm {
     }
 
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        Ok(candle_nn::ops::layer_norm(x, &self.weight, &self.bias, 1e-6)?)
+        Ok(norm::layer_norm(x, &self.weight, &self.bias, 1e-6)?)
+    }
+
+    /// `(x + h, forward(x + h))`: a residual add and this norm after it.
+    fn add_forward(&self, x: &Tensor, h: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok(norm::add_layer_norm(x, h, &self.weight, &self.bias, 1e-6)?)
     }
 }
 
@@ -167,22 +173,31 @@ impl Block {
         })
     }
 
-    /// `x` `[patches, hidden]` of one image; `cos`, `sin` `[1, 1, patches, head_dim / 2]`.
-    fn forward(&self, x: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    /// The residual stream `x` `[patches, hidden]` of one image and its `norm1` (`normed`) in;
+    /// the stream after the block and its `next_norm` out. `cos`, `sin` `[1, 1, patches,
+    /// head_dim / 2]`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        normed: &Tensor,
+        next_norm: &LayerNorm,
+        heads: usize,
+        cos: &Tensor,
+        sin: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         let (n, d) = x.dims2()?;
         let hd = d / heads;
-        let qkv = self.qkv.forward(&self.norm1.forward(x)?)?.reshape((n, 3, heads, hd))?.permute((1, 2, 0, 3))?;
+        // Queries, keys and values as views `[1, patches, heads, hd]` of one projection.
+        let qkv = self.qkv.forward(normed)?.reshape((1, n, 3, heads, hd))?;
+        let part = |i: usize| qkv.narrow(2, i, 1)?.squeeze(2);
         // The rotation in f32, rounded back, as transformers rotates them.
-        let rotated = |i: usize| -> Result<Tensor> {
-            let part = qkv.get(i)?.to_dtype(DType::F32)?.contiguous()?.unsqueeze(0)?;
-            Ok(attention::rope(&part, cos, sin)?.to_dtype(x.dtype())?)
-        };
-        let v = qkv.get(2)?.contiguous()?.unsqueeze(0)?;
-        let attended = attention::full_attention(&rotated(0)?, &rotated(1)?, &v, (hd as f64).powf(-0.5))?;
+        let (q, k) = (attention::rope_f32(&part(0)?, cos, sin)?, attention::rope_f32(&part(1)?, cos, sin)?);
+        let v = part(2)?.transpose(1, 2)?;
+        let attended = attention::full_attention(&q, &k, &v, (hd as f64).powf(-0.5))?;
         let attended = attended.squeeze(0)?.transpose(0, 1)?.reshape((n, d))?;
-        let x = (x + self.proj.forward(&attended)?)?;
-        let h = self.fc1.forward(&self.norm2.forward(&x)?)?.gelu()?;
-        Ok((&x + self.fc2.forward(&h)?)?)
+        let (x, normed) = self.norm2.add_forward(x, &self.proj.forward(&attended)?)?;
+        let h = self.fc1.forward_then(&normed, Activation::GeluTanh)?;
+        next_norm.add_forward(&x, &self.fc2.forward(&h)?)
     }
 }
 
@@ -247,12 +262,19 @@ impl VisionTower {
         let coords = self.patch_coords(gh, gw);
         let x = (self.patch_embed.forward(&pixels)? + self.position_embeddings(&coords, gh, gw)?.to_dtype(self.dtype)?)?;
         let (cos, sin) = self.rotary(&coords)?;
+        // Each block ends with the next one's first norm (the merger's after the last), joined
+        // to its residual add.
+        let mut normed = match self.blocks.first() {
+            Some(first) => first.norm1.forward(&x)?,
+            None => self.merger_norm.forward(&x)?,
+        };
         let mut x = x;
-        for block in &self.blocks {
-            x = block.forward(&x, self.cfg.num_heads, &cos, &sin)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let next_norm = self.blocks.get(i + 1).map_or(&self.merger_norm, |b| &b.norm1);
+            (x, normed) = block.forward(&x, &normed, next_norm, self.cfg.num_heads, &cos, &sin)?;
         }
-        let merged = self.merger_norm.forward(&x)?.reshape((n / (m * m), self.cfg.hidden_size * m * m))?;
-        let h = self.merger_fc1.forward(&merged)?.gelu_erf()?;
+        let merged = normed.reshape((n / (m * m), self.cfg.hidden_size * m * m))?;
+        let h = self.merger_fc1.forward_then(&merged, Activation::GeluErf)?;
         self.merger_fc2.forward(&h)
     }
 
