@@ -1,22 +1,25 @@
 // Attention over a whole prompt block without writing scores out (flash attention): each block
-// of FLASH_WARPS warps takes 16 queries a warp of one (row, query head), walks the keys it sees in
-// tiles, computes scores and weighted values on the tensor cores (mma.sync m16n8k16, f32
-// accumulators) and keeps a running softmax per query in registers. Memory traffic is the
+// of FLASH_WARPS warps takes 16 or 32 queries a warp of one (row, query head), walks the keys
+// it sees in tiles, computes scores and weighted values on the tensor cores (mma.sync m16n8k16,
+// f32 accumulators) and keeps a running softmax per query in registers. Memory traffic is the
 // queries, keys and values once per block: linear in the prompt, where scores would be
 // quadratic. Keys and values stream through shared memory two tiles deep (cp.async).
 //
 // q [B, Hq, T, D], k and v [B, Hkv, L, D] (strides in elements for b, h and position; d
-// contiguous, rows 16-byte aligned), out [B, Hq, T, D] with strides ob, oh, ot (d contiguous). Query head h reads KV head
-// h / (Hq / Hkv). With `causal`, query i sits at position L - T + i and sees keys up to it (the
-// last `window` of them when window > 0); otherwise every query sees all L keys. Only 16-bit
-// dtypes: the tensor cores multiply them.
+// contiguous, rows 16-byte aligned), out [B, Hq, T, D] with strides ob, oh, ot (d contiguous).
+// Query head h reads KV head h / (Hq / Hkv). With `causal`, query i sits at position L - T + i
+// and sees keys up to it (the last `window` of them when window > 0); otherwise every query
+// sees all L keys. Only 16-bit dtypes: the tensor cores multiply them.
 #include <type_traits>
 
 #include "common.cuh"
 
 constexpr int FLASH_WARPS = 4;
-constexpr int FLASH_QUERIES = 16 * FLASH_WARPS;
 
+// Query tiles of 16 a warp: two at D = 64, so each key and value fragment read from shared
+// memory feeds two products; one at the wider heads, whose accumulators fill the registers.
+template <int D> __host__ __device__ constexpr int flash_tiles() { return D <= 64 ? 2 : 1; }
+template <int D> __host__ __device__ constexpr int flash_queries() { return 16 * flash_tiles<D>() * FLASH_WARPS; }
 // Keys per tile: fewer at D = 256, whose output accumulators take half a thread's registers.
 template <int D> __host__ __device__ constexpr int flash_keys() { return D <= 128 ? 64 : 32; }
 // Shared-memory row of D elements, padded by 16 bytes so that ldmatrix's 8 rows fall on
@@ -75,32 +78,40 @@ template <typename T> __device__ __forceinline__ unsigned pack2(float lo, float 
     }
 }
 
+// 2^x by the special-function unit (0 for -inf).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
 template <typename T, int D>
 __device__ void flash_attention(const T* q, const T* k, const T* v, T* out, long long qb, long long qh, long long qt,
                                 long long kb, long long kh, long long kt, long long vb, long long vh, long long vt,
                                 long long ob, long long oh, long long ot, int Hq, int Hkv, int Tq, int L, int causal,
                                 float scale, int window) {
     constexpr int KEYS = flash_keys<D>(), S = flash_stride<D>(), CHUNKS = D / 8;
+    constexpr int MT = flash_tiles<D>(), QUERIES = flash_queries<D>();
     extern __shared__ __align__(16) unsigned char shared[];
-    T* sq = reinterpret_cast<T*>(shared);  // [FLASH_QUERIES][S]
-    T* sk = sq + FLASH_QUERIES * S;        // [2][KEYS][S]
+    T* sq = reinterpret_cast<T*>(shared);  // [QUERIES][S]
+    T* sk = sq + QUERIES * S;              // [2][KEYS][S]
     T* sv = sk + 2 * KEYS * S;             // [2][KEYS][S]
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const int i0 = blockIdx.x * FLASH_QUERIES, h = blockIdx.y, b = blockIdx.z;
+    const int i0 = blockIdx.x * QUERIES, h = blockIdx.y, b = blockIdx.z;
     const T* qs = q + b * qb + h * qh;
     const T* ks = k + b * kb + (h / (Hq / Hkv)) * kh;
     const T* vs = v + b * vb + (h / (Hq / Hkv)) * vh;
     await_previous_kernel();
 
     // The keys some query of the block sees, [lo, hi), and those every one sees, [all_lo, all_hi).
-    const int shift = L - Tq, last = min(i0 + FLASH_QUERIES, Tq) - 1;
+    const int shift = L - Tq, last = min(i0 + QUERIES, Tq) - 1;
     const bool windowed = causal && window > 0;
     const int hi = causal ? min(L, shift + last + 1) : L;
     const int lo = windowed ? max(0, shift + i0 + 1 - window) : 0;
     const int all_hi = causal ? min(L, shift + i0 + 1) : L;
     const int all_lo = windowed ? max(0, shift + last + 1 - window) : 0;
 
-    for (int c = threadIdx.x; c < FLASH_QUERIES * CHUNKS; c += blockDim.x) {
+    for (int c = threadIdx.x; c < QUERIES * CHUNKS; c += blockDim.x) {
         const int r = c / CHUNKS, col = c % CHUNKS * 8;
         const bool valid = i0 + r < Tq;
         copy16(sq + r * S + col, valid ? qs + (i0 + r) * qt + col : qs, valid);
@@ -118,12 +129,14 @@ __device__ void flash_attention(const T* q, const T* k, const T* v, T* out, long
     if (first_tile < end_tile) load_tile(first_tile, 0);
     copies_commit();
 
-    // This thread's accumulators: rows g = lane / 4 and g + 8 of the warp's 16 queries, columns
-    // 2 (lane % 4) and one more of each 8-wide tile.
-    float o[D / 8][4] = {};
-    float running_max[2] = {-INFINITY, -INFINITY}, running_sum[2] = {0.0f, 0.0f};
+    // This thread's accumulators, per query tile m: rows g = lane / 4 and g + 8 of the tile's
+    // 16 queries, columns 2 (lane % 4) and one more of each 8-wide tile.
+    float o[MT][D / 8][4] = {};
+    float running_max[MT][2], running_sum[MT][2] = {};
+#pragma unroll
+    for (int m = 0; m < MT; ++m) running_max[m][0] = running_max[m][1] = -INFINITY;
     const float scale_log2 = scale * 1.4426950408889634f;
-    const int row0 = i0 + warp * 16 + lane / 4;
+    const int row0 = i0 + warp * 16 * MT + lane / 4;
     for (int tile = first_tile; tile < end_tile; ++tile) {
         const int buffer = (tile - first_tile) & 1;
         if (tile + 1 < end_tile) load_tile(tile + 1, buffer ^ 1);
@@ -133,17 +146,23 @@ __device__ void flash_attention(const T* q, const T* k, const T* v, T* out, long
         const T* tk = sk + buffer * KEYS * S;
         const T* tv = sv + buffer * KEYS * S;
 
-        float s[KEYS / 8][4] = {};
+        float s[MT][KEYS / 8][4] = {};
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) {
-            unsigned a[4];
-            ldmatrix_x4(a, sq + (warp * 16 + (lane & 15)) * S + kc * 16 + (lane / 16) * 8);
+            unsigned a[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                ldmatrix_x4(a[m], sq + (warp * 16 * MT + m * 16 + (lane & 15)) * S + kc * 16 + (lane / 16) * 8);
+            }
 #pragma unroll
             for (int n = 0; n < KEYS / 8; n += 2) {
                 unsigned bk[4];
                 ldmatrix_x4(bk, tk + (n * 8 + (lane & 7) + (lane / 16) * 8) * S + kc * 16 + ((lane / 8) & 1) * 8);
-                mma16816<T>(s[n], a, bk[0], bk[1]);
-                mma16816<T>(s[n + 1], a, bk[2], bk[3]);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    mma16816<T>(s[m][n], a[m], bk[0], bk[1]);
+                    mma16816<T>(s[m][n + 1], a[m], bk[2], bk[3]);
+                }
             }
         }
 
@@ -151,55 +170,66 @@ __device__ void flash_attention(const T* q, const T* k, const T* v, T* out, long
         const int j0 = tile * KEYS;
         const bool masked = j0 < all_lo || j0 + KEYS > all_hi;
 #pragma unroll
-        for (int n = 0; n < KEYS / 8; ++n) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float x = s[n][e] * scale_log2;
-                if (masked) {
-                    const int j = j0 + n * 8 + 2 * (lane % 4) + (e & 1), pos = shift + row0 + (e / 2) * 8;
-                    const bool seen = j < L && (!causal || j <= pos) && (!windowed || j > pos - window);
-                    x = seen ? x : -INFINITY;
-                }
-                s[n][e] = x;
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float m = running_max[r];
-#pragma unroll
-            for (int n = 0; n < KEYS / 8; ++n) m = fmaxf(m, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
-            // A query that has seen no key yet keeps a zero sum (its scores are all -inf).
-            const float base = m == -INFINITY ? 0.0f : m;
-            const float rescale = exp2f(running_max[r] - base);
-            running_max[r] = m;
-            running_sum[r] *= rescale;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                o[n][2 * r] *= rescale;
-                o[n][2 * r + 1] *= rescale;
-            }
+        for (int m = 0; m < MT; ++m) {
 #pragma unroll
             for (int n = 0; n < KEYS / 8; ++n) {
-                s[n][2 * r] = exp2f(s[n][2 * r] - base);
-                s[n][2 * r + 1] = exp2f(s[n][2 * r + 1] - base);
-                running_sum[r] += s[n][2 * r] + s[n][2 * r + 1];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float x = s[m][n][e] * scale_log2;
+                    if (masked) {
+                        const int j = j0 + n * 8 + 2 * (lane % 4) + (e & 1), pos = shift + row0 + m * 16 + (e / 2) * 8;
+                        const bool seen = j < L && (!causal || j <= pos) && (!windowed || j > pos - window);
+                        x = seen ? x : -INFINITY;
+                    }
+                    s[m][n][e] = x;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = running_max[m][r];
+#pragma unroll
+                for (int n = 0; n < KEYS / 8; ++n) mx = fmaxf(mx, fmaxf(s[m][n][2 * r], s[m][n][2 * r + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                // A query that has seen no key yet keeps a zero sum (its scores are all -inf).
+                const float base = mx == -INFINITY ? 0.0f : mx;
+                const float rescale = exp2_approx(running_max[m][r] - base);
+                running_max[m][r] = mx;
+                running_sum[m][r] *= rescale;
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) {
+                    o[m][n][2 * r] *= rescale;
+                    o[m][n][2 * r + 1] *= rescale;
+                }
+#pragma unroll
+                for (int n = 0; n < KEYS / 8; ++n) {
+                    s[m][n][2 * r] = exp2_approx(s[m][n][2 * r] - base);
+                    s[m][n][2 * r + 1] = exp2_approx(s[m][n][2 * r + 1] - base);
+                    running_sum[m][r] += s[m][n][2 * r] + s[m][n][2 * r + 1];
+                }
             }
         }
 
         // o += p v: the scores' accumulators are the A fragments of p, two 8-key tiles a chunk.
 #pragma unroll
         for (int kc = 0; kc < KEYS / 16; ++kc) {
-            const unsigned a[4] = {pack2<T>(s[2 * kc][0], s[2 * kc][1]), pack2<T>(s[2 * kc][2], s[2 * kc][3]),
-                                   pack2<T>(s[2 * kc + 1][0], s[2 * kc + 1][1]),
-                                   pack2<T>(s[2 * kc + 1][2], s[2 * kc + 1][3])};
+            unsigned a[MT][4];
+#pragma unroll
+            for (int m = 0; m < MT; ++m) {
+                a[m][0] = pack2<T>(s[m][2 * kc][0], s[m][2 * kc][1]);
+                a[m][1] = pack2<T>(s[m][2 * kc][2], s[m][2 * kc][3]);
+                a[m][2] = pack2<T>(s[m][2 * kc + 1][0], s[m][2 * kc + 1][1]);
+                a[m][3] = pack2<T>(s[m][2 * kc + 1][2], s[m][2 * kc + 1][3]);
+            }
 #pragma unroll
             for (int n = 0; n < D / 8; n += 2) {
                 unsigned bv[4];
                 ldmatrix_x4_trans(bv, tv + (kc * 16 + (lane & 7) + ((lane / 8) & 1) * 8) * S + n * 8 + (lane / 16) * 8);
-                mma16816<T>(o[n], a, bv[0], bv[1]);
-                mma16816<T>(o[n + 1], a, bv[2], bv[3]);
+#pragma unroll
+                for (int m = 0; m < MT; ++m) {
+                    mma16816<T>(o[m][n], a[m], bv[0], bv[1]);
+                    mma16816<T>(o[m][n + 1], a[m], bv[2], bv[3]);
+                }
             }
         }
         __syncthreads();  // everyone is done with this buffer before the next tile's loads refill it
@@ -208,17 +238,20 @@ __device__ void flash_attention(const T* q, const T* k, const T* v, T* out, long
 
     T* os = out + b * ob + h * oh;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        float sum = running_sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-        const int row = row0 + r * 8;
-        if (row >= Tq) continue;
+    for (int m = 0; m < MT; ++m) {
 #pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            *reinterpret_cast<unsigned*>(os + row * ot + n * 8 + 2 * (lane % 4)) =
-                pack2<T>(o[n][2 * r] * inv, o[n][2 * r + 1] * inv);
+        for (int r = 0; r < 2; ++r) {
+            float sum = running_sum[m][r];
+            sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+            sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+            const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+            const int row = row0 + m * 16 + r * 8;
+            if (row >= Tq) continue;
+#pragma unroll
+            for (int n = 0; n < D / 8; ++n) {
+                *reinterpret_cast<unsigned*>(os + row * ot + n * 8 + 2 * (lane % 4)) =
+                    pack2<T>(o[m][n][2 * r] * inv, o[m][n][2 * r + 1] * inv);
+            }
         }
     }
 }

@@ -470,8 +470,7 @@ pub(crate) mod gpu {
         Ok(q.device().is_cuda() && q.dim(2)? > crate::matmul::MAX_EXACT_ROWS && takes(&q.get(0)?, &k.get(0)?, &v.get(0)?)?)
     }
 
-    /// Queries a flash block takes (cuda/flash.cu's FLASH_QUERIES, 16 per warp).
-    const FLASH_QUERIES: usize = 64;
+    /// Warps of a flash block (cuda/flash.cu's FLASH_WARPS).
     const FLASH_WARPS: u32 = 4;
 
     /// [`super::flash_attention`].
@@ -496,10 +495,12 @@ pub(crate) mod gpu {
         {
             return Ok(None);
         }
-        // Keys per tile (fewer at 256) and the shared memory of the queries and two tiles of
-        // keys and values, rows padded by 16 bytes.
+        // Queries a block takes (16 or 32 a warp), keys per tile (fewer at 256) and the shared
+        // memory of the queries and two tiles of keys and values, rows padded by 16 bytes
+        // (cuda/flash.cu's flash_queries, flash_keys, flash_stride).
+        let queries = if d <= 64 { 32 } else { 16 } * FLASH_WARPS as usize;
         let keys = if d <= 128 { 64 } else { 32 };
-        let shared = ((FLASH_QUERIES + 4 * keys) * (d + 8) * dtype.size_in_bytes()) as u32;
+        let shared = ((queries + 4 * keys) * (d + 8) * dtype.size_in_bytes()) as u32;
         if !cuda::fits(q.device(), &cuda::FLASH, name, dtype, shared) {
             return Ok(None);
         }
@@ -512,7 +513,7 @@ pub(crate) mod gpu {
         let grid = |n: usize| u32::try_from(n).ok().filter(|&n| n <= 65535);
         let (Some(heads), Some(rows)) = (grid(hq), grid(b)) else { return Ok(None) };
         let cfg = LaunchConfig {
-            grid_dim: (t.div_ceil(FLASH_QUERIES).max(1) as u32, heads, rows),
+            grid_dim: (t.div_ceil(queries).max(1) as u32, heads, rows),
             block_dim: (FLASH_WARPS * 32, 1, 1),
             shared_mem_bytes: shared,
         };
