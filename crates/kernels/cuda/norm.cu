@@ -136,6 +136,25 @@ __device__ void gated_rms_norm_for(const float* x, const T* gate, long long gate
     }
 }
 
+// out[e] = op(a[e], b[e]) for the 16 bytes' worth of elements (VEC) at these addresses: one
+// 16-byte load per input and one store where `whole` (a full piece, every address 16-byte
+// aligned), else element by element, at most `left` of them.
+template <typename T, typename Op>
+__device__ __forceinline__ void piece_op(const T* a, const T* b, T* out, bool whole, int left, Op op) {
+    constexpr int VEC = 16 / sizeof(T);
+    if (whole) {
+        const uint4 av = *reinterpret_cast<const uint4*>(a), bv = *reinterpret_cast<const uint4*>(b);
+        uint4 ov;
+        const T *ae = reinterpret_cast<const T*>(&av), *be = reinterpret_cast<const T*>(&bv);
+        T* oe = reinterpret_cast<T*>(&ov);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) oe[e] = op(ae[e], be[e]);
+        *reinterpret_cast<uint4*>(out) = ov;
+    } else {
+        for (int e = 0; e < VEC && e < left; ++e) out[e] = op(a[e], b[e]);
+    }
+}
+
 // silu(gate) * up for [rows, cols] with the inputs' rows `gate_stride` / `up_stride` apart
 // (halves of one projection's output, say); silu's result is rounded to T as a separate op
 // would. y is contiguous. blockIdx.x is the row; each thread takes 16 bytes' worth of columns
@@ -152,17 +171,7 @@ __device__ void silu_mul(const T* gate, long long gate_stride, const T* up, long
     const T* u = up + r * up_stride + c;
     T* out = y + r * cols + c;
     const auto product = [](T g, T u) { return from_f32<T>(round_to<T>(silu(to_f32(g))) * to_f32(u)); };
-    if (pieces && c + VEC <= cols) {
-        const uint4 gv = *reinterpret_cast<const uint4*>(g), uv = *reinterpret_cast<const uint4*>(u);
-        uint4 ov;
-        const T *ge = reinterpret_cast<const T*>(&gv), *ue = reinterpret_cast<const T*>(&uv);
-        T* oe = reinterpret_cast<T*>(&ov);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) oe[e] = product(ge[e], ue[e]);
-        *reinterpret_cast<uint4*>(out) = ov;
-    } else {
-        for (int e = 0; e < VEC && c + e < cols; ++e) out[e] = product(g[e], u[e]);
-    }
+    piece_op<T>(g, u, out, pieces && c + VEC <= cols, cols - c, product);
 }
 
 // y = act(x + bias) for x [rows, cols] contiguous and bias [cols]: the sum rounded to T (as a
@@ -185,17 +194,7 @@ __device__ void bias_act(const T* x, const T* bias, T* y, int rows, int cols, in
             default: return from_f32<T>(s);
         }
     };
-    if (pieces && c + VEC <= cols) {
-        const uint4 xv = *reinterpret_cast<const uint4*>(xr), bv = *reinterpret_cast<const uint4*>(bias + c);
-        uint4 ov;
-        const T *xe = reinterpret_cast<const T*>(&xv), *be = reinterpret_cast<const T*>(&bv);
-        T* oe = reinterpret_cast<T*>(&ov);
-#pragma unroll
-        for (int e = 0; e < VEC; ++e) oe[e] = apply(xe[e], be[e]);
-        *reinterpret_cast<uint4*>(out) = ov;
-    } else {
-        for (int e = 0; e < VEC && c + e < cols; ++e) out[e] = apply(xr[e], bias[c + e]);
-    }
+    piece_op<T>(xr, bias + c, out, pieces && c + VEC <= cols, cols - c, apply);
 }
 
 #define INSTANTIATE(T, NAME)                                                                                   \

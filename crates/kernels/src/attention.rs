@@ -144,7 +144,8 @@ fn full_attention_within(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, max_sco
     }
     #[cfg(feature = "cuda")]
     if gpu::takes_batch(q, k, v)? {
-        return gpu::prefill(q, k, v, Scoring::scaled(scale), false);
+        // full_attention tried the flash kernel already.
+        return gpu::scored_prefill(q, k, v, Scoring::scaled(scale), false);
     }
     let scores = (q.matmul(&k.contiguous()?.t()?)? * scale)?.to_dtype(DType::F32)?;
     candle_nn::ops::softmax_last_dim(&scores)?.to_dtype(q.dtype())?.matmul(&v.contiguous()?)
@@ -549,14 +550,19 @@ pub(crate) mod gpu {
     }
 
     /// Prompt blocks of a batch of rows, `q` `[B, Hq, T, D]` over `k`, `v` `[B, Hkv, L, D]`
-    /// (every row's history equally long): the flash kernel where it takes them; otherwise the
-    /// scores and the weighted values as (tensor-core) matmuls batched over rows and KV heads,
-    /// the causal mask (unless `causal` is false) and softmax between them as one kernel, without
-    /// a mask tensor.
+    /// (every row's history equally long): the flash kernel where it takes them, else
+    /// [`scored_prefill`].
     pub(super) fn prefill(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, causal: bool) -> Result<Tensor> {
-        if let Some(out) = flash(q, k, v, scoring, causal)? {
-            return Ok(out);
+        match flash(q, k, v, scoring, causal)? {
+            Some(out) => Ok(out),
+            None => scored_prefill(q, k, v, scoring, causal),
         }
+    }
+
+    /// [`prefill`] with its scores written out: the scores and the weighted values as
+    /// (tensor-core) matmuls batched over rows and KV heads, the causal mask (unless `causal` is
+    /// false) and softmax between them as one kernel, without a mask tensor.
+    pub(super) fn scored_prefill(q: &Tensor, k: &Tensor, v: &Tensor, scoring: Scoring, causal: bool) -> Result<Tensor> {
         let (b, hq, t_len, d) = q.dims4()?;
         let (_, hkv, l_len, _) = k.dims4()?;
         let qg = q.contiguous()?.reshape((b * hkv, hq / hkv * t_len, d))?;

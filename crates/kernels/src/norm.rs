@@ -205,14 +205,14 @@ mod gpu {
     }
 
     pub(super) fn rms_norm(x: &Tensor, scale: &Tensor, eps: f32) -> Result<Option<Tensor>> {
-        Ok(row_norm(x, None, &f32_param(scale)?, None, eps)?.map(|(_, y)| y))
+        Ok(row_norm(x, None, scale, None, eps)?.map(|(_, y)| y))
     }
 
     pub(super) fn add_rms_norm(x: &Tensor, h: &Tensor, scale: &Tensor, eps: f32) -> Result<Option<(Tensor, Tensor)>> {
-        Ok(row_norm(x, Some(h), &f32_param(scale)?, None, eps)?.map(|(sum, y)| (sum.expect("a sum with h"), y)))
+        Ok(row_norm(x, Some(h), scale, None, eps)?.map(|(sum, y)| (sum.expect("a sum with h"), y)))
     }
 
-    /// LayerNorm (`h`: after adding it), its weight and bias in `x`'s dtype.
+    /// LayerNorm (`h`: after adding it).
     pub(super) fn layer_norm(
         x: &Tensor,
         h: Option<&Tensor>,
@@ -220,12 +220,12 @@ mod gpu {
         bias: &Tensor,
         eps: f32,
     ) -> Result<Option<(Option<Tensor>, Tensor)>> {
-        let param = |p: &Tensor| p.to_dtype(x.dtype())?.contiguous();
-        row_norm(x, h, &param(weight)?, Some(&param(bias)?), eps)
+        row_norm(x, h, weight, Some(bias), eps)
     }
 
-    /// The row norm kernels: RMSNorm with an f32 `scale` or, with a `bias`, LayerNorm with
-    /// parameters in `x`'s dtype; with `h`, after the residual add `x + h`, which they return too.
+    /// The row norm kernels: RMSNorm (its `scale` taken in f32) or, with a `bias`, LayerNorm
+    /// (its parameters taken in `x`'s dtype); with `h`, after the residual add `x + h`, which
+    /// they return too.
     fn row_norm(
         x: &Tensor,
         h: Option<&Tensor>,
@@ -237,6 +237,12 @@ mod gpu {
         if !on_cuda(x, &others) || h.is_some_and(|h| h.dtype() != x.dtype() || h.shape() != x.shape()) {
             return Ok(None);
         }
+        let param = |p: &Tensor| match bias {
+            Some(_) => p.to_dtype(x.dtype())?.contiguous(),
+            None => f32_param(p),
+        };
+        let scale = param(scale)?;
+        let bias = bias.map(param).transpose()?;
         let (rows, d) = rows_and_dim(x)?;
         let x = x.contiguous()?;
         let h = h.map(Tensor::contiguous).transpose()?;
@@ -246,8 +252,8 @@ mod gpu {
         let y = cuda::output(x.shape(), x.dtype(), x.device())?;
         if rows > 0 {
             let cfg = cuda::grid_rows(rows, threads, threads as u32)?;
-            let mut args = vec![Arg::at(&x)?, Arg::at_or_null(h.as_ref())?, Arg::at(scale)?];
-            if let Some(bias) = bias {
+            let mut args = vec![Arg::at(&x)?, Arg::at_or_null(h.as_ref())?, Arg::at(&scale)?];
+            if let Some(bias) = &bias {
                 args.push(Arg::at(bias)?);
             }
             args.extend([Arg::at_or_null(sum.as_ref())?, Arg::at(&y)?, Arg::dim(d)?, Arg::F32(eps), Arg::I32(pieces.into())]);
