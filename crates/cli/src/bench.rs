@@ -354,6 +354,7 @@ pub fn run(mut a: Args) -> Result<()> {
                     serde_json::json!({
                         "model": name, "device": a.device, "machine": machine, "threads": candle_core::utils::get_num_threads(),
                         "dtype": dtype.name(), "kv_cache_dtype": a.kv.policy()?.to_string(),
+                        "mamba_ssm_cache_dtype": format!("{:?}", a.kv.mamba_ssm_cache_dtype.dtype()).to_lowercase(),
                         "concurrency": c, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
                         "prefill_tok_s": m.prefill_tok_s, "aggregate_decode_tok_s": m.aggregate_decode_tok_s,
                         "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,

@@ -15,7 +15,8 @@ pub enum DTypeArg {
 
 impl DTypeArg {
     /// The compute dtype asked for, else the device's default: f32 on CPU (exact against the
-    /// oracle), bf16 on GPUs (tensor cores; recurrent state stays f32 either way).
+    /// oracle), bf16 on GPUs (tensor cores; recurrent state stays f32 unless
+    /// `--mamba-ssm-cache-dtype` says otherwise).
     pub fn or_default_for(asked: Option<DTypeArg>, device: &Device) -> DTypeArg {
         asked.unwrap_or(if device.is_cpu() { DTypeArg::F32 } else { DTypeArg::Bf16 })
     }
@@ -35,8 +36,26 @@ impl DTypeArg {
     }
 }
 
-/// How attention KV is stored: `--kv-cache-dtype` and its options, for every command that loads
-/// a model.
+/// What DeltaNet recurrent state is stored in (`--mamba-ssm-cache-dtype`, vLLM's name and values).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SsmCacheDtype {
+    /// float32 (vLLM's auto is the model's dtype; strata keeps the exact one).
+    Auto,
+    Float32,
+    Bfloat16,
+}
+
+impl SsmCacheDtype {
+    pub fn dtype(self) -> DType {
+        match self {
+            SsmCacheDtype::Auto | SsmCacheDtype::Float32 => DType::F32,
+            SsmCacheDtype::Bfloat16 => DType::BF16,
+        }
+    }
+}
+
+/// How attention KV and recurrent state are stored: `--kv-cache-dtype` and its options, and
+/// `--mamba-ssm-cache-dtype`, for every command that loads a model.
 #[derive(Clone, Debug, clap::Args)]
 pub struct KvCacheArgs {
     /// How attention keys and values are stored: auto (as computed, in --dtype);
@@ -57,6 +76,11 @@ pub struct KvCacheArgs {
     /// `quantized_kv_start`).
     #[arg(long, default_value_t = 0)]
     pub quantized_kv_start: usize,
+    /// What Gated DeltaNet layers store their recurrent state in: auto (= float32, exact) or
+    /// bfloat16 — half the bytes each request holds and each decode step reads and writes; the
+    /// recurrence still computes in f32, rounding the state once per forward.
+    #[arg(long, value_enum, default_value = "auto")]
+    pub mamba_ssm_cache_dtype: SsmCacheDtype,
 }
 
 impl KvCacheArgs {
@@ -78,17 +102,22 @@ impl KvCacheArgs {
     /// Stores `model`'s KV as asked.
     pub fn apply(&self, mut model: Model) -> Result<Model> {
         model.set_kv_format(self.policy()?)?;
+        model.set_ssm_cache_dtype(self.mamba_ssm_cache_dtype.dtype())?;
         Ok(model)
     }
 
-    /// `dtype`'s name with the KV formats, for cache identities (codes are never read as another
-    /// format's; unquantized KV keeps the plain dtype name).
+    /// `dtype`'s name with the KV formats and a bf16 recurrent state, for cache identities
+    /// (stored state is never read as another format's; the defaults keep the plain dtype name).
     pub fn identity_dtype(&self, dtype: DTypeArg) -> Result<String> {
         let policy = self.policy()?;
-        Ok(match policy.format {
+        let mut name = match policy.format {
             KvFormat::Auto => dtype.name().to_string(),
             _ => format!("{}+kv-{policy}", dtype.name()),
-        })
+        };
+        if self.mamba_ssm_cache_dtype.dtype() == DType::BF16 {
+            name.push_str("+ssm-bf16");
+        }
+        Ok(name)
     }
 }
 

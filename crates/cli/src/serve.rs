@@ -330,6 +330,7 @@ pub fn start(
         kv_block_size = pool.block_size,
         kv_blocks = pool.blocks_total,
         kv_tokens = pool.blocks_total * pool.block_size,
+        recurrent_bytes_per_row = pool.recurrent_bytes_per_row,
         rows = pool.slots_total,
         max_num_seqs = engine.max_batch,
         pool_bytes = worker.pool_bytes(),

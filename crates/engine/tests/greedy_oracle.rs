@@ -37,6 +37,28 @@ fn greedy_tokens_match_transformers() {
     }
 }
 
+/// `--mamba-ssm-cache-dtype bfloat16`: the recurrent state rounded to bf16 after every token
+/// (f32 compute) keeps transformers' f32 greedy tokens on every fixture with recurrent layers.
+#[test]
+fn a_bf16_recurrent_state_keeps_transformers_greedy_tokens() {
+    let mut ran = 0;
+    for dir in fixtures() {
+        let mut model = ModelFolder::open(&dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+        let recurrent = |m: &strata_model::Model| m.state_cost().bytes_per_row;
+        let f32_row = recurrent(&model);
+        model.set_ssm_cache_dtype(DType::BF16).unwrap();
+        if recurrent(&model) == f32_row {
+            continue; // no recurrent layers: nothing stored differently
+        }
+        let (prompt, reference) = reference(&dir);
+        let want: Vec<u32> = serde_json::from_value(reference["greedy_tokens"].clone()).unwrap();
+        let out = generate(&model, &prompt, &opts(SamplingParams::greedy()), |_| true).unwrap();
+        assert_eq!(out.tokens, want, "{}", dir.display());
+        ran += 1;
+    }
+    assert!(ran > 0, "no fixture has recurrent layers");
+}
+
 #[test]
 fn bf16_generates_and_reports_agreement() {
     for dir in fixtures() {

@@ -1,9 +1,11 @@
-//! Quantized KV (`--kv-cache-dtype`, also delayed and with a layer left unquantized) through the
-//! engine, on every fixture with every format its head dimension takes: a request gives the same greedy tokens and log-probabilities (every
+//! Stored state formats through the engine — quantized KV (`--kv-cache-dtype`, also delayed and
+//! with a layer left unquantized) on every fixture with every format its head dimension takes,
+//! and recurrent state in bf16 (`--mamba-ssm-cache-dtype bfloat16`) on every fixture with
+//! recurrent layers: a request gives the same greedy tokens and log-probabilities (every
 //! vocabulary entry, within 1e-5) whether it runs cold, from a RAM hit, or from the SSD tier
 //! after a restart; the same tokens with speculative decoding (drafts rejected and rolled back,
 //! rows batched) and when resumed from a checkpoint after a crash — each the same format's
-//! uninterrupted run. And the format is in force: its log-probabilities are not the unquantized
+//! uninterrupted run. And the format is in force: its log-probabilities are not the plain
 //! ones.
 
 use std::path::Path;
@@ -24,15 +26,30 @@ use common::{assert_same, fixtures, greedy, prompt_tokens, run, run_with, small_
 /// unquantized.
 const FORMATS: [&str; 5] = ["turbo3", "turbo-k4ipv2", "affine4-g32", "affine8-g128", "affine3-g64"];
 
-fn load(dir: &Path, policy: &KvPolicy) -> Model {
+/// How a run stores its state: attention KV, and the recurrent layers' matrices.
+#[derive(Clone, Default)]
+struct Stored {
+    kv: KvPolicy,
+    ssm_bf16: bool,
+}
+
+impl std::fmt::Display for Stored {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "kv-{}{}", self.kv, if self.ssm_bf16 { "+ssm-bf16" } else { "" })
+    }
+}
+
+fn load(dir: &Path, stored: &Stored) -> Model {
     let mut model = ModelFolder::open(dir).unwrap().load(DType::F32, &Device::Cpu).unwrap();
-    model.set_kv_format(policy.clone()).unwrap();
+    model.set_kv_format(stored.kv.clone()).unwrap();
+    model.set_ssm_cache_dtype(if stored.ssm_bf16 { DType::BF16 } else { DType::F32 }).unwrap();
     model
 }
 
-/// The policies of [`FORMATS`] that `dir`'s model can store its KV in.
-fn policies(dir: &Path) -> Vec<KvPolicy> {
-    let spec = load(dir, &KvPolicy::default()).state_spec();
+/// The policies of [`FORMATS`] that `dir`'s model can store its KV in, and a bf16 recurrent
+/// state where it has recurrent layers.
+fn formats(dir: &Path) -> Vec<Stored> {
+    let spec = load(dir, &Stored::default()).state_spec();
     let formats = FORMATS.iter().map(|f| f.parse::<KvFormat>().unwrap());
     let policies = formats.flat_map(|format| {
         [
@@ -42,39 +59,45 @@ fn policies(dir: &Path) -> Vec<KvPolicy> {
         ]
     });
     // Leaving the last layer unquantized needs another layer to quantize.
-    let kv_layers = spec.layers.iter().filter(|l| !matches!(l, strata_state::LayerSpec::Recurrent(_))).count();
-    policies.filter(|p| spec.clone().with_kv(p.clone()).is_ok() && (p.unquantized.is_empty() || kv_layers > 1)).collect()
+    let is_recurrent = |l: &strata_state::LayerSpec| matches!(l, strata_state::LayerSpec::Recurrent(_));
+    let kv_layers = spec.layers.iter().filter(|l| !is_recurrent(l)).count();
+    let kv = policies.filter(|p| spec.clone().with_kv(p.clone()).is_ok() && (p.unquantized.is_empty() || kv_layers > 1));
+    let mut formats: Vec<Stored> = kv.map(|kv| Stored { kv, ssm_bf16: false }).collect();
+    if spec.layers.iter().any(is_recurrent) {
+        formats.push(Stored { kv: KvPolicy::default(), ssm_bf16: true });
+    }
+    formats
 }
 
-fn cache(ssd: Option<&Path>, format: &KvPolicy, checkpoint_every: usize) -> CacheConfig {
+fn cache(ssd: Option<&Path>, format: &Stored, checkpoint_every: usize) -> CacheConfig {
     let ssd = ssd.map(|dir| SsdConfig {
         options: SsdOptions { dir: dir.to_path_buf(), max_bytes: 1 << 30, verify: false },
-        identity: Identity { model: "fixture".into(), config_hash: 1, tokenizer_hash: 2, dtype: format!("f32+kv-{format}") },
+        identity: Identity { model: "fixture".into(), config_hash: 1, tokenizer_hash: 2, dtype: format!("f32+{format}") },
         queue: 256,
     });
     CacheConfig { ram_bytes: 1 << 30, stride: 8, ssd, checkpoint_every }
 }
 
-fn engine(dir: &Path, format: &KvPolicy, cache: CacheConfig, speculation: Option<Speculation>) -> Worker {
+fn engine(dir: &Path, format: &Stored, cache: CacheConfig, speculation: Option<Speculation>) -> Worker {
     small_engine(load(dir, format), cache, speculation)
 }
 
 #[test]
-fn quantized_kv_is_exact_under_cache_hits_restarts_speculation_and_resumes() {
+fn stored_formats_are_exact_under_cache_hits_restarts_speculation_and_resumes() {
     let mut ran = Vec::new();
     for dir in fixtures() {
         let prompt = prompt_tokens(&dir);
-        let plain = run(&engine(&dir, &KvPolicy::default(), CacheConfig::off(), None), &prompt, 12);
-        for policy in policies(&dir) {
-            let format = &policy;
+        let plain = run(&engine(&dir, &Stored::default(), CacheConfig::off(), None), &prompt, 12);
+        for stored in formats(&dir) {
+            let format = &stored;
             let what = |case: &str| format!("{}, {format}: {case}", dir.display());
-            ran.push(policy.to_string());
+            ran.push(stored.to_string());
             let ssd = tempfile::tempdir().unwrap();
             let worker = engine(&dir, format, cache(Some(ssd.path()), format, 0), None);
             let cold = run(&worker, &prompt, 12);
             assert_eq!(cold.cached, 0);
             let worst = plain.logprobs[0].iter().zip(&cold.logprobs[0]).map(|(a, b)| (a.1 - b.1).abs()).fold(0f32, f32::max);
-            assert!(worst > 1e-4, "{}: the quantized run's log-probabilities are the unquantized ones", what("in force"));
+            assert!(worst > 1e-4, "{}: the stored format's log-probabilities are the plain ones", what("in force"));
 
             let warm = run(&worker, &prompt, 12);
             assert_eq!(warm.cached, prompt.len() - 1, "{}", what("RAM hit"));
@@ -117,8 +140,8 @@ fn quantized_kv_is_exact_under_cache_hits_restarts_speculation_and_resumes() {
             assert_eq!(resumed.tokens, whole, "{}", what("checkpoint resume"));
         }
     }
-    for kind in ["turbo", "affine"] {
-        assert!(ran.iter().any(|f| f.starts_with(kind)), "no fixture ran {kind} KV: {ran:?}");
+    for kind in ["kv-turbo", "kv-affine", "kv-auto+ssm-bf16"] {
+        assert!(ran.iter().any(|f| f.starts_with(kind)), "no fixture ran {kind}: {ran:?}");
     }
 }
 

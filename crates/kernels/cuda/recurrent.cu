@@ -123,7 +123,8 @@ __device__ void causal_conv1d_silu_step(const T* x, long long x_stride, T* state
 // given token strides and contiguous heads; a and beta_logits [B, T, Hv] with `gate_stride`
 // between tokens. Row b's state is s_in / s_out [slots[b]] where `slots` is given (the rows' slots
 // of a state pool, updated in place), else [b]; a row whose slot is negative (a padding row of a
-// recorded batch) is skipped, its outputs not written.
+// recorded batch) is skipped, its outputs not written. The state is stored in S (f32, or bf16) and
+// held in f32, rounded to S after every token.
 constexpr int DELTA_WARPS = 4;
 constexpr int ROWS_PER_WARP = 2;
 constexpr int BLOCK_ROWS = DELTA_WARPS * ROWS_PER_WARP;
@@ -131,11 +132,11 @@ constexpr int MAX_PER_LANE = 8;  // Dk <= 256
 constexpr int TOKEN_TILE = 16;
 constexpr int MAX_DK = 32 * MAX_PER_LANE;
 
-template <typename T>
+template <typename T, typename S>
 __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long q_stride, long long k_stride,
                                   long long v_stride, const T* a, const T* beta_logits, long long gate_stride,
                                   const float* a_log,
-                                  const float* dt_bias, const float* s_in, float* s_out, const int* slots, float* o,
+                                  const float* dt_bias, const S* s_in, S* s_out, const int* slots, float* o,
                                   int B, int Tn, int Hk, int Hv, int Dk, int Dv) {
     __shared__ float q_tile[TOKEN_TILE][MAX_DK];
     __shared__ float k_tile[TOKEN_TILE][MAX_DK];
@@ -160,7 +161,7 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
 #pragma unroll
         for (int i = 0; i < MAX_PER_LANE; ++i) {
             const int d = lane + 32 * i;
-            s[r][i] = (row < Dv && d < Dk) ? s_in[(head * Dv + row) * Dk + d] : 0.0f;
+            s[r][i] = (row < Dv && d < Dk) ? to_f32(s_in[(head * Dv + row) * Dk + d]) : 0.0f;
         }
     }
     for (int t0 = 0; t0 < Tn; t0 += TOKEN_TILE) {
@@ -226,6 +227,10 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
                 }
                 out = warp_sum(out);
                 if (lane == 0) o_tile[tt][warp_row + r] = out;
+                // The state as stored between tokens (a no-op for f32): a verify block leaves
+                // each position what decoding it alone would.
+#pragma unroll
+                for (int i = 0; i < MAX_PER_LANE; ++i) s[r][i] = round_to<S>(s[r][i]);
             }
         }
         __syncthreads();
@@ -240,7 +245,7 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
 #pragma unroll
         for (int i = 0; i < MAX_PER_LANE; ++i) {
             const int d = lane + 32 * i;
-            if (row < Dv && d < Dk) s_out[(head * Dv + row) * Dk + d] = s[r][i];
+            if (row < Dv && d < Dk) s_out[(head * Dv + row) * Dk + d] = from_f32<S>(s[r][i]);
         }
     }
 }
@@ -690,14 +695,17 @@ __device__ void scatter_rows(const T* src, T* dst, const int* rows, long long ro
         await_previous_kernel();                                                                               \
         scatter_rows<T>(src, dst, rows, row_len, n);                                                            \
     }                                                                                                            \
+    INSTANTIATE_STEPS(T, float, NAME)                                                                            \
+    INSTANTIATE_STEPS(T, __nv_bfloat16, bf16_state_##NAME)
+// The step kernel for a state stored in S (f32, or bf16 with --mamba-ssm-cache-dtype).
+#define INSTANTIATE_STEPS(T, S, NAME)                                                                            \
     extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32) gated_delta_steps_##NAME(                     \
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
         const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias,      \
-        const float* s_in, float* s_out, const int* slots, float* o, int B, int Tn, int Hk, int Hv, int Dk,     \
-        int Dv) {                                                                                                \
+        const S* s_in, S* s_out, const int* slots, float* o, int B, int Tn, int Hk, int Hv, int Dk, int Dv) {   \
         await_previous_kernel();                                                                                \
-        gated_delta_steps<T>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log, dt_bias, \
-                             s_in, s_out, slots, o, B, Tn, Hk, Hv, Dk, Dv);                                     \
+        gated_delta_steps<T, S>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log,      \
+                                dt_bias, s_in, s_out, slots, o, B, Tn, Hk, Hv, Dk, Dv);                         \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)
 

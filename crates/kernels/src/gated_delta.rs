@@ -9,9 +9,12 @@
 //! S    += (beta * (v - S k)) k^T
 //! o     = S q
 //! ```
-//! Inputs are taken in any float dtype; the state and the arithmetic are f32, as in transformers
-//! (CUDA's chunked kernels round the operands of their tensor-core products to the 16-bit input
-//! dtype and accumulate in f32).
+//! Inputs are taken in any float dtype; the arithmetic is f32, as in transformers (CUDA's chunked
+//! kernels round the operands of their tensor-core products to the 16-bit input dtype and
+//! accumulate in f32). The state is f32, or stored in bf16 (vLLM's `mamba_ssm_cache_dtype`):
+//! held in f32 and rounded to bf16 after every token where the recurrence steps token by token
+//! (every CPU path, decode and verify steps on CUDA: a verify block leaves each position what
+//! decoding it alone would), after every call where it runs by chunks (prompts on tensor cores).
 //! The state layout `[B, Hv, Dv, Dk]` keeps every inner loop contiguous over `Dk`.
 
 use candle_core::{DType, Device, Tensor, D};
@@ -42,9 +45,16 @@ pub struct Inputs<'a> {
     pub b: &'a Tensor,
 }
 
-/// Runs the recurrence over `T` tokens for `B` rows from `state` `[B, Hv, Dv, Dk]` f32. Returns
-/// the output `[B, T, Hv, Dv]` (f32) and the new state.
+/// Runs the recurrence over `T` tokens for `B` rows from `state` `[B, Hv, Dv, Dk]` (f32 or bf16).
+/// Returns the output `[B, T, Hv, Dv]` (f32) and the new state, in `state`'s dtype.
 pub fn gated_delta_rule(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (out, new_state) = gated_delta_rule_f32(inputs, gating, state)?;
+    Ok((out, new_state.to_dtype(state.dtype())?))
+}
+
+/// [`gated_delta_rule`], its new state in f32 (or already in `state`'s dtype, where a kernel
+/// writes it so).
+fn gated_delta_rule_f32(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Tensor, Tensor)> {
     let q = inputs.q;
     // Decode steps and verify blocks go token by token (on CUDA the fused step kernel, whose
     // arithmetic per token does not depend on the block's length: what speculative rollback
@@ -71,7 +81,7 @@ pub fn on_tensor_cores(inputs: &Inputs) -> Result<bool> {
     Ok(inputs.q.device().is_cuda() && gpu::takes(inputs)? && gpu::takes_chunked(inputs)?)
 }
 
-/// [`gated_delta_rule`] writing the new state over `state` (f32, contiguous) instead of to fresh
+/// [`gated_delta_rule`] writing the new state over `state` (f32 or bf16, contiguous) instead of to fresh
 /// memory, for a captured decode step whose state buffers stay put between replays; returns the
 /// output. With `slots` (`[B]` i32, device), `state` is a pool `[S, Hv, Dv, Dk]` and row `b`'s
 /// state is `state[slots[b]]`; without, `state` is `[B, Hv, Dv, Dk]`. The caller must be the
@@ -86,8 +96,11 @@ pub fn gated_delta_rule_in_place(inputs: &Inputs, gating: &Gating, state: &Tenso
         Some(slots) => slots.dims() == [bsz] && slots.dtype() == DType::I32 && state.dims().get(1..) == Some(&[hv, dv, dk][..]),
         None => state.dims() == [bsz, hv, dv, dk],
     };
-    if !q.device().is_cuda() || !gpu::takes(inputs)? || state.dtype() != DType::F32 || !state.is_contiguous() || !rows_fit {
-        candle_core::bail!("the in-place gated delta rule takes CUDA inputs the kernel handles and a contiguous f32 state");
+    let stored = matches!(state.dtype(), DType::F32 | DType::BF16);
+    if !q.device().is_cuda() || !gpu::takes(inputs)? || !stored || !state.is_contiguous() || !rows_fit {
+        candle_core::bail!(
+            "the in-place gated delta rule takes CUDA inputs the kernel handles and a contiguous f32 or bf16 state"
+        );
     }
     Ok(gpu::steps(inputs, gating, state, Some(slots))?.0)
 }
@@ -138,6 +151,9 @@ pub fn reference(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Te
         let delta = (v_t - kv_mem)?.broadcast_mul(&beta_t)?;
         s = (s + delta.unsqueeze(3)?.matmul(&k_t.unsqueeze(2)?)?)?;
         outs.push(s.matmul(&q_t.unsqueeze(3)?)?.squeeze(3)?);
+        if state.dtype() == DType::BF16 {
+            s = s.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+        }
     }
     Ok((Tensor::stack(&outs, 1)?, s))
 }
@@ -404,12 +420,17 @@ mod gpu {
         let ((q, qs), (k, ks), (v, vs)) = (token_strided(q)?, token_strided(k)?, token_strided(v)?);
         let ((a, b), gate_stride) = gates(a, b, hv)?;
         let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
-        let (a_log, dt_bias, state) = (f32(gating.a_log)?, f32(gating.dt_bias)?, f32(state)?);
+        let (a_log, dt_bias) = (f32(gating.a_log)?, f32(gating.dt_bias)?);
+        // The state is read and written in its own dtype (f32, or bf16 stored), held in f32.
+        let (state, kernel) = match state.dtype() {
+            DType::BF16 => (state.contiguous()?, "gated_delta_steps_bf16_state"),
+            _ => (f32(state)?, "gated_delta_steps"),
+        };
         let dev = q.device();
         let out = cuda::output((bsz, t_len, hv, dv), DType::F32, dev)?;
         let (new_state, slots) = match in_place {
             Some(slots) => (state.clone(), slots),
-            None => (cuda::output((bsz, hv, dv, dk), DType::F32, dev)?, None),
+            None => (cuda::output((bsz, hv, dv, dk), state.dtype(), dev)?, None),
         };
         let rows_per_block = WARPS * ROWS_PER_WARP;
         let cfg = LaunchConfig {
@@ -440,7 +461,7 @@ mod gpu {
             Arg::dim(dk)?,
             Arg::dim(dv)?,
         ];
-        cuda::launch(dev, &cuda::RECURRENT, "gated_delta_steps", q.dtype(), cfg, &args)?;
+        cuda::launch(dev, &cuda::RECURRENT, kernel, q.dtype(), cfg, &args)?;
         Ok((out, new_state))
     }
 }
@@ -474,6 +495,7 @@ mod cpu {
         let a_log = cpu_f32(gating.a_log)?;
         let dt_bias = cpu_f32(gating.dt_bias)?;
         let mut sd = cpu_f32(state)?;
+        let stored_bf16 = state.dtype() == DType::BF16;
         let mut out = vec![0f32; bsz * t_len * hv * dv];
 
         // One task per (row, value head): the state slice is private to it.
@@ -513,6 +535,9 @@ mod cpu {
                             acc += *sv * qv;
                         }
                         o_t[j] = acc;
+                    }
+                    if stored_bf16 {
+                        s.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v).to_f32());
                     }
                 }
                 (bh, o)
@@ -578,6 +603,43 @@ mod tests {
         let (ob, sb) = run_part(&part(half, t - half), &sa);
         assert_eq!(diff(&Tensor::cat(&[oa, ob], 1).unwrap(), &o2), 0.0);
         assert_eq!(diff(&sb, &s2), 0.0);
+    }
+
+    fn max_diff(x: &Tensor, y: &Tensor) -> f32 {
+        let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        (f(x) - f(y)).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap()
+    }
+
+    #[test]
+    fn a_bf16_state_is_rounded_after_every_token() {
+        let (bsz, t, hk, hv, dk, dv) = (2, 11, 2, 4, 16, 8);
+        let q = randn(&[bsz, t, hk, dk], 1.0, 1);
+        let k = randn(&[bsz, t, hk, dk], 1.0, 2);
+        let v = randn(&[bsz, t, hv, dv], 1.0, 3);
+        let a = randn(&[bsz, t, hv], 3.0, 4);
+        let b = randn(&[bsz, t, hv], 3.0, 5);
+        let (a_log, dt_bias) = (randn(&[hv], 1.0, 6), randn(&[hv], 1.0, 7));
+        let gating = Gating { a_log: &a_log, dt_bias: &dt_bias };
+        let s0 = randn(&[bsz, hv, dv, dk], 0.5, 8).to_dtype(DType::BF16).unwrap();
+        let inputs = Inputs { q: &q, k: &k, v: &v, a: &a, b: &b };
+        let (o, s) = gated_delta_rule(&inputs, &gating, &s0).unwrap();
+        assert_eq!(s.dtype(), DType::BF16, "the new state comes back as stored");
+        // Fed one token a call, each call rounding the state it returns: the same bits.
+        let (mut state, mut outs) = (s0.clone(), Vec::new());
+        for i in 0..t {
+            let [q, k, v, a, b] = [&q, &k, &v, &a, &b].map(|x| x.narrow(1, i, 1).unwrap());
+            let (o_i, next) = gated_delta_rule(&Inputs { q: &q, k: &k, v: &v, a: &a, b: &b }, &gating, &state).unwrap();
+            (state, outs) = (next, [outs, vec![o_i]].concat());
+        }
+        assert_eq!(max_diff(&Tensor::cat(&outs, 1).unwrap(), &o), 0.0);
+        assert_eq!(max_diff(&state, &s), 0.0);
+        // The tensor-op twin rounds as often (a rounding may land the other side of a tie).
+        let (o_ref, s_ref) = reference(&inputs, &gating, &s0).unwrap();
+        assert!(max_diff(&o_ref, &o) < 2e-2 && max_diff(&s_ref.to_dtype(DType::BF16).unwrap(), &s) < 2e-2);
+        // Against the f32 state from the same start: near, and not the same.
+        let (o32, s32) = gated_delta_rule(&inputs, &gating, &s0.to_dtype(DType::F32).unwrap()).unwrap();
+        let (do_, ds) = (max_diff(&o32, &o), max_diff(&s32, &s));
+        assert!(do_ > 1e-5 && do_ < 5e-2 && ds > 1e-4 && ds < 5e-2, "f32 state against bf16: outputs {do_}, states {ds}");
     }
 
     #[test]

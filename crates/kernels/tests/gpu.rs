@@ -117,31 +117,41 @@ fn gated_delta_rule_on_gpu_matches_cpu() {
                 let chunked = inputs.with(&gpu, 0, t, |inputs, _| on_tensor_cores(inputs).unwrap());
                 let want_chunked = dtype != DType::F32 && heads.2 == 128 && t >= 64;
                 assert_eq!(chunked, want_chunked, "{dtype:?}, heads {heads:?}, {t} tokens: chunked path taken");
-                let (want_out, want_state) = inputs.run(&Device::Cpu, 0, t, &inputs.state);
-                let (out, new_state) = inputs.run(&gpu, 0, t, &inputs.state);
-                let what = format!("gated delta, heads {heads:?}, {b} rows of {t} tokens");
-                assert_close(&format!("{what}: output"), dtype, &out, &want_out);
-                assert_close(&format!("{what}: state"), dtype, &new_state, &want_state);
+                // The state f32, or stored in bf16 (rounded after every token, or every call by
+                // chunks: a tie may round the other way, so held to the bf16 limits).
+                for stored in [DType::F32, DType::BF16] {
+                    let state = inputs.state.to_dtype(stored).unwrap();
+                    let (want_out, want_state) = inputs.run(&Device::Cpu, 0, t, &state);
+                    let (out, new_state) = inputs.run(&gpu, 0, t, &state);
+                    assert_eq!(new_state.dtype(), stored);
+                    let what = format!("gated delta, heads {heads:?}, {b} rows of {t} tokens, {stored:?} state");
+                    let limits = if stored == DType::BF16 { DType::BF16 } else { dtype };
+                    assert_close(&format!("{what}: output"), limits, &out, &want_out);
+                    assert_close(&format!("{what}: state"), limits, &new_state, &want_state);
+                }
             }
         }
     }
 }
 
 /// What speculative rollback relies on: a verify block of several tokens leaves, bit for bit,
-/// the outputs and state of decoding its tokens one at a time.
+/// the outputs and state of decoding its tokens one at a time (an f32 state, or a bf16 one).
 #[test]
 fn gated_delta_steps_on_gpu_do_not_depend_on_block_length() {
     let gpu = gpu();
     let inputs = DeltaInputs::new(3, 6, (2, 4, 128, 128), DType::BF16);
-    let (block_out, block_state) = inputs.run(&gpu, 0, 6, &inputs.state);
-    let mut state = inputs.state.to_device(&gpu).unwrap();
-    for t in 0..6 {
-        let (out, next) = inputs.run(&gpu, t, 1, &state);
-        let want = block_out.narrow(1, t, 1).unwrap();
-        assert_eq!(diff_bits(&out, &want), 0, "output of token {t} alone differs from the block's");
-        state = next;
+    for stored in [DType::F32, DType::BF16] {
+        let start = inputs.state.to_dtype(stored).unwrap();
+        let (block_out, block_state) = inputs.run(&gpu, 0, 6, &start);
+        let mut state = start.to_device(&gpu).unwrap();
+        for t in 0..6 {
+            let (out, next) = inputs.run(&gpu, t, 1, &state);
+            let want = block_out.narrow(1, t, 1).unwrap();
+            assert_eq!(diff_bits(&out, &want), 0, "output of token {t} alone differs from the block's ({stored:?} state)");
+            state = next;
+        }
+        assert_eq!(diff_bits(&state, &block_state), 0, "state after single steps differs from the block's ({stored:?})");
     }
-    assert_eq!(diff_bits(&state, &block_state), 0, "state after single steps differs from the block's");
 }
 
 /// A recorded decode step over a state pool: the in-place conv step and delta rule read and write
@@ -178,14 +188,17 @@ fn in_place_steps_over_pool_slots_match_fresh_outputs() {
     };
     for dtype in [DType::F32, DType::BF16] {
         let inputs = DeltaInputs::new(4, 1, (2, 4, 128, 128), dtype);
-        let (want_out, want_state) = inputs.run(&gpu, 0, 1, &inputs.state);
-        let pool = pool_of(&inputs.state, 9.0);
-        let out = inputs.with(&gpu, 0, 1, |i, g| gated_delta_rule_in_place(i, g, &pool, Some(&slot_tensor)).unwrap());
-        for &r in &real {
-            let (got, want) = (out.narrow(0, r, 1).unwrap(), want_out.narrow(0, r, 1).unwrap());
-            assert_eq!(diff_bits(&got, &want), 0, "delta rule output of row {r} ({dtype:?})");
+        for stored in [DType::F32, DType::BF16] {
+            let state = inputs.state.to_dtype(stored).unwrap();
+            let (want_out, want_state) = inputs.run(&gpu, 0, 1, &state);
+            let pool = pool_of(&state, 9.0);
+            let out = inputs.with(&gpu, 0, 1, |i, g| gated_delta_rule_in_place(i, g, &pool, Some(&slot_tensor)).unwrap());
+            for &r in &real {
+                let (got, want) = (out.narrow(0, r, 1).unwrap(), want_out.narrow(0, r, 1).unwrap());
+                assert_eq!(diff_bits(&got, &want), 0, "delta rule output of row {r} ({dtype:?}, {stored:?} state)");
+            }
+            check(&format!("delta rule state ({dtype:?}, {stored:?} state)"), &pool, &want_state, 9.0);
         }
-        check(&format!("delta rule state ({dtype:?})"), &pool, &want_state, 9.0);
 
         let (c, kernel) = (48, 4);
         let x = values(&[4, 1, c], 1.0, 21).to_dtype(dtype).unwrap();

@@ -177,6 +177,20 @@ impl Model {
         Ok(())
     }
 
+    /// Stores recurrent (DeltaNet) state in `dtype` (`--mamba-ssm-cache-dtype`) in every state
+    /// built from now on: f32, exact and the default, or bf16, half the bytes a row holds and a
+    /// decode step reads and writes, computed in f32 and rounded once per forward. Models
+    /// without recurrent layers have nothing to store.
+    pub fn set_ssm_cache_dtype(&mut self, dtype: DType) -> Result<()> {
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(ModelError::Invalid(format!("recurrent state is stored in f32 or bf16, not {dtype:?}")));
+        }
+        if let Model::Qwen35(m) = self {
+            m.set_ssm_cache_dtype(dtype);
+        }
+        Ok(())
+    }
+
     /// How attention KV is stored.
     pub fn kv_format(&self) -> KvPolicy {
         self.state_spec().kv

@@ -74,8 +74,10 @@ fn assert_same_state(a: &BatchState, b: &BatchState, what: &str) {
 fn graph_replays_match_eager_steps_bit_for_bit() {
     let device = cuda();
     for dir in fixtures() {
-        for dtype in [DType::F32, DType::BF16] {
-            let model = ModelFolder::open(&dir).unwrap().load(dtype, &device).unwrap();
+        // The compute dtype, and the recurrent state's (bf16: --mamba-ssm-cache-dtype).
+        for (dtype, stored) in [(DType::F32, DType::F32), (DType::BF16, DType::F32), (DType::BF16, DType::BF16)] {
+            let mut model = ModelFolder::open(&dir).unwrap().load(dtype, &device).unwrap();
+            model.set_ssm_cache_dtype(stored).unwrap();
             let Model::Qwen35(qwen) = &model else { panic!("fixtures are Qwen3.5") };
             // Rows at 3, 14 and 30 positions in blocks of 16: each crosses into new blocks mid-run.
             let pool = StatePool::new(&model.state_spec(), 16, PoolSize::Fixed(64), PoolSize::Fixed(8), &device).unwrap();
@@ -91,10 +93,10 @@ fn graph_replays_match_eager_steps_bit_for_bit() {
                 let rows: Vec<Vec<u32>> = (0..graphed.rows() as u32).map(|r| vec![(step * 7 + r * 13 + 1) % 400]).collect();
                 let tokens = Tensor::new(rows, &device).unwrap();
                 let (got, want) = step_both(&model, &tokens, &mut graphed, &mut eager);
-                let what = format!("{} {dtype:?} step {step}", dir.display());
+                let what = format!("{} {dtype:?} ({stored:?} state) step {step}", dir.display());
                 assert!(bits(&got) == bits(&want), "{what}: logits differ");
             }
-            assert_same_state(&graphed, &eager, &format!("{} {dtype:?}", dir.display()));
+            assert_same_state(&graphed, &eager, &format!("{} {dtype:?} ({stored:?} state)", dir.display()));
             let after = qwen.decode_graph_stats();
             let (recorded, replayed) = (after.recordings - before.recordings, after.replays - before.replays);
             if matches!(qwen.config().feed_forward, FeedForward::Experts(_)) {

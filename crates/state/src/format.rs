@@ -814,7 +814,8 @@ mod tests {
         use crate::{LayerSpec, LayerState, RecurrentShape, StateSpec};
 
         let kv = KvShape { kv_heads: 1, head_dim: 32 };
-        let recurrent = RecurrentShape { conv_kernel: 2, conv_dim: 2, value_heads: 1, value_dim: 1, key_dim: 1 };
+        let recurrent =
+            RecurrentShape { conv_kernel: 2, conv_dim: 2, value_heads: 1, value_dim: 1, key_dim: 1, ssm_dtype: DType::F32 };
         let layers = vec![LayerSpec::Recurrent(recurrent), LayerSpec::Attention(kv), LayerSpec::Recurrent(recurrent)]
             .into_iter()
             .chain([LayerSpec::Attention(kv), LayerSpec::Attention(kv)])

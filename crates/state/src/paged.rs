@@ -333,7 +333,8 @@ mod tests {
 
     fn spec() -> StateSpec {
         let kv = KvShape { kv_heads: HEADS, head_dim: DIM };
-        let recurrent = RecurrentShape { conv_kernel: 2, conv_dim: 2, value_heads: 1, value_dim: 1, key_dim: 1 };
+        let recurrent =
+            RecurrentShape { conv_kernel: 2, conv_dim: 2, value_heads: 1, value_dim: 1, key_dim: 1, ssm_dtype: DType::F32 };
         StateSpec {
             layers: vec![LayerSpec::Attention(kv), LayerSpec::Recurrent(recurrent), LayerSpec::Attention(kv)],
             dtype: DType::F32,
@@ -459,6 +460,8 @@ mod tests {
                 window_kv_bytes_per_token: 0,
                 delayed_bytes_per_token: 0,
                 delayed_positions: 0,
+                // The recurrent layer's conv window (1 × 2 f32) and matrix (1 × 1 × 1 f32).
+                recurrent_bytes_per_row: 2 * 4 + 4,
             }
         );
         let (after, _) = attention(&mut a, 0).history(0).unwrap();

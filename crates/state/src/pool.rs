@@ -84,6 +84,9 @@ pub struct PoolStats {
     pub window_kv_bytes_per_token: usize,
     pub delayed_bytes_per_token: usize,
     pub delayed_positions: usize,
+    /// Bytes a row holds whatever its length: its recurrent layers' state (in
+    /// `--mamba-ssm-cache-dtype`).
+    pub recurrent_bytes_per_row: usize,
 }
 
 /// Reference-counted ids (blocks or slots) handed out from `0..len`.
@@ -268,6 +271,7 @@ impl StatePool {
             window_kv_bytes_per_token: cost.window_bytes_per_token,
             delayed_bytes_per_token: cost.prefix_bytes_per_token,
             delayed_positions: cost.prefix_positions,
+            recurrent_bytes_per_row: cost.bytes_per_row,
             ..PoolStats::default()
         };
         if let Some(first) = self.pool.kv.first() {

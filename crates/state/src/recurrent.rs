@@ -7,7 +7,7 @@ use crate::spec::{StateCost, Storage, StoreContext};
 use crate::{buffer_bytes, select_rows, Result, StateError};
 
 /// Per row, the conv window `[K-1, conv_dim]` (compute dtype) and the recurrent matrix
-/// `[Hv, Dv, Dk]` (always f32): in batch tensors of its own (`conv` `[B, K-1, conv_dim]`, `ssm`
+/// `[Hv, Dv, Dk]` (in [`RecurrentShape::ssm_dtype`]): in batch tensors of its own (`conv` `[B, K-1, conv_dim]`, `ssm`
 /// `[B, Hv, Dv, Dk]`), or each row in a slot of a [`crate::StatePool`]. The two answer the same
 /// questions with the same bits.
 #[derive(Clone, Debug)]
@@ -44,6 +44,9 @@ pub struct RecurrentShape {
     pub value_heads: usize,
     pub value_dim: usize,
     pub key_dim: usize,
+    /// What the recurrent matrix is stored in: f32 (exact, the default) or bf16 (half the
+    /// bytes; `--mamba-ssm-cache-dtype bfloat16`), computed in f32 either way.
+    pub ssm_dtype: DType,
 }
 
 impl Storage for RecurrentState {
@@ -51,16 +54,17 @@ impl Storage for RecurrentState {
     const NAME: &'static str = "recurrent";
     const PARTS: &'static [&'static str] = &["conv", "ssm"];
 
-    /// Zero state: the conv window in `dtype`, the matrix in f32.
+    /// Zero state: the conv window in `dtype`, the matrix in its declared dtype.
     fn empty(shape: &RecurrentShape, rows: usize, cx: &StoreContext, device: &Device) -> Result<Self> {
         let conv = Tensor::zeros((rows, shape.conv_kernel - 1, shape.conv_dim), cx.dtype, device)?;
-        let ssm = Tensor::zeros((rows, shape.value_heads, shape.value_dim, shape.key_dim), DType::F32, device)?;
+        let ssm = Tensor::zeros((rows, shape.value_heads, shape.value_dim, shape.key_dim), shape.ssm_dtype, device)?;
         Ok(Self::owned(conv, ssm))
     }
 
     fn cost(shape: &RecurrentShape, cx: &StoreContext) -> StateCost {
         let conv = (shape.conv_kernel - 1) * shape.conv_dim * cx.dtype.size_in_bytes();
-        StateCost { bytes_per_row: conv + shape.value_heads * shape.value_dim * shape.key_dim * 4, ..StateCost::default() }
+        let ssm = shape.value_heads * shape.value_dim * shape.key_dim * shape.ssm_dtype.size_in_bytes();
+        StateCost { bytes_per_row: conv + ssm, ..StateCost::default() }
     }
 }
 
@@ -113,11 +117,11 @@ impl RecurrentState {
     }
 
     /// Replaces the rows' state with `conv`, `ssm` (`[B, ...]`, as [`RecurrentState::tensors`]
-    /// gives them).
+    /// gives them; stored in the state's dtypes).
     pub fn set(&mut self, conv: Tensor, ssm: Tensor) -> Result<()> {
         match &mut self.rows {
             Rows::Owned { conv: c, ssm: s } => {
-                (*c, *s) = (conv, ssm);
+                (*c, *s) = (conv.to_dtype(c.dtype())?, ssm.to_dtype(s.dtype())?);
                 Ok(())
             }
             Rows::Slotted(s) => s.set(&conv, &ssm),

@@ -27,7 +27,7 @@ impl LayerSlots {
     fn tensors(shape: &RecurrentShape, slots: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
         Ok((
             Tensor::zeros((slots + 1, shape.conv_kernel - 1, shape.conv_dim), dtype, device)?,
-            Tensor::zeros((slots + 1, shape.value_heads, shape.value_dim, shape.key_dim), DType::F32, device)?,
+            Tensor::zeros((slots + 1, shape.value_heads, shape.value_dim, shape.key_dim), shape.ssm_dtype, device)?,
         ))
     }
 
@@ -54,6 +54,7 @@ impl LayerSlots {
             value_heads: self.ssm.dim(1)?,
             value_dim: self.ssm.dim(2)?,
             key_dim: self.ssm.dim(3)?,
+            ssm_dtype: self.ssm.dtype(),
         };
         let (conv, ssm) = Self::tensors(&shape, new, self.conv.dtype(), self.conv.device())?;
         if old > 0 {
@@ -161,7 +162,7 @@ impl SlottedRows {
         let (pool_conv, pool_ssm) = self.pool_tensors();
         let ids = self.ids();
         rows::scatter(&pool_conv, &ids, &conv.to_dtype(pool_conv.dtype())?.contiguous()?)?;
-        rows::scatter(&pool_ssm, &ids, &ssm.to_dtype(DType::F32)?.contiguous()?)?;
+        rows::scatter(&pool_ssm, &ids, &ssm.to_dtype(pool_ssm.dtype())?.contiguous()?)?;
         Ok(())
     }
 
@@ -203,7 +204,7 @@ impl SlottedRows {
         let (pool_conv, pool_ssm) = self.pool_tensors();
         let ids = &self.ids()[at..];
         rows::scatter(&pool_conv, ids, &conv.to_dtype(pool_conv.dtype())?.contiguous()?)?;
-        rows::scatter(&pool_ssm, ids, &ssm.to_dtype(DType::F32)?.contiguous()?)?;
+        rows::scatter(&pool_ssm, ids, &ssm.to_dtype(pool_ssm.dtype())?.contiguous()?)?;
         Ok(())
     }
 
@@ -236,7 +237,8 @@ mod tests {
     use crate::spec::{LayerSpec, StateSpec};
     use crate::{BatchState, LayerState, PoolSize, RecurrentState, StatePool};
 
-    const SHAPE: RecurrentShape = RecurrentShape { conv_kernel: 3, conv_dim: 4, value_heads: 2, value_dim: 3, key_dim: 2 };
+    const SHAPE: RecurrentShape =
+        RecurrentShape { conv_kernel: 3, conv_dim: 4, value_heads: 2, value_dim: 3, key_dim: 2, ssm_dtype: DType::F32 };
 
     fn spec() -> StateSpec {
         StateSpec { layers: vec![LayerSpec::Recurrent(SHAPE)], dtype: DType::F32, kv: crate::KvPolicy::default() }

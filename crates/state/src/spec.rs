@@ -37,7 +37,8 @@ pub struct WindowShape {
 }
 
 /// A model's whole declared state: a spec per layer, the compute dtype its KV and conv windows
-/// are stored in (recurrent matrices are always f32), and the format of its attention KV.
+/// are stored in (recurrent matrices in their shape's own dtype), and the format of its
+/// attention KV.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct StateSpec {
     pub layers: Vec<LayerSpec>,
@@ -208,7 +209,8 @@ mod tests {
 
     fn spec() -> StateSpec {
         let kv = KvShape { kv_heads: HEADS, head_dim: HEAD_DIM };
-        let recurrent = RecurrentShape { conv_kernel: 4, conv_dim: 6, value_heads: 2, value_dim: 3, key_dim: 5 };
+        let recurrent =
+            RecurrentShape { conv_kernel: 4, conv_dim: 6, value_heads: 2, value_dim: 3, key_dim: 5, ssm_dtype: DType::F32 };
         StateSpec {
             layers: vec![
                 LayerSpec::Attention(kv),

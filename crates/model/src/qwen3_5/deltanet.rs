@@ -31,6 +31,7 @@ impl GatedDeltaNet {
             value_heads: cfg.linear_num_value_heads,
             value_dim: cfg.linear_value_head_dim,
             key_dim: cfg.linear_key_head_dim,
+            ssm_dtype: DType::F32,
         }
     }
 

@@ -12,7 +12,7 @@ mod mtp;
 pub mod vision;
 
 use candle_core::{DType, Device, Tensor};
-use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, StateSpec};
+use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, RecurrentShape, StateSpec};
 
 use self::attention::Attention;
 use self::deltanet::GatedDeltaNet;
@@ -162,6 +162,8 @@ pub struct Qwen35 {
     dtype: DType,
     /// How attention KV is stored (`--kv-cache-dtype`).
     kv: KvPolicy,
+    /// What DeltaNet layers store their recurrent matrices in (`--mamba-ssm-cache-dtype`).
+    ssm_dtype: DType,
     device: Device,
     /// The vision tower, when the model takes images ([`Qwen35::set_vision`]).
     vision: Option<VisionTower>,
@@ -201,6 +203,7 @@ impl Qwen35 {
             rotary: Rotary::new(cfg.rotary_dim(), cfg.rope_theta),
             dtype,
             kv: KvPolicy::default(),
+            ssm_dtype: DType::F32,
             device: src.device().clone(),
             vision: None,
             #[cfg(feature = "cuda")]
@@ -270,6 +273,12 @@ impl Qwen35 {
         self.kv = kv;
     }
 
+    /// Stores DeltaNet layers' recurrent matrices in `dtype` (f32 or bf16) in states built from
+    /// now on (see [`crate::Model::set_ssm_cache_dtype`]).
+    pub fn set_ssm_cache_dtype(&mut self, dtype: DType) {
+        self.ssm_dtype = dtype;
+    }
+
     /// What each layer's state is: KV for full attention, a conv window and recurrent matrix
     /// for Gated DeltaNet.
     pub fn state_spec(&self) -> StateSpec {
@@ -279,7 +288,9 @@ impl Qwen35 {
             .layer_types
             .iter()
             .map(|kind| match kind {
-                LayerKind::Linear => LayerSpec::Recurrent(GatedDeltaNet::state_shape(cfg)),
+                LayerKind::Linear => {
+                    LayerSpec::Recurrent(RecurrentShape { ssm_dtype: self.ssm_dtype, ..GatedDeltaNet::state_shape(cfg) })
+                }
                 LayerKind::Full => LayerSpec::Attention(kv),
             })
             .collect();
