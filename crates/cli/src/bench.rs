@@ -146,6 +146,10 @@ struct Measured {
     /// Structured output: mean host time to compute one position's mask (on another thread
     /// than the forward's).
     mask_us: Option<f64>,
+    /// Prefill forwards the run took (prompts arriving together share them), and their mean
+    /// wall time.
+    prefill_forwards: u64,
+    prefill_forward_ms: f64,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -173,6 +177,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
         stats.decode_forward_ns.load(Ordering::Relaxed),
     );
     let masks_before = (stats.structured_masks.load(Ordering::Relaxed), stats.structured_mask_ns.load(Ordering::Relaxed));
+    let prefills_before = (stats.prefill_forwards.load(Ordering::Relaxed), stats.prefill_ns.load(Ordering::Relaxed));
     let start = Instant::now();
     for i in 0..concurrency {
         // Distinct fixed pseudo-random prompts: the same workload on every run.
@@ -228,6 +233,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
     let steps = (stats.decode_steps.load(Ordering::Relaxed) - steps_before.0).max(1);
     let per_step = |ns: u64| ns as f64 / steps as f64 / 1e6;
     let replays = (stats.graph_replays.load(Ordering::Relaxed) - graphs_before.1).max(1);
+    let prefills = stats.prefill_forwards.load(Ordering::Relaxed) - prefills_before.0;
     let per_replay = |ns: u64| ns as f64 / replays as f64 / 1e6;
     Ok(Measured {
         prefill_tok_s: (a.prompt_len * concurrency) as f64 / (all_first - start).as_secs_f64().max(1e-9),
@@ -249,6 +255,8 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
             0 => None,
             masks => Some((stats.structured_mask_ns.load(Ordering::Relaxed) - masks_before.1) as f64 / masks as f64 / 1e3),
         },
+        prefill_forwards: prefills,
+        prefill_forward_ms: (stats.prefill_ns.load(Ordering::Relaxed) - prefills_before.1) as f64 / prefills.max(1) as f64 / 1e6,
     })
 }
 
@@ -366,6 +374,7 @@ pub fn run(mut a: Args) -> Result<()> {
                         "graph_prepare_ms": m.graph_prepare_ms, "graph_replay_gpu_ms": m.graph_replay_gpu_ms,
                         "max_num_seqs": worker.config().max_batch, "pool": worker.pool_stats(),
                         "json_schema": a.json_schema, "mask_us_per_token": m.mask_us,
+                        "prefill_forwards": m.prefill_forwards, "prefill_forward_ms": m.prefill_forward_ms,
                         "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p,
                     })
                 );
