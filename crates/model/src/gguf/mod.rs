@@ -22,7 +22,8 @@ use crate::source::WeightSource;
 
 /// Architectures (`general.architecture`) strata reads from GGUF, by the `model_type` their
 /// Hugging Face config carries.
-const ARCHITECTURES: [(&str, &str); 4] = [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3")];
+const ARCHITECTURES: [(&str, &str); 5] =
+    [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen35", "qwen3_5_text")];
 
 pub struct GgufFile {
     pub path: PathBuf,
@@ -82,6 +83,9 @@ impl GgufFile {
             )
         })?;
         let md = Metadata { file: self, prefix: format!("{}.", self.arch) };
+        if self.arch == "qwen35" {
+            return self.qwen35_config(&md, model_type);
+        }
         let hidden = md.usize("embedding_length")?;
         let heads = md.usize("attention.head_count")?;
         let head_dim = md.opt_usize("attention.key_length")?.unwrap_or(hidden / heads.max(1));
@@ -127,6 +131,107 @@ impl GgufFile {
         Ok(serde_json::Value::Object(c))
     }
 
+    /// Qwen3.5 (`qwen35`, hybrid Gated DeltaNet / gated attention) as the flat `qwen3_5_text`
+    /// config, from the keys llama.cpp's converter writes (`Qwen3_5TextModel`): the `ssm.*`
+    /// keys carry the linear-attention heads, `full_attention_interval` (or llama.cpp's
+    /// `attention.recurrent_layers` flags) the layer pattern, and the multi-token-prediction
+    /// layers (`nextn_predict_layers`) are counted in `block_count`.
+    fn qwen35_config(&self, md: &Metadata, model_type: &str) -> Result<serde_json::Value> {
+        let blocks = md.usize("block_count")?;
+        let mtp = md.opt_usize("nextn_predict_layers")?.unwrap_or(0);
+        let layers = blocks
+            .checked_sub(mtp)
+            .filter(|&n| n > 0)
+            .ok_or_else(|| md.err("nextn_predict_layers", format!("{mtp} leaves no decoder layers of block_count {blocks}")))?;
+        let recurrent: Vec<bool> = match md.raw("attention.recurrent_layers") {
+            Some(Value::Array(flags)) => flags
+                .iter()
+                .take(layers)
+                .map(|v| match v {
+                    Value::Bool(b) => Ok(*b),
+                    v => integer(v).map(|i| i != 0),
+                })
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|what| md.err("attention.recurrent_layers", what))?,
+            Some(other) => {
+                return Err(md.err("attention.recurrent_layers", format!("expected an array, found {:?}", other.value_type())))
+            }
+            // llama.cpp's default when the interval is absent too.
+            None => {
+                let interval = md.opt_usize("full_attention_interval")?.unwrap_or(4);
+                if interval == 0 {
+                    return Err(md.err("full_attention_interval", "must be at least 1"));
+                }
+                (0..layers).map(|i| (i + 1) % interval != 0).collect()
+            }
+        };
+        if recurrent.len() != layers {
+            return Err(md.err("attention.recurrent_layers", format!("has {} flags for {layers} layers", recurrent.len())));
+        }
+        let layer_types: Vec<&str> = recurrent.iter().map(|&r| if r { "linear_attention" } else { "full_attention" }).collect();
+        let head_dim = md.usize("attention.key_length")?;
+        let value_heads = md.usize("ssm.time_step_rank")?;
+        let inner = md.usize("ssm.inner_size")?;
+        if value_heads == 0 || !inner.is_multiple_of(value_heads) {
+            return Err(md.err("ssm.inner_size", format!("{inner} is not a multiple of ssm.time_step_rank {value_heads}")));
+        }
+        let rope_dims = md.usize("rope.dimension_count")?;
+        let sections: Vec<usize> = match md.raw("rope.dimension_sections") {
+            None => vec![11, 11, 10],
+            Some(Value::Array(v)) => v
+                .iter()
+                .take(3)
+                .map(|x| integer(x).ok().and_then(|i| usize::try_from(i).ok()))
+                .collect::<Option<_>>()
+                .ok_or_else(|| md.err("rope.dimension_sections", "expected non-negative integers"))?,
+            Some(other) => {
+                return Err(md.err("rope.dimension_sections", format!("expected an array, found {:?}", other.value_type())))
+            }
+        };
+        // The first full-attention layer says whether the projections carry biases.
+        let attention_bias = recurrent
+            .iter()
+            .position(|&r| !r)
+            .is_some_and(|i| self.content.tensor_infos.contains_key(&format!("blk.{i}.attn_q.bias")));
+        let mut c = Map::new();
+        c.insert("model_type".into(), json!(model_type));
+        c.insert("vocab_size".into(), json!(self.tensor_rows("token_embd.weight")?));
+        c.insert("hidden_size".into(), json!(md.usize("embedding_length")?));
+        c.insert("intermediate_size".into(), json!(md.usize("feed_forward_length")?));
+        c.insert("num_hidden_layers".into(), json!(layers));
+        c.insert("layer_types".into(), json!(layer_types));
+        c.insert("num_attention_heads".into(), json!(md.usize("attention.head_count")?));
+        c.insert("num_key_value_heads".into(), json!(md.usize("attention.head_count_kv")?));
+        c.insert("head_dim".into(), json!(head_dim));
+        c.insert("attention_bias".into(), json!(attention_bias));
+        c.insert("linear_conv_kernel_dim".into(), json!(md.usize("ssm.conv_kernel")?));
+        c.insert("linear_key_head_dim".into(), json!(md.usize("ssm.state_size")?));
+        c.insert("linear_num_key_heads".into(), json!(md.usize("ssm.group_count")?));
+        c.insert("linear_num_value_heads".into(), json!(value_heads));
+        c.insert("linear_value_head_dim".into(), json!(inner / value_heads));
+        c.insert("rms_norm_eps".into(), json!(md.f64("attention.layer_norm_rms_epsilon")?));
+        c.insert("max_position_embeddings".into(), json!(md.usize("context_length")?));
+        c.insert(
+            "rope_parameters".into(),
+            json!({
+                "rope_type": "default",
+                "rope_theta": md.opt_f64("rope.freq_base")?.unwrap_or(10_000.0),
+                "partial_rotary_factor": rope_dims as f64 / head_dim.max(1) as f64,
+                "mrope_section": sections,
+                "mrope_interleaved": true,
+            }),
+        );
+        c.insert("tie_word_embeddings".into(), json!(!self.content.tensor_infos.contains_key("output.weight")));
+        c.insert("mtp_num_hidden_layers".into(), json!(mtp));
+        if let Some(eos) = md.global_usize("tokenizer.ggml.eos_token_id")? {
+            c.insert("eos_token_id".into(), json!(eos));
+        }
+        if let Some(kind) = md.opt_string("rope.scaling.type")?.filter(|k| k != "none") {
+            return Err(md.err("rope.scaling.type", format!("`{kind}` is not supported for qwen35")));
+        }
+        Ok(serde_json::Value::Object(c))
+    }
+
     fn tensor_rows(&self, name: &str) -> Result<usize> {
         let info = self
             .content
@@ -151,7 +256,24 @@ impl GgufFile {
         } else {
             None
         };
-        Ok(GgufSource { file: self, device: device.clone(), dequantize, permuted_heads })
+        // llama.cpp's converter puts Qwen3.5's value heads in tiled order where key heads are fewer.
+        let value_heads = if self.arch == "qwen35" {
+            let (k, v) = (heads("ssm.group_count")?, heads("ssm.time_step_rank")?);
+            let inner = heads("ssm.inner_size")?;
+            if k == 0 || v == 0 || !v.is_multiple_of(k) || !inner.is_multiple_of(v) {
+                return Err(ModelError::file(
+                    &self.path,
+                    format!(
+                        "qwen35: ssm.time_step_rank {v} is not a multiple of ssm.group_count {k} (or of ssm.inner_size {inner})"
+                    ),
+                ));
+            }
+            let key_dim = heads("ssm.state_size")?;
+            (k != v).then_some(ValueHeads { key_heads: k, per_key: v / k, value_dim: inner / v, qk_rows: 2 * k * key_dim })
+        } else {
+            None
+        };
+        Ok(GgufSource { file: self, device: device.clone(), dequantize, permuted_heads, value_heads })
     }
 
     fn qtensor(&self, gguf_name: &str, device: &Device) -> Result<QTensor> {
@@ -193,7 +315,9 @@ impl Metadata<'_> {
     fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.raw(key) {
             None => Ok(None),
-            Some(Value::F32(x)) => Ok(Some(*x as f64)),
+            // The f32 nearest the config's decimal (1e-6 for `rms_norm_eps`), back to that
+            // decimal rather than the f32's exact binary value.
+            Some(Value::F32(x)) => Ok(Some(x.to_string().parse().unwrap_or(*x as f64))),
             Some(Value::F64(x)) => Ok(Some(*x)),
             Some(_) => self.opt_usize(key).map(|n| n.map(|n| n as f64)),
         }
@@ -234,6 +358,40 @@ pub struct GgufSource<'a> {
     dequantize: bool,
     /// `(query heads, KV heads)` whose q/k rows llama.cpp's converter interleaved (Llama).
     permuted_heads: Option<(usize, usize)>,
+    /// Qwen3.5's linear-attention value heads, which llama.cpp's converter reorders when there
+    /// are more of them than key heads.
+    value_heads: Option<ValueHeads>,
+}
+
+/// llama.cpp's converter (`_LinearAttentionVReorderBase`) stores value heads "tiled"
+/// (`[v0 of k0, v0 of k1, …, v1 of k0, …]`) where Hugging Face groups them by key head
+/// (`[v0 of k0, v1 of k0, …, v0 of k1, …]`).
+#[derive(Clone, Copy, Debug)]
+struct ValueHeads {
+    key_heads: usize,
+    /// Value heads per key head.
+    per_key: usize,
+    value_dim: usize,
+    /// Rows of `in_proj_qkv` (channels of `conv1d`) before the value rows: q and k.
+    qk_rows: usize,
+}
+
+impl ValueHeads {
+    /// Where Hugging Face value head `h` is stored.
+    fn stored_head(&self, h: usize) -> usize {
+        let (k, j) = (h / self.per_key, h % self.per_key);
+        j * self.key_heads + k
+    }
+
+    /// The stored index of Hugging Face index `i` along a dimension of `[skip, heads × dim]`
+    /// (the value heads after `skip` leading entries, `dim` wide each).
+    fn stored_index(&self, i: usize, skip: usize, dim: usize) -> usize {
+        if i < skip {
+            return i;
+        }
+        let (h, within) = ((i - skip) / dim, (i - skip) % dim);
+        skip + self.stored_head(h) * dim + within
+    }
 }
 
 impl GgufSource<'_> {
@@ -244,20 +402,73 @@ impl GgufSource<'_> {
         })
     }
 
-    /// The stored tensor with the shape checked and the row order the Hugging Face layout has.
+    /// The stored tensor with the shape checked and the row order the Hugging Face layout has
+    /// (columns too where whole quantization blocks move; [`GgufSource::get`] and
+    /// [`GgufSource::matrix`] finish the rest).
     fn stored(&self, name: &str, shape: &[usize]) -> Result<QTensor> {
         let gguf = self.gguf_name(name)?;
         let q = self.file.qtensor(&gguf, &Device::Cpu)?;
-        if q.shape().dims() != shape {
+        // llama.cpp's converter squeezes Qwen3.5's `[channels, 1, kernel]` conv weight.
+        let expected: Vec<usize> = match shape {
+            [c, 1, k] if self.file.arch == "qwen35" && name.ends_with("linear_attn.conv1d.weight") => vec![*c, *k],
+            _ => shape.to_vec(),
+        };
+        if q.shape().dims() != expected {
             return Err(ModelError::Tensor {
                 name: gguf,
-                what: format!("in {} has shape {:?}, expected {:?}", self.file.path.display(), q.shape().dims(), shape),
+                what: format!("in {} has shape {:?}, expected {:?}", self.file.path.display(), q.shape().dims(), expected),
             });
         }
-        match self.rope_heads(name) {
-            Some(heads) => Ok(deinterleave_rope_rows(&q, heads)?),
-            None => Ok(q),
+        if let Some(heads) = self.rope_heads(name) {
+            return deinterleave_rope_rows(&q, heads);
         }
+        let Some(v) = self.value_heads else { return Ok(q) };
+        if name.ends_with("linear_attn.in_proj_qkv.weight") || name.ends_with("linear_attn.conv1d.weight") {
+            permute_rows(&q, |r| v.stored_index(r, v.qk_rows, v.value_dim))
+        } else if name.ends_with("linear_attn.in_proj_z.weight") {
+            permute_rows(&q, |r| v.stored_index(r, 0, v.value_dim))
+        } else if name.ends_with("linear_attn.in_proj_a.weight")
+            || name.ends_with("linear_attn.in_proj_b.weight")
+            || name.ends_with("linear_attn.A_log")
+            || name.ends_with("linear_attn.dt_bias")
+        {
+            permute_rows(&q, |r| v.stored_index(r, 0, 1))
+        } else if name.ends_with("linear_attn.out_proj.weight") && v.value_dim.is_multiple_of(q.dtype().block_size()) {
+            permute_column_chunks(&q, v.value_dim, |c| v.stored_head(c))
+        } else {
+            Ok(q)
+        }
+    }
+
+    /// Whether `name`'s columns are still in llama.cpp's order after [`GgufSource::stored`]:
+    /// Qwen3.5's `out_proj` when a value head is narrower than a quantization block.
+    fn columns_pending(&self, name: &str, q: &QTensor) -> Option<ValueHeads> {
+        let v = self.value_heads?;
+        (name.ends_with("linear_attn.out_proj.weight") && !v.value_dim.is_multiple_of(q.dtype().block_size())).then_some(v)
+    }
+
+    /// `name` (read by [`GgufSource::stored`] as `q`) dequantized to f32 on the CPU, in the
+    /// Hugging Face layout and convention.
+    fn dense(&self, name: &str, q: &QTensor, shape: &[usize]) -> Result<Tensor> {
+        let mut t = q.dequantize(&Device::Cpu)?;
+        if let Some(v) = self.columns_pending(name, q) {
+            let cols = t.dim(1)?;
+            let order: Vec<u32> = (0..cols).map(|c| v.stored_index(c, 0, v.value_dim) as u32).collect();
+            t = t.index_select(&Tensor::new(order.as_slice(), &Device::Cpu)?, 1)?;
+        }
+        match self.file.arch.as_str() {
+            // llama.cpp stores Gemma's `(1 + w)` norm weights with the 1 added.
+            "gemma3" if name.ends_with("norm.weight") => t = (t - 1.0)?,
+            // And Qwen3.5's zero-centred ones (all but the DeltaNet output norm), whose
+            // `A_log` it stores as `A = -exp(A_log)`.
+            "qwen35" if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") => t = (t - 1.0)?,
+            "qwen35" if name.ends_with("linear_attn.A_log") => t = t.neg()?.log()?,
+            _ => {}
+        }
+        if t.dims() != shape {
+            t = t.reshape(shape)?;
+        }
+        Ok(t)
     }
 
     /// Heads whose rows must be de-interleaved, for a Llama q/k projection.
@@ -275,19 +486,16 @@ impl GgufSource<'_> {
 
 impl WeightSource for GgufSource<'_> {
     fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let mut t = self.stored(name, shape)?.dequantize(&Device::Cpu)?;
-        // llama.cpp stores Gemma's `(1 + w)` norm weights with the 1 added.
-        if self.file.arch == "gemma3" && name.ends_with("norm.weight") {
-            t = (t - 1.0)?;
-        }
-        Ok(t.to_dtype(dtype)?.to_device(&self.device)?)
+        let q = self.stored(name, shape)?;
+        Ok(self.dense(name, &q, shape)?.to_dtype(dtype)?.to_device(&self.device)?)
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize, dtype: DType) -> Result<Matrix> {
         let q = self.stored(name, &[rows, cols])?;
         let plain = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
-        if self.dequantize || plain {
-            return Ok(Matrix::Dense(q.dequantize(&Device::Cpu)?.to_dtype(dtype)?.to_device(&self.device)?));
+        // A column order that quantized blocks cannot carry leaves the matrix dense.
+        if self.dequantize || plain || self.columns_pending(name, &q).is_some() {
+            return Ok(Matrix::Dense(self.dense(name, &q, &[rows, cols])?.to_dtype(dtype)?.to_device(&self.device)?));
         }
         if !self.device.is_cpu() {
             return Ok(Matrix::Quantized(Arc::new(QTensor::new(
@@ -330,11 +538,21 @@ fn gguf_name(arch: &str, name: &str) -> Option<String> {
         "self_attn.o_proj" => "attn_output",
         "self_attn.q_norm" => "attn_q_norm",
         "self_attn.k_norm" => "attn_k_norm",
+        // Qwen3.5's Gated DeltaNet (llama.cpp's `ssm_*`; `A_log` has no suffix there).
+        "linear_attn.in_proj_qkv" if arch == "qwen35" => "attn_qkv",
+        "linear_attn.in_proj_z" if arch == "qwen35" => "attn_gate",
+        "linear_attn.in_proj_a" if arch == "qwen35" => "ssm_alpha",
+        "linear_attn.in_proj_b" if arch == "qwen35" => "ssm_beta",
+        "linear_attn.conv1d" if arch == "qwen35" => "ssm_conv1d",
+        "linear_attn.norm" if arch == "qwen35" => "ssm_norm",
+        "linear_attn.out_proj" if arch == "qwen35" => "ssm_out",
+        "linear_attn" if arch == "qwen35" && suffix == "A_log" => return Some(format!("blk.{layer}.ssm_a")),
+        "linear_attn" if arch == "qwen35" && suffix == "dt_bias" => return Some(format!("blk.{layer}.ssm_dt.bias")),
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
         // Gemma normalises around both blocks; the others only before the MLP.
-        "post_attention_layernorm" if arch == "gemma3" => "post_attention_norm",
+        "post_attention_layernorm" if arch == "gemma3" || arch == "qwen35" => "post_attention_norm",
         "post_attention_layernorm" | "pre_feedforward_layernorm" => "ffn_norm",
         "post_feedforward_layernorm" => "post_ffw_norm",
         _ => return None,
@@ -343,20 +561,43 @@ fn gguf_name(arch: &str, name: &str) -> Option<String> {
 }
 
 /// Undoes llama.cpp's Llama conversion, which stores each head's rows `[d/2, 2]`-interleaved
-/// (row `2i + j` holds Hugging Face row `j * d/2 + i`); rows move whole, so quantized blocks
-/// stay intact.
+/// (row `2i + j` holds Hugging Face row `j * d/2 + i`).
 fn deinterleave_rope_rows(q: &QTensor, heads: usize) -> Result<QTensor> {
-    let dims = q.shape().dims();
-    let rows = dims[0];
-    let head_dim = rows / heads;
+    let head_dim = q.shape().dims()[0] / heads;
+    permute_rows(q, |r| {
+        let (h, within) = (r / head_dim, r % head_dim);
+        let (j, i) = (within / (head_dim / 2), within % (head_dim / 2));
+        h * head_dim + 2 * i + j
+    })
+}
+
+/// Row `r` of the result is stored row `source(r)` (along the first dimension; a 1-D tensor's
+/// elements are its rows). Rows move whole, so quantized blocks stay intact.
+fn permute_rows(q: &QTensor, source: impl Fn(usize) -> usize) -> Result<QTensor> {
+    let rows = q.shape().dims()[0];
     let row_bytes = q.storage_size_in_bytes() / rows;
     let data = q.data()?;
     let mut out = Vec::with_capacity(data.len());
     for r in 0..rows {
-        let (h, within) = (r / head_dim, r % head_dim);
-        let (j, i) = (within / (head_dim / 2), within % (head_dim / 2));
-        let src = h * head_dim + 2 * i + j;
+        let src = source(r);
         out.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+    }
+    Ok(QTensor::new(QStorage::from_data(out.into(), &Device::Cpu, q.dtype())?, q.shape().clone())?)
+}
+
+/// Columns in chunks of `chunk` (a multiple of the quantization block): chunk `c` of every row
+/// of the result is stored chunk `source(c)`.
+fn permute_column_chunks(q: &QTensor, chunk: usize, source: impl Fn(usize) -> usize) -> Result<QTensor> {
+    let (rows, cols) = q.shape().dims2()?;
+    let chunk_bytes = chunk / q.dtype().block_size() * q.dtype().type_size();
+    let row_bytes = q.storage_size_in_bytes() / rows;
+    let data = q.data()?;
+    let mut out = Vec::with_capacity(data.len());
+    for row in data.chunks_exact(row_bytes) {
+        for c in 0..cols / chunk {
+            let src = source(c);
+            out.extend_from_slice(&row[src * chunk_bytes..(src + 1) * chunk_bytes]);
+        }
     }
     Ok(QTensor::new(QStorage::from_data(out.into(), &Device::Cpu, q.dtype())?, q.shape().clone())?)
 }
@@ -373,6 +614,35 @@ mod tests {
         assert_eq!(gguf_name("qwen2", "layers.12.self_attn.q_proj.bias").unwrap(), "blk.12.attn_q.bias");
         assert_eq!(gguf_name("qwen3", "embed_tokens.weight").unwrap(), "token_embd.weight");
         assert!(gguf_name("qwen3", "layers.1.linear_attn.A_log").is_none());
+        assert_eq!(gguf_name("qwen35", "layers.1.linear_attn.A_log").unwrap(), "blk.1.ssm_a");
+        assert_eq!(gguf_name("qwen35", "layers.1.linear_attn.dt_bias").unwrap(), "blk.1.ssm_dt.bias");
+        assert_eq!(gguf_name("qwen35", "layers.2.linear_attn.in_proj_qkv.weight").unwrap(), "blk.2.attn_qkv.weight");
+        assert_eq!(gguf_name("qwen35", "layers.2.post_attention_layernorm.weight").unwrap(), "blk.2.post_attention_norm.weight");
+    }
+
+    /// The converter's V-head reorder (`[k, j, d]` → `[j, k, d]`), then `stored_index`, gives
+    /// the Hugging Face order back; and column chunks move as `stored_head` says.
+    #[test]
+    fn value_heads_undo_the_converter() {
+        let (key_heads, per_key, dim, skip) = (3, 2, 4, 5);
+        let v = ValueHeads { key_heads, per_key, value_dim: dim, qk_rows: skip };
+        let hf: Vec<usize> = (0..skip + key_heads * per_key * dim).collect();
+        let mut stored = hf[..skip].to_vec();
+        for j in 0..per_key {
+            for k in 0..key_heads {
+                let h = k * per_key + j;
+                stored.extend_from_slice(&hf[skip + h * dim..skip + (h + 1) * dim]);
+            }
+        }
+        let back: Vec<usize> = (0..hf.len()).map(|i| stored[v.stored_index(i, skip, dim)]).collect();
+        assert_eq!(back, hf);
+
+        let cols: Vec<f32> = stored[skip..].iter().map(|&x| x as f32).collect();
+        let t = Tensor::from_vec(cols.clone(), (1, cols.len()), &Device::Cpu).unwrap();
+        let q = QTensor::quantize(&t, GgmlDType::F32).unwrap();
+        let back = permute_column_chunks(&q, dim, |c| v.stored_head(c)).unwrap().dequantize(&Device::Cpu).unwrap();
+        let want: Vec<f32> = hf[skip..].iter().map(|&x| x as f32).collect();
+        assert_eq!(back.to_vec2::<f32>().unwrap(), vec![want]);
     }
 
     /// Interleaving as llama.cpp's converter does, then de-interleaving, gives the rows back.

@@ -258,14 +258,17 @@ fn pre_tokenizer_regexes(pre: &str) -> Result<(&'static [&'static str], bool, bo
     // llama.cpp spells the case-insensitive contractions out, as its regex engine lacks `(?i:)`.
     const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    // Qwen3.5's: Qwen2's with combining marks (`\p{M}`) kept inside words.
+    const QWEN35: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
     Ok(match pre {
         "default" => (&[r"[\p{P}\$\+<=>\^~\|]+", GPT2, r"\p{N}+", "[0-9][0-9][0-9]"], false, false),
         "gpt-2" | "phi-2" => (&[GPT2], false, false),
         "llama3" | "llama-v3" | "llama-bpe" => (&[LLAMA3], true, true),
         "qwen2" | "deepseek-r1-qwen" | "megrez" => (&[QWEN2], false, false),
+        "qwen35" => (&[QWEN35], false, false),
         other => {
             return Err(ModelError::Tokenizer(format!(
-                "GGUF metadata `{PRE}` is {other:?}; supported: \"default\", \"gpt-2\", \"llama-bpe\"/\"llama3\", \"qwen2\""
+                "GGUF metadata `{PRE}` is {other:?}; supported: \"default\", \"gpt-2\", \"llama-bpe\"/\"llama3\", \"qwen2\", \"qwen35\""
             )))
         }
     })
