@@ -193,3 +193,36 @@ fn q8_0_greedy_tokens() {
     );
     assert!(agree(&packed) >= 1 && agree(&dequantized) >= 1);
 }
+
+/// The tiny-a file rewritten without one metadata key or one tensor.
+fn without(key: Option<&str>, tensor: Option<&str>, tag: &str) -> PathBuf {
+    use candle_core::quantized::gguf_file::{self, Content};
+    let path = fixture("gguf/qwen3_5-tiny-a-f32.gguf");
+    let mut file = std::fs::File::open(&path).unwrap();
+    let content = Content::read(&mut file).unwrap();
+    let metadata: Vec<(&str, &gguf_file::Value)> =
+        content.metadata.iter().filter(|(k, _)| Some(k.as_str()) != key).map(|(k, v)| (k.as_str(), v)).collect();
+    let tensors: Vec<(String, candle_core::quantized::QTensor)> = content
+        .tensor_infos
+        .keys()
+        .filter(|n| Some(n.as_str()) != tensor)
+        .map(|n| (n.clone(), content.tensor(&mut file, n, &Device::Cpu).unwrap()))
+        .collect();
+    let tensors: Vec<(&str, &candle_core::quantized::QTensor)> = tensors.iter().map(|(n, t)| (n.as_str(), t)).collect();
+    let out = std::env::temp_dir().join(format!("strata-qwen35-{tag}-{}.gguf", std::process::id()));
+    gguf_file::write(&mut std::fs::File::create(&out).unwrap(), &metadata, &tensors).unwrap();
+    out
+}
+
+#[test]
+fn missing_pieces_are_named() {
+    let path = without(Some("qwen35.ssm.conv_kernel"), None, "key");
+    let err = ModelFolder::open(&path).err().expect("opens without ssm.conv_kernel").to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(err.contains("qwen35.ssm.conv_kernel"), "{err}");
+
+    let path = without(None, Some("blk.2.ssm_a"), "tensor");
+    let err = ModelFolder::open(&path).unwrap().load(DType::F32, &Device::Cpu).err().expect("loads without ssm_a").to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(err.contains("blk.2.ssm_a") && err.contains("layers.2.linear_attn.A_log"), "{err}");
+}

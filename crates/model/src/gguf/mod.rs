@@ -407,6 +407,12 @@ impl GgufSource<'_> {
     /// [`GgufSource::matrix`] finish the rest).
     fn stored(&self, name: &str, shape: &[usize]) -> Result<QTensor> {
         let gguf = self.gguf_name(name)?;
+        if !self.file.content.tensor_infos.contains_key(&gguf) {
+            return Err(ModelError::Tensor {
+                name: gguf,
+                what: format!("(Hugging Face `{name}`) is missing from {}", self.file.path.display()),
+            });
+        }
         let q = self.file.qtensor(&gguf, &Device::Cpu)?;
         // llama.cpp's converter squeezes Qwen3.5's `[channels, 1, kernel]` conv weight.
         let expected: Vec<usize> = match shape {
