@@ -226,3 +226,20 @@ fn missing_pieces_are_named() {
     std::fs::remove_file(&path).unwrap();
     assert!(err.contains("blk.2.ssm_a") && err.contains("layers.2.linear_attn.A_log"), "{err}");
 }
+
+/// The tokenizer rebuilt from the file's metadata (`gpt2` BPE, `tokenizer.ggml.pre = "gpt-2"`)
+/// gives the ids transformers gave for the fixture's rendered chats, and the folder's own
+/// tokenizer's ids for the decoded prompt.
+#[test]
+fn tokenizer_matches_the_folders() {
+    let gguf = ModelFolder::open(&fixture("gguf/qwen3_5-tiny-a-f32.gguf")).unwrap();
+    let folder = ModelFolder::open(&fixture("qwen3_5-tiny-a")).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture("qwen3_5-tiny-a/reference.json")).unwrap()).unwrap();
+    for chat in json["chats"].as_array().unwrap() {
+        let want: Vec<u32> = serde_json::from_value(chat["ids"].clone()).unwrap();
+        assert_eq!(gguf.tokenizer.encode(chat["text"].as_str().unwrap()).unwrap(), want);
+    }
+    let text = json["decoded_prompt"].as_str().unwrap();
+    assert_eq!(gguf.tokenizer.encode(text).unwrap(), folder.tokenizer.encode(text).unwrap());
+}
