@@ -176,9 +176,8 @@ fn greedy_tokens_are_transformers() {
     assert_eq!(got, want);
 }
 
-/// Q8_0 matrices (strata's packed kernel, activations rounded to 8 bits as llama.cpp does)
-/// against the dequantized weights in f32: the greedy tokens of the two must agree, and those
-/// of the dequantized file agree with transformers' as far as the Q8_0 rounding lets them.
+/// The Q8_0 file, through strata's packed kernel and dequantized to f32: greedy tokens agree
+/// with transformers' (from the f32 checkpoint) as far as the 8-bit rounding lets them.
 #[test]
 fn q8_0_greedy_tokens() {
     let (prompt, want) = reference("qwen3_5-tiny-a");
@@ -191,7 +190,9 @@ fn q8_0_greedy_tokens() {
         agree(&packed),
         agree(&dequantized)
     );
-    assert!(agree(&packed) >= 1 && agree(&dequantized) >= 1);
+    // Observed: both agree with transformers on the first 19 tokens (the fixture's random weights
+    // leave top-2 margins of ~2e-3, which 8-bit weights move); asserted with room.
+    assert!(agree(&packed) >= 12 && agree(&dequantized) >= 12, "{packed:?} / {dequantized:?} vs {want:?}");
 }
 
 /// The tiny-a file rewritten without one metadata key or one tensor.
