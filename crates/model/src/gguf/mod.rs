@@ -4,6 +4,7 @@
 
 pub mod tokenizer;
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
@@ -22,8 +23,20 @@ use crate::source::WeightSource;
 
 /// Architectures (`general.architecture`) strata reads from GGUF, by the `model_type` their
 /// Hugging Face config carries.
-const ARCHITECTURES: [(&str, &str); 5] =
-    [("gemma3", "gemma3_text"), ("llama", "llama"), ("qwen2", "qwen2"), ("qwen3", "qwen3"), ("qwen35", "qwen3_5_text")];
+const ARCHITECTURES: [(&str, &str); 6] = [
+    ("gemma3", "gemma3_text"),
+    ("llama", "llama"),
+    ("qwen2", "qwen2"),
+    ("qwen3", "qwen3"),
+    ("qwen35", "qwen3_5_text"),
+    ("qwen35moe", "qwen3_5_moe_text"),
+];
+
+/// Qwen3.5, dense (`qwen35`) or mixture-of-experts (`qwen35moe`): the same decoder, converter
+/// transforms and tensor names but for the feed-forward.
+fn is_qwen35(arch: &str) -> bool {
+    arch == "qwen35" || arch == "qwen35moe"
+}
 
 pub struct GgufFile {
     pub path: PathBuf,
@@ -83,7 +96,7 @@ impl GgufFile {
             )
         })?;
         let md = Metadata { file: self, prefix: format!("{}.", self.arch) };
-        if self.arch == "qwen35" {
+        if is_qwen35(&self.arch) {
             return self.qwen35_config(&md, model_type);
         }
         let hidden = md.usize("embedding_length")?;
@@ -131,11 +144,13 @@ impl GgufFile {
         Ok(serde_json::Value::Object(c))
     }
 
-    /// Qwen3.5 (`qwen35`, hybrid Gated DeltaNet / gated attention) as the flat `qwen3_5_text`
-    /// config, from the keys llama.cpp's converter writes (`Qwen3_5TextModel`): the `ssm.*`
+    /// Qwen3.5 (`qwen35`, hybrid Gated DeltaNet / gated attention; `qwen35moe` with a
+    /// mixture of experts) as the flat `qwen3_5_text` / `qwen3_5_moe_text` config, from the keys
+    /// llama.cpp's converter writes (`Qwen3_5TextModel`, `Qwen3_5MoeTextModel`): the `ssm.*`
     /// keys carry the linear-attention heads, `full_attention_interval` (or llama.cpp's
-    /// `attention.recurrent_layers` flags) the layer pattern, and the multi-token-prediction
-    /// layers (`nextn_predict_layers`) are counted in `block_count`.
+    /// `attention.recurrent_layers` flags) the layer pattern, the multi-token-prediction
+    /// layers (`nextn_predict_layers`) are counted in `block_count`, and `expert_*` keys size
+    /// the experts.
     fn qwen35_config(&self, md: &Metadata, model_type: &str) -> Result<serde_json::Value> {
         let blocks = md.usize("block_count")?;
         let mtp = md.opt_usize("nextn_predict_layers")?.unwrap_or(0);
@@ -197,7 +212,30 @@ impl GgufFile {
         c.insert("model_type".into(), json!(model_type));
         c.insert("vocab_size".into(), json!(self.tensor_rows("token_embd.weight")?));
         c.insert("hidden_size".into(), json!(md.usize("embedding_length")?));
-        c.insert("intermediate_size".into(), json!(md.usize("feed_forward_length")?));
+        if self.arch == "qwen35moe" {
+            // As llama.cpp reads them: routing is softmax, top-k renormalized (fixed in its code,
+            // no key), and absent per-expert sizes fall back to `feed_forward_length`.
+            let used = md.usize("expert_used_count")?;
+            let expert_ff = match md.opt_usize("expert_feed_forward_length")? {
+                Some(n) => n,
+                None => md.opt_usize("feed_forward_length")?.map(|n| n / used.max(1)).ok_or_else(|| {
+                    md.err("expert_feed_forward_length", "missing (and no feed_forward_length to derive it from)")
+                })?,
+            };
+            let shared_ff = match md.opt_usize("expert_shared_feed_forward_length")? {
+                Some(n) => n,
+                None => md.opt_usize("feed_forward_length")?.ok_or_else(|| {
+                    md.err("expert_shared_feed_forward_length", "missing (and no feed_forward_length to fall back on)")
+                })?,
+            };
+            c.insert("num_experts".into(), json!(md.usize("expert_count")?));
+            c.insert("num_experts_per_tok".into(), json!(used));
+            c.insert("moe_intermediate_size".into(), json!(expert_ff));
+            c.insert("shared_expert_intermediate_size".into(), json!(shared_ff));
+            c.insert("norm_topk_prob".into(), json!(true));
+        } else {
+            c.insert("intermediate_size".into(), json!(md.usize("feed_forward_length")?));
+        }
         c.insert("num_hidden_layers".into(), json!(layers));
         c.insert("layer_types".into(), json!(layer_types));
         c.insert("num_attention_heads".into(), json!(md.usize("attention.head_count")?));
@@ -227,7 +265,7 @@ impl GgufFile {
             c.insert("eos_token_id".into(), json!(eos));
         }
         if let Some(kind) = md.opt_string("rope.scaling.type")?.filter(|k| k != "none") {
-            return Err(md.err("rope.scaling.type", format!("`{kind}` is not supported for qwen35")));
+            return Err(md.err("rope.scaling.type", format!("`{kind}` is not supported for {}", self.arch)));
         }
         Ok(serde_json::Value::Object(c))
     }
@@ -257,14 +295,15 @@ impl GgufFile {
             None
         };
         // llama.cpp's converter puts Qwen3.5's value heads in tiled order where key heads are fewer.
-        let value_heads = if self.arch == "qwen35" {
+        let value_heads = if is_qwen35(&self.arch) {
             let (k, v) = (heads("ssm.group_count")?, heads("ssm.time_step_rank")?);
             let inner = heads("ssm.inner_size")?;
             if k == 0 || v == 0 || !v.is_multiple_of(k) || !inner.is_multiple_of(v) {
                 return Err(ModelError::file(
                     &self.path,
                     format!(
-                        "qwen35: ssm.time_step_rank {v} is not a multiple of ssm.group_count {k} (or of ssm.inner_size {inner})"
+                        "{}: ssm.time_step_rank {v} is not a multiple of ssm.group_count {k} (or of ssm.inner_size {inner})",
+                        self.arch
                     ),
                 ));
             }
@@ -406,6 +445,9 @@ impl GgufSource<'_> {
     /// (columns too where whole quantization blocks move; [`GgufSource::get`] and
     /// [`GgufSource::matrix`] finish the rest).
     fn stored(&self, name: &str, shape: &[usize]) -> Result<QTensor> {
+        if let Some(expert) = ExpertMatrix::parse(&self.file.arch, name) {
+            return self.expert_matrix(name, expert, shape);
+        }
         let gguf = self.gguf_name(name)?;
         if !self.file.content.tensor_infos.contains_key(&gguf) {
             return Err(ModelError::Tensor {
@@ -416,7 +458,7 @@ impl GgufSource<'_> {
         let q = self.file.qtensor(&gguf, &Device::Cpu)?;
         // llama.cpp's converter squeezes Qwen3.5's `[channels, 1, kernel]` conv weight.
         let expected: Vec<usize> = match shape {
-            [c, 1, k] if self.file.arch == "qwen35" && name.ends_with("linear_attn.conv1d.weight") => vec![*c, *k],
+            [c, 1, k] if is_qwen35(&self.file.arch) && name.ends_with("linear_attn.conv1d.weight") => vec![*c, *k],
             _ => shape.to_vec(),
         };
         if q.shape().dims() != expected {
@@ -446,6 +488,49 @@ impl GgufSource<'_> {
         }
     }
 
+    /// One expert's matrix (`shape` `[rows, cols]`), its rows sliced from the stacked tensor in
+    /// the mapped file, so quantized blocks stay whole and the other experts are not read.
+    fn expert_matrix(&self, name: &str, x: ExpertMatrix, shape: &[usize]) -> Result<QTensor> {
+        let infos = &self.file.content.tensor_infos;
+        let (gguf, parts, part) = match x.fused() {
+            Some((fused, half)) if !infos.contains_key(&x.stacked()) && infos.contains_key(&fused) => (fused, 2, half),
+            _ => (x.stacked(), 1, 0),
+        };
+        let Some(info) = infos.get(&gguf) else {
+            let also = x.fused().map(|(fused, _)| format!(", and so is `{fused}`")).unwrap_or_default();
+            return Err(ModelError::Tensor {
+                name: gguf,
+                what: format!("(Hugging Face `{name}`) is missing from {}{also}", self.file.path.display()),
+            });
+        };
+        let dtype = info.ggml_dtype;
+        let dims = info.shape.dims();
+        let fits = match (shape, dims) {
+            (&[rows, cols], &[experts, stacked_rows, stacked_cols]) => {
+                x.expert < experts
+                    && stacked_rows == parts * rows
+                    && stacked_cols == cols
+                    && cols.is_multiple_of(dtype.block_size())
+            }
+            _ => false,
+        };
+        if !fits {
+            return Err(ModelError::Tensor {
+                name: gguf,
+                what: format!(
+                    "in {} has shape {dims:?}, which holds no {shape:?} matrix for expert {} (Hugging Face `{name}`)",
+                    self.file.path.display(),
+                    x.expert
+                ),
+            });
+        }
+        let (rows, cols) = (shape[0], shape[1]);
+        let row_bytes = cols / dtype.block_size() * dtype.type_size();
+        let start = (self.file.content.tensor_data_offset + info.offset) as usize + (x.expert * parts + part) * rows * row_bytes;
+        let data = &self.file.mmap[start..start + rows * row_bytes];
+        Ok(QTensor::new(QStorage::from_data(Cow::Borrowed(data), &Device::Cpu, dtype)?, (rows, cols))?)
+    }
+
     /// Whether `name`'s columns are still in llama.cpp's order after [`GgufSource::stored`]:
     /// Qwen3.5's `out_proj` when a value head is narrower than a quantization block.
     fn columns_pending(&self, name: &str, q: &QTensor) -> Option<ValueHeads> {
@@ -462,14 +547,14 @@ impl GgufSource<'_> {
             let order: Vec<u32> = (0..cols).map(|c| v.stored_index(c, 0, v.value_dim) as u32).collect();
             t = t.index_select(&Tensor::new(order.as_slice(), &Device::Cpu)?, 1)?;
         }
-        match self.file.arch.as_str() {
-            // llama.cpp stores Gemma's `(1 + w)` norm weights with the 1 added.
-            "gemma3" if name.ends_with("norm.weight") => t = (t - 1.0)?,
-            // And Qwen3.5's zero-centred ones (all but the DeltaNet output norm), whose
-            // `A_log` it stores as `A = -exp(A_log)`.
-            "qwen35" if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") => t = (t - 1.0)?,
-            "qwen35" if name.ends_with("linear_attn.A_log") => t = t.neg()?.log()?,
-            _ => {}
+        let (gemma, qwen35) = (self.file.arch == "gemma3", is_qwen35(&self.file.arch));
+        // llama.cpp stores Gemma's `(1 + w)` norm weights with the 1 added, and Qwen3.5's
+        // zero-centred ones (all but the DeltaNet output norm), whose `A_log` it stores as
+        // `A = -exp(A_log)`.
+        if (gemma || qwen35) && name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") {
+            t = (t - 1.0)?;
+        } else if qwen35 && name.ends_with("linear_attn.A_log") {
+            t = t.neg()?.log()?;
         }
         if t.dims() != shape {
             t = t.reshape(shape)?;
@@ -525,7 +610,8 @@ impl WeightSource for GgufSource<'_> {
     }
 }
 
-/// The GGUF name of a Hugging Face decoder tensor (`embed_tokens.weight`, `layers.3.mlp.…`).
+/// The GGUF name of a Hugging Face decoder tensor (`embed_tokens.weight`, `layers.3.mlp.…`);
+/// one expert's matrices live in stacked tensors instead ([`ExpertMatrix`]).
 fn gguf_name(arch: &str, name: &str) -> Option<String> {
     match name {
         "embed_tokens.weight" => return Some("token_embd.weight".into()),
@@ -536,6 +622,7 @@ fn gguf_name(arch: &str, name: &str) -> Option<String> {
     let rest = name.strip_prefix("layers.")?;
     let (layer, rest) = rest.split_once('.')?;
     let (module, suffix) = rest.rsplit_once('.')?;
+    let (qwen35, moe) = (is_qwen35(arch), arch == "qwen35moe");
     let gguf = match module {
         "input_layernorm" => "attn_norm",
         "self_attn.q_proj" => "attn_q",
@@ -545,25 +632,72 @@ fn gguf_name(arch: &str, name: &str) -> Option<String> {
         "self_attn.q_norm" => "attn_q_norm",
         "self_attn.k_norm" => "attn_k_norm",
         // Qwen3.5's Gated DeltaNet (llama.cpp's `ssm_*`; `A_log` has no suffix there).
-        "linear_attn.in_proj_qkv" if arch == "qwen35" => "attn_qkv",
-        "linear_attn.in_proj_z" if arch == "qwen35" => "attn_gate",
-        "linear_attn.in_proj_a" if arch == "qwen35" => "ssm_alpha",
-        "linear_attn.in_proj_b" if arch == "qwen35" => "ssm_beta",
-        "linear_attn.conv1d" if arch == "qwen35" => "ssm_conv1d",
-        "linear_attn.norm" if arch == "qwen35" => "ssm_norm",
-        "linear_attn.out_proj" if arch == "qwen35" => "ssm_out",
-        "linear_attn" if arch == "qwen35" && suffix == "A_log" => return Some(format!("blk.{layer}.ssm_a")),
-        "linear_attn" if arch == "qwen35" && suffix == "dt_bias" => return Some(format!("blk.{layer}.ssm_dt.bias")),
+        "linear_attn.in_proj_qkv" if qwen35 => "attn_qkv",
+        "linear_attn.in_proj_z" if qwen35 => "attn_gate",
+        "linear_attn.in_proj_a" if qwen35 => "ssm_alpha",
+        "linear_attn.in_proj_b" if qwen35 => "ssm_beta",
+        "linear_attn.conv1d" if qwen35 => "ssm_conv1d",
+        "linear_attn.norm" if qwen35 => "ssm_norm",
+        "linear_attn.out_proj" if qwen35 => "ssm_out",
+        "linear_attn" if qwen35 && suffix == "A_log" => return Some(format!("blk.{layer}.ssm_a")),
+        "linear_attn" if qwen35 && suffix == "dt_bias" => return Some(format!("blk.{layer}.ssm_dt.bias")),
         "mlp.gate_proj" => "ffn_gate",
         "mlp.up_proj" => "ffn_up",
         "mlp.down_proj" => "ffn_down",
+        // Qwen3.5 MoE: the router and the shared expert with its gate.
+        "mlp.gate" if moe => "ffn_gate_inp",
+        "mlp.shared_expert.gate_proj" if moe => "ffn_gate_shexp",
+        "mlp.shared_expert.up_proj" if moe => "ffn_up_shexp",
+        "mlp.shared_expert.down_proj" if moe => "ffn_down_shexp",
+        "mlp.shared_expert_gate" if moe => "ffn_gate_inp_shexp",
         // Gemma normalises around both blocks; the others only before the MLP.
-        "post_attention_layernorm" if arch == "gemma3" || arch == "qwen35" => "post_attention_norm",
+        "post_attention_layernorm" if arch == "gemma3" || qwen35 => "post_attention_norm",
         "post_attention_layernorm" | "pre_feedforward_layernorm" => "ffn_norm",
         "post_feedforward_layernorm" => "post_ffw_norm",
         _ => return None,
     };
     Some(format!("blk.{layer}.{gguf}.{suffix}"))
+}
+
+/// One routed expert's matrix, `layers.L.mlp.experts.E.{gate,up,down}_proj.weight`, which
+/// llama.cpp stores stacked per layer: `blk.L.ffn_{gate,up,down}_exps.weight`
+/// `[experts, rows, cols]` (the converter stacks per-expert checkpoints and splits
+/// transformers' fused `gate_up_proj`), or with `--fuse-gate-up-exps` gate and up together in
+/// `blk.L.ffn_gate_up_exps.weight` `[experts, 2 · rows, cols]`, gate rows first.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct ExpertMatrix<'a> {
+    layer: &'a str,
+    expert: usize,
+    /// `gate`, `up` or `down`.
+    proj: &'a str,
+}
+
+impl<'a> ExpertMatrix<'a> {
+    fn parse(arch: &str, name: &'a str) -> Option<Self> {
+        if arch != "qwen35moe" {
+            return None;
+        }
+        let rest = name.strip_prefix("layers.")?;
+        let (layer, rest) = rest.split_once(".mlp.experts.")?;
+        let (expert, rest) = rest.split_once('.')?;
+        let proj = rest.strip_suffix("_proj.weight").filter(|p| ["gate", "up", "down"].contains(p))?;
+        Some(Self { layer, expert: expert.parse().ok()?, proj })
+    }
+
+    /// The stacked tensor's name.
+    fn stacked(&self) -> String {
+        format!("blk.{}.ffn_{}_exps.weight", self.layer, self.proj)
+    }
+
+    /// Where gate and up are stored together, and which half this is.
+    fn fused(&self) -> Option<(String, usize)> {
+        let half = match self.proj {
+            "gate" => 0,
+            "up" => 1,
+            _ => return None,
+        };
+        Some((format!("blk.{}.ffn_gate_up_exps.weight", self.layer), half))
+    }
 }
 
 /// Undoes llama.cpp's Llama conversion, which stores each head's rows `[d/2, 2]`-interleaved
@@ -624,6 +758,24 @@ mod tests {
         assert_eq!(gguf_name("qwen35", "layers.1.linear_attn.dt_bias").unwrap(), "blk.1.ssm_dt.bias");
         assert_eq!(gguf_name("qwen35", "layers.2.linear_attn.in_proj_qkv.weight").unwrap(), "blk.2.attn_qkv.weight");
         assert_eq!(gguf_name("qwen35", "layers.2.post_attention_layernorm.weight").unwrap(), "blk.2.post_attention_norm.weight");
+        assert_eq!(gguf_name("qwen35moe", "layers.1.linear_attn.A_log").unwrap(), "blk.1.ssm_a");
+        assert_eq!(gguf_name("qwen35moe", "layers.0.mlp.gate.weight").unwrap(), "blk.0.ffn_gate_inp.weight");
+        assert_eq!(gguf_name("qwen35moe", "layers.0.mlp.shared_expert.up_proj.weight").unwrap(), "blk.0.ffn_up_shexp.weight");
+        assert_eq!(gguf_name("qwen35moe", "layers.0.mlp.shared_expert_gate.weight").unwrap(), "blk.0.ffn_gate_inp_shexp.weight");
+        assert!(gguf_name("qwen35", "layers.0.mlp.gate.weight").is_none());
+    }
+
+    #[test]
+    fn expert_matrices_name_their_stacked_tensors() {
+        let x = ExpertMatrix::parse("qwen35moe", "layers.12.mlp.experts.7.up_proj.weight").unwrap();
+        assert_eq!(x, ExpertMatrix { layer: "12", expert: 7, proj: "up" });
+        assert_eq!(x.stacked(), "blk.12.ffn_up_exps.weight");
+        assert_eq!(x.fused(), Some(("blk.12.ffn_gate_up_exps.weight".to_string(), 1)));
+        let down = ExpertMatrix::parse("qwen35moe", "layers.0.mlp.experts.0.down_proj.weight").unwrap();
+        assert_eq!((down.stacked(), down.fused()), ("blk.0.ffn_down_exps.weight".to_string(), None));
+        assert!(ExpertMatrix::parse("qwen35", "layers.0.mlp.experts.0.down_proj.weight").is_none());
+        assert!(ExpertMatrix::parse("qwen35moe", "layers.0.mlp.experts.gate_up_proj").is_none());
+        assert!(ExpertMatrix::parse("qwen35moe", "layers.0.mlp.shared_expert.gate_proj.weight").is_none());
     }
 
     /// The converter's V-head reorder (`[k, j, d]` → `[j, k, d]`), then `stored_index`, gives
