@@ -1,14 +1,15 @@
-//! Qwen3.5 (llama.cpp architecture `qwen35`) from GGUF files that llama.cpp's own converter
-//! wrote from fixtures/qwen3_5-tiny-a and fixtures/qwen3_5-tiny-b (fixtures/gguf/README.md):
-//! the config strata builds from the metadata is the folder's, every tensor the model reads is
-//! the safetensors tensor once the converter's transforms are undone, and greedy decoding gives
-//! transformers' tokens.
+//! Qwen3.5 (llama.cpp architectures `qwen35` and `qwen35moe`) from GGUF files that llama.cpp's
+//! own converter wrote from fixtures/qwen3_5-tiny-a, -b and fixtures/qwen3_5_moe-tiny-e, -f
+//! (fixtures/gguf/README.md): the config strata builds from the metadata is the folder's, every
+//! tensor the model reads is the safetensors tensor once the converter's transforms are undone,
+//! and greedy decoding gives transformers' tokens.
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
 use candle_core::{DType, Device, Tensor};
+use strata_model::config::FeedForward;
 use strata_model::gguf::GgufFile;
 use strata_model::qwen3_5::layers::Matrix;
 use strata_model::source::WeightSource;
@@ -86,15 +87,10 @@ fn config_is_the_folders() {
     assert_eq!(qwen35(&ModelFolder::open(&fixture("gguf/qwen3_5-tiny-a-q8_0.gguf")).unwrap()), got);
 }
 
-/// Every tensor the model reads from the GGUF, against the safetensors tensor. The converter's
-/// arithmetic (`1 + w` for the zero-centred norms, `-exp(A_log)`) rounds, so those compare as
-/// the model uses them (`1 + w` exactly, from an f32 checkpoint) or within the rounding;
-/// everything else is bit-exact.
-fn assert_tensors_match(gguf: &str, folder: &str, cfg: &Qwen35Config) -> usize {
-    let file = GgufFile::open(&fixture(gguf)).unwrap();
-    let src = file.source(&Device::Cpu, true).unwrap();
-    let recorder = Recorder { inner: &src, asked: RefCell::new(Vec::new()) };
-    Model::load(&ArchConfig::Qwen35(cfg.clone()), &recorder, DType::F32).unwrap();
+/// The checkpoint's tensors by name; transformers' fused experts (`experts.gate_up_proj`
+/// `[E, 2I, H]`, `experts.down_proj` `[E, H, I]`) also under the per-expert names strata asks
+/// a GGUF file for (`experts.N.{gate,up,down}_proj.weight`).
+fn checkpoint(folder: &str) -> HashMap<String, Tensor> {
     let mut want: HashMap<String, Tensor> = HashMap::new();
     for entry in std::fs::read_dir(fixture(folder)).unwrap() {
         let path = entry.unwrap().path();
@@ -103,6 +99,32 @@ fn assert_tensors_match(gguf: &str, folder: &str, cfg: &Qwen35Config) -> usize {
             want.extend(candle_core::safetensors::load(&path, &Device::Cpu).unwrap());
         }
     }
+    let fused: Vec<String> = want.keys().filter_map(|k| k.strip_suffix(".gate_up_proj")).map(String::from).collect();
+    for experts in fused {
+        let gate_up = want[&format!("{experts}.gate_up_proj")].clone();
+        let down = want[&format!("{experts}.down_proj")].clone();
+        let inter = gate_up.dim(1).unwrap() / 2;
+        for e in 0..gate_up.dim(0).unwrap() {
+            let g = gate_up.get(e).unwrap();
+            want.insert(format!("{experts}.{e}.gate_proj.weight"), g.narrow(0, 0, inter).unwrap());
+            want.insert(format!("{experts}.{e}.up_proj.weight"), g.narrow(0, inter, inter).unwrap());
+            want.insert(format!("{experts}.{e}.down_proj.weight"), down.get(e).unwrap());
+        }
+    }
+    want
+}
+
+/// Every tensor the model reads from the GGUF, against the safetensors tensor. The converter's
+/// arithmetic (`1 + w` for the zero-centred norms, `-exp(A_log)`) rounds, so those compare as
+/// the model uses them (`1 + w` exactly, from an f32 checkpoint) or within the rounding;
+/// everything else is bit-exact, or for a Q8_0 file (`quantized`) within the 8-bit rounding of
+/// the tensor's largest value (the norms and `A_log` stay f32 there).
+fn assert_tensors_match(gguf: &str, folder: &str, cfg: &Qwen35Config, quantized: bool) -> Vec<String> {
+    let file = GgufFile::open(&fixture(gguf)).unwrap();
+    let src = file.source(&Device::Cpu, true).unwrap();
+    let recorder = Recorder { inner: &src, asked: RefCell::new(Vec::new()) };
+    Model::load(&ArchConfig::Qwen35(cfg.clone()), &recorder, DType::F32).unwrap();
+    let want = checkpoint(folder);
     let asked = recorder.asked.into_inner();
     assert!(asked.iter().any(|(n, _)| n.ends_with("linear_attn.A_log")));
     for (name, shape) in &asked {
@@ -123,6 +145,7 @@ fn assert_tensors_match(gguf: &str, folder: &str, cfg: &Qwen35Config) -> usize {
         assert_eq!(got.dims(), want.dims(), "{name}");
         let g = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let w = want.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let amax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
         for (i, (g, w)) in g.iter().zip(&w).enumerate() {
             if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") {
                 match rounding {
@@ -132,18 +155,20 @@ fn assert_tensors_match(gguf: &str, folder: &str, cfg: &Qwen35Config) -> usize {
             } else if name.ends_with("A_log") {
                 let tol = rounding.unwrap_or(2.0 * f32::EPSILON * w.abs().max(1.0));
                 assert!((g - w).abs() <= tol, "{name}[{i}]: {g} vs {w}");
+            } else if quantized {
+                assert!((g - w).abs() <= amax / 127.0, "{name}[{i}]: {g} vs {w} (largest {amax})");
             } else {
                 assert_eq!(g.to_bits(), w.to_bits(), "{name}[{i}]: {g} vs {w}");
             }
         }
     }
-    asked.len()
+    asked.into_iter().map(|(name, _)| name).collect()
 }
 
 #[test]
 fn every_tensor_equals_the_safetensors_one() {
     let cfg = qwen35(&ModelFolder::open(&fixture("gguf/qwen3_5-tiny-a-f32.gguf")).unwrap());
-    let n = assert_tensors_match("gguf/qwen3_5-tiny-a-f32.gguf", "qwen3_5-tiny-a", &cfg);
+    let n = assert_tensors_match("gguf/qwen3_5-tiny-a-f32.gguf", "qwen3_5-tiny-a", &cfg, false).len();
     assert!(n > 40, "only {n} tensors read");
 }
 
@@ -163,7 +188,7 @@ fn reordered_value_heads_are_put_back() {
     assert_eq!(got.layer_types, vec![Linear, Linear, Linear, Full, Linear]);
     assert_eq!((got.linear_num_key_heads, got.linear_num_value_heads), (2, 4));
     assert!(!got.tie_word_embeddings);
-    let n = assert_tensors_match("gguf/qwen3_5-tiny-b-f32.gguf", "qwen3_5-tiny-b", &folder);
+    let n = assert_tensors_match("gguf/qwen3_5-tiny-b-f32.gguf", "qwen3_5-tiny-b", &folder, false).len();
     assert!(n > 50, "only {n} tensors read");
 }
 
@@ -195,10 +220,10 @@ fn q8_0_greedy_tokens() {
     assert!(agree(&packed) >= 12 && agree(&dequantized) >= 12, "{packed:?} / {dequantized:?} vs {want:?}");
 }
 
-/// The tiny-a file rewritten without one metadata key or one tensor.
-fn without(key: Option<&str>, tensor: Option<&str>, tag: &str) -> PathBuf {
+/// A fixture file rewritten without one metadata key or one tensor.
+fn without(gguf: &str, key: Option<&str>, tensor: Option<&str>, tag: &str) -> PathBuf {
     use candle_core::quantized::gguf_file::{self, Content};
-    let path = fixture("gguf/qwen3_5-tiny-a-f32.gguf");
+    let path = fixture(gguf);
     let mut file = std::fs::File::open(&path).unwrap();
     let content = Content::read(&mut file).unwrap();
     let metadata: Vec<(&str, &gguf_file::Value)> =
@@ -217,12 +242,12 @@ fn without(key: Option<&str>, tensor: Option<&str>, tag: &str) -> PathBuf {
 
 #[test]
 fn missing_pieces_are_named() {
-    let path = without(Some("qwen35.ssm.conv_kernel"), None, "key");
+    let path = without("gguf/qwen3_5-tiny-a-f32.gguf", Some("qwen35.ssm.conv_kernel"), None, "key");
     let err = ModelFolder::open(&path).err().expect("opens without ssm.conv_kernel").to_string();
     std::fs::remove_file(&path).unwrap();
     assert!(err.contains("qwen35.ssm.conv_kernel"), "{err}");
 
-    let path = without(None, Some("blk.2.ssm_a"), "tensor");
+    let path = without("gguf/qwen3_5-tiny-a-f32.gguf", None, Some("blk.2.ssm_a"), "tensor");
     let err = ModelFolder::open(&path).unwrap().load(DType::F32, &Device::Cpu).err().expect("loads without ssm_a").to_string();
     std::fs::remove_file(&path).unwrap();
     assert!(err.contains("blk.2.ssm_a") && err.contains("layers.2.linear_attn.A_log"), "{err}");
@@ -243,4 +268,133 @@ fn tokenizer_matches_the_folders() {
     }
     let text = json["decoded_prompt"].as_str().unwrap();
     assert_eq!(gguf.tokenizer.encode(text).unwrap(), folder.tokenizer.encode(text).unwrap());
+}
+
+// Qwen3.5 MoE (`qwen35moe`). tiny-e: a bf16 `Qwen3_5MoeForConditionalGeneration` checkpoint,
+// experts stored one by one, 8 routed (top 3), untied output; tiny-f: an f32
+// `Qwen3_5MoeForCausalLM` with transformers' fused experts, 4 routed (top 2), tied. The
+// converter stacks both into `ffn_{gate,up,down}_exps`; tiny-e's Q8_0 file was written with
+// `--fuse-gate-up-exps` (`ffn_gate_up_exps`).
+
+const MOE_FILES: [(&str, &str); 3] = [
+    ("gguf/qwen3_5_moe-tiny-e-f32.gguf", "qwen3_5_moe-tiny-e"),
+    ("gguf/qwen3_5_moe-tiny-e-q8_0.gguf", "qwen3_5_moe-tiny-e"),
+    ("gguf/qwen3_5_moe-tiny-f-f32.gguf", "qwen3_5_moe-tiny-f"),
+];
+
+#[test]
+fn moe_config_is_the_folders() {
+    for (gguf, folder) in MOE_FILES {
+        let (got, mut want) =
+            (qwen35(&ModelFolder::open(&fixture(gguf)).unwrap()), qwen35(&ModelFolder::open(&fixture(folder)).unwrap()));
+        want.vision = None;
+        assert_eq!(got.eos_token_ids, vec![2], "{gguf}");
+        want.eos_token_ids = got.eos_token_ids.clone();
+        assert!(matches!(got.feed_forward, FeedForward::Experts(_)), "{gguf}");
+        assert_eq!(got, want, "{gguf}");
+        assert_eq!(got.mtp_num_hidden_layers, 1, "{gguf}: the MTP block is counted out of block_count");
+    }
+}
+
+#[test]
+fn moe_every_tensor_equals_the_safetensors_one() {
+    for (gguf, folder) in MOE_FILES {
+        let cfg = qwen35(&ModelFolder::open(&fixture(folder)).unwrap());
+        let FeedForward::Experts(experts) = &cfg.feed_forward else { panic!("{folder} has no experts") };
+        let asked = assert_tensors_match(gguf, folder, &cfg, gguf.ends_with("q8_0.gguf"));
+        // Every expert of every layer, the router and the shared expert with its gate.
+        let layers = cfg.layer_types.len();
+        let routed = asked.iter().filter(|n| n.contains(".mlp.experts.")).count();
+        assert_eq!(routed, layers * experts.num_experts * 3, "{gguf}");
+        for part in ["mlp.gate.weight", "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight"] {
+            assert_eq!(asked.iter().filter(|n| n.ends_with(part)).count(), layers, "{gguf}: {part}");
+        }
+    }
+}
+
+#[test]
+fn moe_greedy_tokens_are_transformers() {
+    for folder in ["qwen3_5_moe-tiny-e", "qwen3_5_moe-tiny-f"] {
+        let (prompt, want) = reference(folder);
+        assert_eq!(want.len(), 24);
+        let gguf = ModelFolder::open(&fixture(&format!("gguf/{folder}-f32.gguf"))).unwrap();
+        let got = greedy(&gguf.load(DType::F32, &Device::Cpu).unwrap(), &prompt, want.len());
+        assert_eq!(got, want, "{folder}");
+    }
+}
+
+/// The positions where the model, fed the prompt and transformers' tokens, predicts
+/// transformers' next token (one forward; a wrong pick does not derail the rest).
+fn forced_agreement(model: &Model, prompt: &[u32], want: &[u32]) -> usize {
+    let mut state = model.new_state(1).unwrap();
+    let tokens: Vec<u32> = prompt.iter().chain(&want[..want.len() - 1]).copied().collect();
+    let input = Tensor::new(tokens.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let logits = model.forward(&input, &mut state, Logits::All).unwrap().squeeze(0).unwrap();
+    let picks = logits.narrow(0, prompt.len() - 1, want.len()).unwrap().argmax(1).unwrap().to_vec1::<u32>().unwrap();
+    picks.iter().zip(want).filter(|(a, b)| a == b).count()
+}
+
+/// tiny-e's Q8_0 file (experts fused gate-and-up, sliced per expert and kept in Q8_0), through
+/// strata's packed kernel and dequantized to f32, against transformers' tokens from the
+/// checkpoint. Routing makes this fixture touchy: a small change to a router logit swaps an
+/// expert (transformers' own bf16 run leaves its f32 tokens after 5), so greedy runs part early
+/// and the robust measure is the next-token agreement along transformers' tokens.
+#[test]
+fn moe_q8_0_greedy_tokens() {
+    let (prompt, want) = reference("qwen3_5_moe-tiny-e");
+    let folder = ModelFolder::open(&fixture("gguf/qwen3_5_moe-tiny-e-q8_0.gguf")).unwrap();
+    // The experts stay in Q8_0 for strata's packed kernel.
+    let file = GgufFile::open(&fixture("gguf/qwen3_5_moe-tiny-e-q8_0.gguf")).unwrap();
+    let src = file.source(&Device::Cpu, false).unwrap();
+    for proj in ["gate", "up"] {
+        let m = src.matrix(&format!("layers.2.mlp.experts.5.{proj}_proj.weight"), 32, 64, DType::F32).unwrap();
+        assert!(matches!(m, Matrix::Packed(_)), "{proj}");
+    }
+    assert!(matches!(src.matrix("layers.2.mlp.experts.5.down_proj.weight", 64, 32, DType::F32).unwrap(), Matrix::Packed(_)));
+    let leading = |a: &[u32]| a.iter().zip(&want).take_while(|(a, b)| a == b).count();
+    for (how, model) in [
+        ("packed", folder.load(DType::F32, &Device::Cpu).unwrap()),
+        ("dequantized", folder.load_dequantized(DType::F32, &Device::Cpu).unwrap()),
+    ] {
+        let tokens = greedy(&model, &prompt, want.len());
+        let forced = forced_agreement(&model, &prompt, &want);
+        println!(
+            "MoE Q8_0 {how}: greedy {tokens:?} ({} leading tokens agree with transformers); along transformers' tokens {forced} of {} agree",
+            leading(&tokens),
+            want.len()
+        );
+        // Observed: 20 of 24 along transformers' tokens both ways; greedy runs agree on the first
+        // 13 (packed) and 3 (dequantized). Asserted with room.
+        assert!(leading(&tokens) >= 2 && forced >= 16, "{how}: {tokens:?} ({forced} forced) vs {want:?}");
+    }
+}
+
+#[test]
+fn moe_missing_pieces_are_named() {
+    let gguf = "gguf/qwen3_5_moe-tiny-e-f32.gguf";
+    let path = without(gguf, Some("qwen35moe.expert_count"), None, "moe-key");
+    let err = ModelFolder::open(&path).err().expect("opens without expert_count").to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(err.contains("qwen35moe.expert_count"), "{err}");
+
+    let path = without(gguf, None, Some("blk.1.ffn_up_exps.weight"), "moe-experts");
+    let err =
+        ModelFolder::open(&path).unwrap().load(DType::F32, &Device::Cpu).err().expect("loads without ffn_up_exps").to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(
+        err.contains("blk.1.ffn_up_exps.weight")
+            && err.contains("layers.1.mlp.experts.0.up_proj.weight")
+            && err.contains("blk.1.ffn_gate_up_exps.weight"),
+        "{err}"
+    );
+
+    let path = without(gguf, None, Some("blk.2.ffn_gate_inp_shexp.weight"), "moe-shared");
+    let err = ModelFolder::open(&path)
+        .unwrap()
+        .load(DType::F32, &Device::Cpu)
+        .err()
+        .expect("loads without the shared gate")
+        .to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(err.contains("blk.2.ffn_gate_inp_shexp.weight") && err.contains("layers.2.mlp.shared_expert_gate.weight"), "{err}");
 }
