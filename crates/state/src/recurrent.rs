@@ -7,9 +7,9 @@ use crate::spec::{StateCost, Storage, StoreContext};
 use crate::{buffer_bytes, select_rows, Result, StateError};
 
 /// Per row, the conv window `[K-1, conv_dim]` (compute dtype) and the recurrent matrix
-/// `[Hv, Dv, Dk]` (in [`RecurrentShape::ssm_dtype`]): in batch tensors of its own (`conv` `[B, K-1, conv_dim]`, `ssm`
-/// `[B, Hv, Dv, Dk]`), or each row in a slot of a [`crate::StatePool`]. The two answer the same
-/// questions with the same bits.
+/// `[Hv, Dv, Dk]` (in [`RecurrentShape::ssm_dtype`]): in batch tensors of its own (`conv`
+/// `[B, K-1, conv_dim]`, `ssm` `[B, Hv, Dv, Dk]`), or each row in a slot of a
+/// [`crate::StatePool`]. The two answer the same questions with the same bits.
 #[derive(Clone, Debug)]
 pub struct RecurrentState {
     rows: Rows,
