@@ -147,9 +147,9 @@ struct Measured {
     /// than the forward's).
     mask_us: Option<f64>,
     /// Prefill forwards the run took (prompts arriving together share them), and their mean
-    /// wall time.
+    /// wall time (a draft model's reading of the prompt included); none without a prefill.
     prefill_forwards: u64,
-    prefill_forward_ms: f64,
+    prefill_forward_ms: Option<f64>,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -256,7 +256,8 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
             masks => Some((stats.structured_mask_ns.load(Ordering::Relaxed) - masks_before.1) as f64 / masks as f64 / 1e3),
         },
         prefill_forwards: prefills,
-        prefill_forward_ms: (stats.prefill_ns.load(Ordering::Relaxed) - prefills_before.1) as f64 / prefills.max(1) as f64 / 1e6,
+        prefill_forward_ms: (prefills > 0)
+            .then(|| (stats.prefill_ns.load(Ordering::Relaxed) - prefills_before.1) as f64 / prefills as f64 / 1e6),
     })
 }
 
@@ -362,7 +363,7 @@ pub fn run(mut a: Args) -> Result<()> {
                     serde_json::json!({
                         "model": name, "device": a.device, "machine": machine, "threads": candle_core::utils::get_num_threads(),
                         "dtype": dtype.name(), "kv_cache_dtype": a.kv.policy()?.to_string(),
-                        "mamba_ssm_cache_dtype": format!("{:?}", a.kv.mamba_ssm_cache_dtype.dtype()).to_lowercase(),
+                        "mamba_ssm_cache_dtype": a.kv.ssm_dtype_name(),
                         "concurrency": c, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
                         "prefill_tok_s": m.prefill_tok_s, "aggregate_decode_tok_s": m.aggregate_decode_tok_s,
                         "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,

@@ -78,7 +78,8 @@ pub struct KvCacheArgs {
     pub quantized_kv_start: usize,
     /// What Gated DeltaNet layers store their recurrent state in: auto (= float32, exact) or
     /// bfloat16 — half the bytes each request holds and each decode step reads and writes; the
-    /// recurrence still computes in f32, rounding the state once per forward.
+    /// recurrence still computes in f32, rounding the state after every token (once per prompt
+    /// chunk where a prompt runs by chunks on tensor cores).
     #[arg(long, value_enum, default_value = "auto")]
     pub mamba_ssm_cache_dtype: SsmCacheDtype,
 }
@@ -104,6 +105,15 @@ impl KvCacheArgs {
         model.set_kv_format(self.policy()?)?;
         model.set_ssm_cache_dtype(self.mamba_ssm_cache_dtype.dtype())?;
         Ok(model)
+    }
+
+    /// `--mamba-ssm-cache-dtype` as it was given (`auto`, `float32`, `bfloat16`).
+    pub fn ssm_dtype_name(&self) -> &'static str {
+        match self.mamba_ssm_cache_dtype {
+            SsmCacheDtype::Auto => "auto",
+            SsmCacheDtype::Float32 => "float32",
+            SsmCacheDtype::Bfloat16 => "bfloat16",
+        }
     }
 
     /// `dtype`'s name with the KV formats and a bf16 recurrent state, for cache identities

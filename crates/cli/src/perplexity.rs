@@ -158,7 +158,7 @@ pub fn run(a: Args) -> Result<()> {
     if a.json {
         let json = serde_json::json!({
             "perplexity": s.perplexity(), "nll_sum": s.nll, "tokens_scored": s.tokens, "windows": s.windows,
-            "ctx": a.ctx, "stride": stride, "max_tokens": a.max_tokens, "kv_cache_dtype": model.kv_format().to_string(), "seconds": seconds, "tokens_per_second": rate,
+            "ctx": a.ctx, "stride": stride, "max_tokens": a.max_tokens, "kv_cache_dtype": model.kv_format().to_string(), "mamba_ssm_cache_dtype": a.kv.ssm_dtype_name(), "seconds": seconds, "tokens_per_second": rate,
         });
         println!("{json}");
     }

@@ -48,6 +48,9 @@ pub struct Inputs<'a> {
 /// Runs the recurrence over `T` tokens for `B` rows from `state` `[B, Hv, Dv, Dk]` (f32 or bf16).
 /// Returns the output `[B, T, Hv, Dv]` (f32) and the new state, in `state`'s dtype.
 pub fn gated_delta_rule(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Tensor, Tensor)> {
+    if !matches!(state.dtype(), DType::F32 | DType::BF16) {
+        candle_core::bail!("a recurrent state is stored in f32 or bf16, not {:?}", state.dtype());
+    }
     let (out, new_state) = gated_delta_rule_f32(inputs, gating, state)?;
     Ok((out, new_state.to_dtype(state.dtype())?))
 }
@@ -158,8 +161,10 @@ pub fn reference(inputs: &Inputs, gating: &Gating, state: &Tensor) -> Result<(Te
     Ok((Tensor::stack(&outs, 1)?, s))
 }
 
-/// Longest input that devices without a fused kernel run step by step rather than by chunks.
-const STEPWISE_MAX: usize = 16;
+/// Longest input that devices without a fused kernel run step by step rather than by chunks: at
+/// least the widest verify block (16 drafts and the last token), whose positions must compute as
+/// decode steps would.
+const STEPWISE_MAX: usize = 32;
 
 /// Tokens per chunk of [`chunked`].
 pub const CHUNK: usize = 64;

@@ -179,9 +179,9 @@ impl Model {
 
     /// Stores recurrent (DeltaNet) state in `dtype` (`--mamba-ssm-cache-dtype`) in every state
     /// built from now on: f32, exact and the default, or bf16, half the bytes a row holds and a
-    /// decode step reads and writes, computed in f32 and rounded after every token (every chunk
-    /// where a prompt runs by chunks: see [`strata_kernels::gated_delta`]). Models without
-    /// recurrent layers have nothing to store.
+    /// decode step reads and writes, computed in f32 and rounded after every token (once per
+    /// prefill chunk where a prompt runs by chunks: see [`strata_kernels::gated_delta`]). Models
+    /// without recurrent layers have nothing to store.
     pub fn set_ssm_cache_dtype(&mut self, dtype: DType) -> Result<()> {
         if !matches!(dtype, DType::F32 | DType::BF16) {
             return Err(ModelError::Invalid(format!("recurrent state is stored in f32 or bf16, not {dtype:?}")));

@@ -75,7 +75,9 @@ fn graph_replays_match_eager_steps_bit_for_bit() {
     let device = cuda();
     for dir in fixtures() {
         // The compute dtype, and the recurrent state's (bf16: --mamba-ssm-cache-dtype).
-        for (dtype, stored) in [(DType::F32, DType::F32), (DType::BF16, DType::F32), (DType::BF16, DType::BF16)] {
+        let combinations =
+            [(DType::F32, DType::F32), (DType::F32, DType::BF16), (DType::BF16, DType::F32), (DType::BF16, DType::BF16)];
+        for (dtype, stored) in combinations {
             let mut model = ModelFolder::open(&dir).unwrap().load(dtype, &device).unwrap();
             model.set_ssm_cache_dtype(stored).unwrap();
             let Model::Qwen35(qwen) = &model else { panic!("fixtures are Qwen3.5") };

@@ -56,8 +56,9 @@ impl GgufFile {
         for (name, info) in &content.tensor_infos {
             let elems = info.shape.elem_count();
             let block = info.ggml_dtype.block_size();
-            let end = content.tensor_data_offset + info.offset + (elems / block * info.ggml_dtype.type_size()) as u64;
-            if !elems.is_multiple_of(block) || end > mmap.len() as u64 {
+            let bytes = (elems / block) as u64 * info.ggml_dtype.type_size() as u64;
+            let end = content.tensor_data_offset.checked_add(info.offset).and_then(|at| at.checked_add(bytes));
+            if !elems.is_multiple_of(block) || end.is_none_or(|end| end > mmap.len() as u64) {
                 return Err(ModelError::file(path, format!("tensor `{name}` runs past the end of the file (truncated?)")));
             }
         }
@@ -214,7 +215,8 @@ impl GgufFile {
         c.insert("hidden_size".into(), json!(md.usize("embedding_length")?));
         if self.arch == "qwen35moe" {
             // As llama.cpp reads them: routing is softmax, top-k renormalized (fixed in its code,
-            // no key), and absent per-expert sizes fall back to `feed_forward_length`.
+            // no key); an absent expert size is `feed_forward_length` over the experts used, an
+            // absent shared-expert size `feed_forward_length`.
             let used = md.usize("expert_used_count")?;
             let expert_ff = match md.opt_usize("expert_feed_forward_length")? {
                 Some(n) => n,
@@ -276,7 +278,10 @@ impl GgufFile {
             .tensor_infos
             .get(name)
             .ok_or_else(|| ModelError::Tensor { name: name.into(), what: format!("is missing from {}", self.path.display()) })?;
-        Ok(info.shape.dims()[0])
+        info.shape.dims().first().copied().ok_or_else(|| ModelError::Tensor {
+            name: name.into(),
+            what: format!("in {} has no dimensions", self.path.display()),
+        })
     }
 
     /// The tensors under Hugging Face names on `device`; matrices stay quantized unless
@@ -526,9 +531,17 @@ impl GgufSource<'_> {
         }
         let (rows, cols) = (shape[0], shape[1]);
         let row_bytes = cols / dtype.block_size() * dtype.type_size();
-        let start = (self.file.content.tensor_data_offset + info.offset) as usize + (x.expert * parts + part) * rows * row_bytes;
-        let data = &self.file.mmap[start..start + rows * row_bytes];
-        Ok(QTensor::new(QStorage::from_data(Cow::Borrowed(data), &Device::Cpu, dtype)?, (rows, cols))?)
+        let bytes = rows * row_bytes;
+        let start = usize::try_from(self.file.content.tensor_data_offset + info.offset)
+            .ok()
+            .and_then(|at| at.checked_add((x.expert * parts + part) * bytes));
+        let data = start.and_then(|at| self.file.mmap.get(at..at.checked_add(bytes)?)).ok_or_else(|| ModelError::Tensor {
+            name: gguf.clone(),
+            what: format!("in {}: expert {} runs past the end of the file", self.file.path.display(), x.expert),
+        })?;
+        // Copied: candle reads the blocks in place and needs them aligned, which a file's offsets
+        // need not be.
+        Ok(QTensor::new(QStorage::from_data(Cow::Owned(data.to_vec()), &Device::Cpu, dtype)?, (rows, cols))?)
     }
 
     /// Whether `name`'s columns are still in llama.cpp's order after [`GgufSource::stored`]:

@@ -1,5 +1,6 @@
 //! Gated DeltaNet layer: projections, causal conv1d + SiLU, the gated delta recurrence (f32
-//! state), gated RMSNorm per value head, output projection.
+//! arithmetic; the state stored as the model's spec declares), gated RMSNorm per value head,
+//! output projection.
 
 use candle_core::{DType, Tensor};
 use strata_kernels::{conv1d::causal_conv1d_silu, gated_delta};
@@ -19,6 +20,8 @@ pub struct GatedDeltaNet {
     dt_bias: Tensor,
     norm: GatedRmsNorm,
     out_proj: Linear,
+    /// The layer's dimensions (its `ssm_dtype` is the default: what the state is stored in is
+    /// the model's [`Qwen35::state_spec`](super::Qwen35::state_spec) to declare).
     shape: RecurrentShape,
     key_heads: usize,
 }
