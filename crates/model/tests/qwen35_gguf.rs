@@ -118,51 +118,68 @@ fn checkpoint(folder: &str) -> HashMap<String, Tensor> {
 /// arithmetic (`1 + w` for the zero-centred norms, `-exp(A_log)`) rounds, so those compare as
 /// the model uses them (`1 + w` exactly, from an f32 checkpoint) or within the rounding;
 /// everything else is bit-exact, or for a Q8_0 file (`quantized`) within the 8-bit rounding of
-/// the tensor's largest value (the norms and `A_log` stay f32 there).
+/// the row's largest value (the norms and `A_log` stay f32 there). A Q8_0 file's matrices are
+/// checked twice: dequantized by the loader, and as the model keeps them (quantized blocks,
+/// read back row by row).
 fn assert_tensors_match(gguf: &str, folder: &str, cfg: &Qwen35Config, quantized: bool) -> Vec<String> {
     let file = GgufFile::open(&fixture(gguf)).unwrap();
     let src = file.source(&Device::Cpu, true).unwrap();
+    let kept = file.source(&Device::Cpu, false).unwrap();
     let recorder = Recorder { inner: &src, asked: RefCell::new(Vec::new()) };
     Model::load(&ArchConfig::Qwen35(cfg.clone()), &recorder, DType::F32).unwrap();
     let want = checkpoint(folder);
     let asked = recorder.asked.into_inner();
     assert!(asked.iter().any(|(n, _)| n.ends_with("linear_attn.A_log")));
     for (name, shape) in &asked {
-        let got = src.get(name, shape, DType::F32).unwrap();
         let stored = match name.as_str() {
             "lm_head.weight" => name.clone(),
             _ if want.contains_key("model.language_model.embed_tokens.weight") => format!("model.language_model.{name}"),
             _ => format!("model.{name}"),
         };
         let want = &want[&stored];
-        // The converter does its arithmetic in the checkpoint's dtype: in a bf16 one, `1 + w`
-        // and `-exp(A_log)` round to bf16 before the f32 file stores them.
-        let rounding = match want.dtype() {
-            DType::F32 => None,
-            DType::BF16 => Some(8e-3),
-            other => panic!("{name}: checkpoint dtype {other:?}"),
-        };
-        assert_eq!(got.dims(), want.dims(), "{name}");
-        let g = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let w = want.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
-        let amax = w.iter().fold(0f32, |m, x| m.max(x.abs()));
-        for (i, (g, w)) in g.iter().zip(&w).enumerate() {
-            if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") {
-                match rounding {
-                    Some(tol) => assert!((g - w).abs() <= tol, "{name}[{i}]: {g} vs {w}"),
-                    None => assert_eq!(1.0 + g, 1.0 + w, "{name}[{i}]: 1 + w differs"),
-                }
-            } else if name.ends_with("A_log") {
-                let tol = rounding.unwrap_or(2.0 * f32::EPSILON * w.abs().max(1.0));
-                assert!((g - w).abs() <= tol, "{name}[{i}]: {g} vs {w}");
-            } else if quantized {
-                assert!((g - w).abs() <= amax / 127.0, "{name}[{i}]: {g} vs {w} (largest {amax})");
-            } else {
-                assert_eq!(g.to_bits(), w.to_bits(), "{name}[{i}]: {g} vs {w}");
-            }
+        assert_tensor_matches(name, "dequantized", &src.get(name, shape, DType::F32).unwrap(), want, quantized);
+        if let (true, &[rows, cols]) = (quantized, shape.as_slice()) {
+            let all = Tensor::arange(0u32, rows as u32, &Device::Cpu).unwrap();
+            let got = kept.matrix(name, rows, cols, DType::F32).unwrap().rows_at(&all, DType::F32).unwrap();
+            assert_tensor_matches(name, "kept quantized", &got, want, quantized);
         }
     }
     asked.into_iter().map(|(name, _)| name).collect()
+}
+
+/// One tensor read (`how`) against the checkpoint's, as [`assert_tensors_match`] says.
+fn assert_tensor_matches(name: &str, how: &str, got: &Tensor, want: &Tensor, quantized: bool) {
+    // The converter does its arithmetic in the checkpoint's dtype: in a bf16 one, `1 + w`
+    // and `-exp(A_log)` round to bf16 before the f32 file stores them.
+    let rounding = match want.dtype() {
+        DType::F32 => None,
+        DType::BF16 => Some(8e-3),
+        other => panic!("{name}: checkpoint dtype {other:?}"),
+    };
+    assert_eq!(got.dims(), want.dims(), "{name} ({how})");
+    let g = got.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let w = want.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    // Q8_0 scales each block of 32 along a row by its largest magnitude over 127 and rounds to
+    // the nearest step (with an f16 scale), so the row's largest magnitude over 127 bounds the
+    // error wherever the row's blocks went.
+    let cols = want.dims().last().copied().unwrap_or(1).max(1);
+    let row_max: Vec<f32> = w.chunks(cols).map(|row| row.iter().fold(0f32, |m, x| m.max(x.abs()))).collect();
+    for (i, (g, w)) in g.iter().zip(&w).enumerate() {
+        if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") {
+            match rounding {
+                Some(tol) => assert!((g - w).abs() <= tol, "{name}[{i}] ({how}): {g} vs {w}"),
+                None => assert_eq!(1.0 + g, 1.0 + w, "{name}[{i}] ({how}): 1 + w differs"),
+            }
+        } else if name.ends_with("A_log") {
+            let tol = rounding.unwrap_or(2.0 * f32::EPSILON * w.abs().max(1.0));
+            assert!((g - w).abs() <= tol, "{name}[{i}] ({how}): {g} vs {w}");
+        } else if quantized {
+            let amax = row_max[i / cols];
+            assert!((g - w).abs() <= amax / 127.0, "{name}[{i}] ({how}): {g} vs {w} (row's largest {amax})");
+        } else {
+            assert_eq!(g.to_bits(), w.to_bits(), "{name}[{i}] ({how}): {g} vs {w}");
+        }
+    }
 }
 
 #[test]
@@ -177,19 +194,36 @@ fn every_tensor_equals_the_safetensors_one() {
 /// [linear, full, linear, linear, full], which llama.cpp's metadata cannot say (the converter
 /// writes only `full_attention_interval`, 4 by default), so the file reads as
 /// [linear, linear, linear, full, linear], as llama.cpp reads it: the tensors are checked against
-/// the folder's own config.
+/// the folder's own config. In the Q8_0 file qkv, z, a and b are quantized (their rows move as
+/// whole blocks) and a value head (16 wide) is narrower than a block, so `out_proj`'s columns
+/// can only move dequantized: the model keeps it dense. conv1d, A_log and dt_bias stay f32.
 #[test]
 fn reordered_value_heads_are_put_back() {
-    let gguf = ModelFolder::open(&fixture("gguf/qwen3_5-tiny-b-f32.gguf")).unwrap();
     let folder = qwen35(&ModelFolder::open(&fixture("qwen3_5-tiny-b")).unwrap());
     assert_eq!((folder.linear_num_key_heads, folder.linear_num_value_heads), (2, 4));
-    let got = qwen35(&gguf);
-    use strata_model::config::LayerKind::{Full, Linear};
-    assert_eq!(got.layer_types, vec![Linear, Linear, Linear, Full, Linear]);
-    assert_eq!((got.linear_num_key_heads, got.linear_num_value_heads), (2, 4));
-    assert!(!got.tie_word_embeddings);
-    let n = assert_tensors_match("gguf/qwen3_5-tiny-b-f32.gguf", "qwen3_5-tiny-b", &folder, false).len();
-    assert!(n > 50, "only {n} tensors read");
+    assert_eq!(folder.linear_value_head_dim, 16);
+    for (gguf, quantized) in [("gguf/qwen3_5-tiny-b-f32.gguf", false), ("gguf/qwen3_5-tiny-b-q8_0.gguf", true)] {
+        let got = qwen35(&ModelFolder::open(&fixture(gguf)).unwrap());
+        use strata_model::config::LayerKind::{Full, Linear};
+        assert_eq!(got.layer_types, vec![Linear, Linear, Linear, Full, Linear], "{gguf}");
+        assert_eq!((got.linear_num_key_heads, got.linear_num_value_heads), (2, 4), "{gguf}");
+        assert!(!got.tie_word_embeddings, "{gguf}");
+        let asked = assert_tensors_match(gguf, "qwen3_5-tiny-b", &folder, quantized);
+        assert!(asked.len() > 50, "{gguf}: only {} tensors read", asked.len());
+        let reordered = ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_a.weight", "in_proj_b.weight"];
+        for part in reordered.iter().chain(&["A_log", "dt_bias", "conv1d.weight", "out_proj.weight"]) {
+            assert!(asked.iter().any(|n| n == &format!("layers.0.linear_attn.{part}")), "{gguf}: {part} not read");
+        }
+        if quantized {
+            let file = GgufFile::open(&fixture(gguf)).unwrap();
+            let src = file.source(&Device::Cpu, false).unwrap();
+            let matrix = |part: &str, rows| src.matrix(&format!("layers.0.linear_attn.{part}"), rows, 64, DType::F32).unwrap();
+            for (part, rows) in reordered.into_iter().zip([128, 64, 4, 4]) {
+                assert!(matches!(matrix(part, rows), Matrix::Packed(_)), "{part} is not kept in Q8_0");
+            }
+            assert!(matches!(matrix("out_proj.weight", 64), Matrix::Dense(_)), "out_proj is not dense");
+        }
+    }
 }
 
 #[test]
