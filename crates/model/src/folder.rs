@@ -188,10 +188,19 @@ impl ModelFolder {
                 &self.path,
                 "holds no multi-token-prediction head (no mtp.* tensors; some conversions drop them)",
             )),
-            Tensors::Gguf(_) => Err(ModelError::file(
-                &self.path,
-                "is a GGUF file; strata reads a multi-token-prediction head only from safetensors",
-            )),
+            // llama.cpp's converter writes the head as an extra block, `blk.{N}.nextn.*`.
+            Tensors::Gguf(file) => {
+                let has_head = file.mtp_block()?.is_some();
+                if !has_head && matches!(target, Model::Qwen35(_)) {
+                    return Err(ModelError::file(
+                        &self.path,
+                        "holds no multi-token-prediction head (no nextn block `blk.N.nextn.*`; \
+                         some conversions drop it)",
+                    ));
+                }
+                let src = file.source(target.device(), false)?;
+                target.mtp_head(&src).map_err(|e| ModelError::file(&self.path, e))
+            }
         }
     }
 

@@ -165,7 +165,7 @@ fn assert_tensor_matches(name: &str, how: &str, got: &Tensor, want: &Tensor, qua
     let cols = want.dims().last().copied().unwrap_or(1).max(1);
     let row_max: Vec<f32> = w.chunks(cols).map(|row| row.iter().fold(0f32, |m, x| m.max(x.abs()))).collect();
     for (i, (g, w)) in g.iter().zip(&w).enumerate() {
-        if name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight") {
+        if stored_plus_one(name) {
             match rounding {
                 Some(tol) => assert!((g - w).abs() <= tol, "{name}[{i}] ({how}): {g} vs {w}"),
                 None => assert_eq!(1.0 + g, 1.0 + w, "{name}[{i}] ({how}): 1 + w differs"),
@@ -180,6 +180,15 @@ fn assert_tensor_matches(name: &str, how: &str, got: &Tensor, want: &Tensor, qua
             assert_eq!(g.to_bits(), w.to_bits(), "{name}[{i}] ({how}): {g} vs {w}");
         }
     }
+}
+
+/// Whether the converter stores `name` as `1 + w`: the zero-centred norms (all but the DeltaNet
+/// output norm), the multi-token-prediction head's included, whose pre-`fc` norms it renames
+/// `enorm` / `hnorm` before adding the 1.
+fn stored_plus_one(name: &str) -> bool {
+    (name.ends_with("norm.weight") && !name.ends_with("linear_attn.norm.weight"))
+        || name == "mtp.pre_fc_norm_embedding.weight"
+        || name == "mtp.pre_fc_norm_hidden.weight"
 }
 
 #[test]
@@ -431,4 +440,62 @@ fn moe_missing_pieces_are_named() {
         .to_string();
     std::fs::remove_file(&path).unwrap();
     assert!(err.contains("blk.2.ffn_gate_inp_shexp.weight") && err.contains("layers.2.mlp.shared_expert_gate.weight"), "{err}");
+}
+
+/// Qwen3.5's multi-token-prediction head from the block the converter appends (`blk.{N}`, N the
+/// decoder layers: `nextn.eh_proj`, `nextn.enorm`, `nextn.hnorm`, `nextn.shared_head_norm` and a
+/// full-attention layer's tensors): every `mtp.*` tensor the head reads is the safetensors one
+/// (dense and MoE), and the head loaded from the f32 file drafts the folder head's logits.
+#[test]
+fn mtp_head_reads_the_nextn_block() {
+    for (gguf, dir) in
+        [("gguf/qwen3_5-tiny-a-f32.gguf", "qwen3_5-tiny-a"), ("gguf/qwen3_5_moe-tiny-e-f32.gguf", "qwen3_5_moe-tiny-e")]
+    {
+        let file = GgufFile::open(&fixture(gguf)).unwrap();
+        let src = file.source(&Device::Cpu, true).unwrap();
+        let target = ModelFolder::open(&fixture(gguf)).unwrap().load(DType::F32, &Device::Cpu).unwrap();
+        let recorder = Recorder { inner: &src, asked: RefCell::new(Vec::new()) };
+        target.mtp_head(&recorder).unwrap();
+        let asked = recorder.asked.into_inner();
+        let want = checkpoint(dir);
+        for name in ["mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.norm.weight"] {
+            assert!(asked.iter().any(|(n, _)| n == name), "{gguf}: {name} not read");
+        }
+        assert!(asked.iter().any(|(n, _)| n == "mtp.layers.0.self_attn.q_norm.weight"), "{gguf}: the layer not read");
+        for (name, shape) in &asked {
+            assert!(name.starts_with("mtp."), "{gguf}: the head read {name}");
+            assert_tensor_matches(name, "dequantized", &src.get(name, shape, DType::F32).unwrap(), &want[name], false);
+        }
+    }
+
+    let gguf = ModelFolder::open(&fixture("gguf/qwen3_5-tiny-a-f32.gguf")).unwrap();
+    let folder = ModelFolder::open(&fixture("qwen3_5-tiny-a")).unwrap();
+    let (g_model, f_model) = (gguf.load(DType::F32, &Device::Cpu).unwrap(), folder.load(DType::F32, &Device::Cpu).unwrap());
+    let (g_head, f_head) = (gguf.load_mtp(&g_model).unwrap(), folder.load_mtp(&f_model).unwrap());
+    let (prompt, _) = reference("qwen3_5-tiny-a");
+    let tokens = &prompt[..prompt.len().min(12)];
+    let row = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let n = tokens.len();
+    let mut drafts = Vec::new();
+    for (model, head) in [(&g_model, &g_head), (&f_model, &f_head)] {
+        let (_, hidden) = model.forward_with_hidden(&row(tokens), &mut model.new_state(1).unwrap(), Logits::All).unwrap();
+        // Position i's hidden state with token i + 1: the draft for token i + 2.
+        let y = head.forward(&row(&tokens[1..]), &hidden.narrow(1, 0, n - 1).unwrap(), &mut head.new_state(1).unwrap()).unwrap();
+        drafts.push(head.logits(&y).unwrap());
+    }
+    assert_eq!(drafts[0].dims(), &[1, n - 1, gguf.config.vocab_size]);
+    assert_eq!(drafts[0].dims(), drafts[1].dims());
+    let d: f32 = (&drafts[0] - &drafts[1]).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar().unwrap();
+    assert!(d <= 1e-5, "MTP draft logits from the GGUF differ from the folder's by {d}");
+}
+
+/// A file converted without the head (or missing its `eh_proj`) is refused by name.
+#[test]
+fn gguf_without_mtp_head_is_refused() {
+    let path = without("gguf/qwen3_5-tiny-a-f32.gguf", None, Some("blk.4.nextn.eh_proj.weight"), "no-mtp");
+    let folder = ModelFolder::open(&path).unwrap();
+    let model = folder.load(DType::F32, &Device::Cpu).unwrap();
+    let err = folder.load_mtp(&model).err().expect("loads an MTP head without eh_proj").to_string();
+    std::fs::remove_file(&path).unwrap();
+    assert!(err.contains("no multi-token-prediction head") && err.contains("no-mtp"), "{err}");
 }

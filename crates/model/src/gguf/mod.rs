@@ -317,7 +317,21 @@ impl GgufFile {
         } else {
             None
         };
-        Ok(GgufSource { file: self, device: device.clone(), dequantize, permuted_heads, value_heads })
+        let mtp_block = self.mtp_block()?;
+        Ok(GgufSource { file: self, device: device.clone(), dequantize, permuted_heads, value_heads, mtp_block })
+    }
+
+    /// The block llama.cpp's converter wrote Qwen3.5's multi-token-prediction head to
+    /// (`blk.{N}`, N the decoder layers, holding `nextn.eh_proj` beside a decoder layer's
+    /// tensors), where the file has one.
+    pub fn mtp_block(&self) -> Result<Option<usize>> {
+        if !is_qwen35(&self.arch) {
+            return Ok(None);
+        }
+        let md = Metadata { file: self, prefix: format!("{}.", self.arch) };
+        let mtp = md.opt_usize("nextn_predict_layers")?.unwrap_or(0);
+        let Some(layers) = md.usize("block_count")?.checked_sub(mtp) else { return Ok(None) };
+        Ok((mtp > 0 && self.content.tensor_infos.contains_key(&format!("blk.{layers}.nextn.eh_proj.weight"))).then_some(layers))
     }
 
     fn qtensor(&self, gguf_name: &str, device: &Device) -> Result<QTensor> {
@@ -405,6 +419,8 @@ pub struct GgufSource<'a> {
     /// Qwen3.5's linear-attention value heads, which llama.cpp's converter reorders when there
     /// are more of them than key heads.
     value_heads: Option<ValueHeads>,
+    /// The block holding Qwen3.5's multi-token-prediction head (`mtp.*`), where there is one.
+    mtp_block: Option<usize>,
 }
 
 /// llama.cpp's converter (`_LinearAttentionVReorderBase`) stores value heads "tiled"
@@ -439,6 +455,26 @@ impl ValueHeads {
 }
 
 impl GgufSource<'_> {
+    /// The name the rest of the source reads `name` under: Qwen3.5's multi-token-prediction
+    /// head (`mtp.*`) as the converter renamed it before its transforms, a decoder layer
+    /// `layers.{N}.*` (so its norms get the same `1 + w` undone) and `layers.{N}.nextn.*` for
+    /// `fc` (`eh_proj`, stored as is), the two pre-`fc` norms (`enorm`, `hnorm`) and the final
+    /// norm (`shared_head_norm`), all of which the converter stores as `1 + w`.
+    fn alias<'n>(&self, name: &'n str) -> Cow<'n, str> {
+        let (Some(block), Some(rest)) = (self.mtp_block, name.strip_prefix("mtp.")) else { return Cow::Borrowed(name) };
+        if let Some(rest) = rest.strip_prefix("layers.0.") {
+            return Cow::Owned(format!("layers.{block}.{rest}"));
+        }
+        let nextn = match rest {
+            "fc.weight" => "eh_proj.weight",
+            "pre_fc_norm_embedding.weight" => "enorm.weight",
+            "pre_fc_norm_hidden.weight" => "hnorm.weight",
+            "norm.weight" => "shared_head_norm.weight",
+            _ => return Cow::Borrowed(name),
+        };
+        Cow::Owned(format!("layers.{block}.nextn.{nextn}"))
+    }
+
     fn gguf_name(&self, name: &str) -> Result<String> {
         gguf_name(&self.file.arch, name).ok_or_else(|| ModelError::Tensor {
             name: name.into(),
@@ -590,11 +626,13 @@ impl GgufSource<'_> {
 
 impl WeightSource for GgufSource<'_> {
     fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let name = &*self.alias(name);
         let q = self.stored(name, shape)?;
         Ok(self.dense(name, &q, shape)?.to_dtype(dtype)?.to_device(&self.device)?)
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize, dtype: DType) -> Result<Matrix> {
+        let name = &*self.alias(name);
         let q = self.stored(name, &[rows, cols])?;
         let plain = matches!(q.dtype(), GgmlDType::F32 | GgmlDType::F16 | GgmlDType::BF16);
         // A column order that quantized blocks cannot carry leaves the matrix dense.
@@ -667,6 +705,8 @@ fn gguf_name(arch: &str, name: &str) -> Option<String> {
         "post_attention_layernorm" if arch == "gemma3" || qwen35 => "post_attention_norm",
         "post_attention_layernorm" | "pre_feedforward_layernorm" => "ffn_norm",
         "post_feedforward_layernorm" => "post_ffw_norm",
+        // Qwen3.5's multi-token-prediction head outside its decoder layer (`GgufSource::alias`).
+        "nextn.eh_proj" | "nextn.enorm" | "nextn.hnorm" | "nextn.shared_head_norm" if qwen35 => module,
         _ => return None,
     };
     Some(format!("blk.{layer}.{gguf}.{suffix}"))
@@ -776,6 +816,12 @@ mod tests {
         assert_eq!(gguf_name("qwen35moe", "layers.0.mlp.shared_expert.up_proj.weight").unwrap(), "blk.0.ffn_up_shexp.weight");
         assert_eq!(gguf_name("qwen35moe", "layers.0.mlp.shared_expert_gate.weight").unwrap(), "blk.0.ffn_gate_inp_shexp.weight");
         assert!(gguf_name("qwen35", "layers.0.mlp.gate.weight").is_none());
+        assert_eq!(gguf_name("qwen35", "layers.4.nextn.eh_proj.weight").unwrap(), "blk.4.nextn.eh_proj.weight");
+        assert_eq!(
+            gguf_name("qwen35moe", "layers.3.nextn.shared_head_norm.weight").unwrap(),
+            "blk.3.nextn.shared_head_norm.weight"
+        );
+        assert!(gguf_name("qwen3", "layers.4.nextn.enorm.weight").is_none());
     }
 
     #[test]
