@@ -108,12 +108,10 @@ impl KvCacheArgs {
     }
 
     /// `--mamba-ssm-cache-dtype` as it was given (`auto`, `float32`, `bfloat16`).
-    pub fn ssm_dtype_name(&self) -> &'static str {
-        match self.mamba_ssm_cache_dtype {
-            SsmCacheDtype::Auto => "auto",
-            SsmCacheDtype::Float32 => "float32",
-            SsmCacheDtype::Bfloat16 => "bfloat16",
-        }
+    pub fn ssm_dtype_name(&self) -> String {
+        use clap::ValueEnum;
+        let value = self.mamba_ssm_cache_dtype.to_possible_value().expect("no variant is skipped");
+        value.get_name().to_string()
     }
 
     /// `dtype`'s name with the KV formats and a bf16 recurrent state, for cache identities
