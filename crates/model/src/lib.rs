@@ -31,6 +31,6 @@ pub use images::{ImageLimits, ImageProcessor, PreparedImage};
 pub use model::{ArchConfig, GraphStats, Model, ModelConfig};
 pub use qwen3_5::{
     expand_image_tokens, image_cache_key, mrope_positions, ImageInputs, ImagePrompt, Logits, MtpHead, Qwen35, Round,
-    VisionConfig, VisionTower,
+    Segment, SegmentOutput, VisionConfig, VisionTower,
 };
 pub use tokenizer::Tokenizer;

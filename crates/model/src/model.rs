@@ -11,7 +11,7 @@ use crate::config::Qwen35Config;
 use crate::dense::{Dense, DenseConfig};
 use crate::error::{ModelError, Result};
 use crate::gemma3::{Gemma3, Gemma3Config};
-use crate::qwen3_5::{ImageInputs, Logits, MtpHead, Qwen35, Round, VisionTower};
+use crate::qwen3_5::{ImageInputs, Logits, MtpHead, Qwen35, Round, Segment, SegmentOutput, VisionTower};
 use crate::source::WeightSource;
 
 /// A parsed `config.json`, by family.
@@ -101,6 +101,27 @@ impl Model {
             Model::Qwen35(m) => m.forward(tokens, state, logits),
             Model::Dense(m) => m.forward(tokens, state, logits),
             Model::Gemma3(m) => m.forward(tokens, state, logits),
+        }
+    }
+
+    /// One forward over several segments of rows of different lengths, each continuing its
+    /// own state (see [`Qwen35::forward_segments`]); with `hidden`, also every position's final
+    /// normed hidden state. Dense and Gemma 3 models run one forward per segment.
+    pub fn forward_segments(&self, segments: &mut [Segment<'_>], hidden: bool) -> Result<Vec<SegmentOutput>> {
+        match self {
+            Model::Qwen35(m) => m.forward_segments(segments, hidden),
+            Model::Dense(_) | Model::Gemma3(_) => segments
+                .iter_mut()
+                .map(|s| {
+                    Ok(match hidden {
+                        true => {
+                            let (logits, hidden) = self.forward_with_hidden(s.tokens, s.state, s.logits)?;
+                            SegmentOutput { logits, hidden: Some(hidden) }
+                        }
+                        false => SegmentOutput { logits: self.forward(s.tokens, s.state, s.logits)?, hidden: None },
+                    })
+                })
+                .collect(),
         }
     }
 

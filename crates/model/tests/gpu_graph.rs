@@ -11,7 +11,7 @@ use strata_model::{Logits, Model, ModelFolder};
 use strata_state::{BatchState, KvFormat, KvPolicy, LayerState, PoolSize, StatePool};
 
 mod common;
-use common::{assert_cohorts_match_alone, fixtures};
+use common::{assert_cohorts_match_alone, assert_segments_match_alone, fixtures};
 
 /// Single-row states of `pool` after prompts of different lengths, merged into one batch.
 fn batch(model: &Model, pool: &StatePool, lens: &[usize]) -> BatchState {
@@ -123,6 +123,18 @@ fn a_row_prefilled_in_a_cohort_on_gpu_has_the_logits_it_has_alone() {
     for dir in fixtures() {
         let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &device).unwrap();
         assert_cohorts_match_alone(&model, 1e-4, &dir.display().to_string());
+    }
+}
+
+/// Segments of different lengths in one forward on the GPU (f32 fixtures): each segment's
+/// logits and hidden states within 1e-4 of a forward of it alone, the same greedy tokens (the
+/// CPU twin, bit for bit, is in cohort_prefill.rs).
+#[test]
+fn segments_of_different_lengths_on_gpu_give_each_its_logits_alone() {
+    let device = cuda();
+    for dir in fixtures() {
+        let model = ModelFolder::open(&dir).unwrap().load(DType::F32, &device).unwrap();
+        assert_segments_match_alone(&model, 1e-4, &dir.display().to_string());
     }
 }
 

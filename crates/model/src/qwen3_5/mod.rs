@@ -87,11 +87,71 @@ impl DecoderLayer {
     /// `x + mixer(norm(x))`, then `+ mlp(norm(.))` left pending for the next norm, where `mix`
     /// runs the mixer (with whatever state it reaches) on the normed input.
     fn forward_with(&self, x: &Residual, mix: impl FnOnce(&Mixer, &Tensor) -> Result<Tensor>) -> Result<Residual> {
+        self.forward_split(x, &Segments::Whole, mix)
+    }
+
+    /// [`DecoderLayer::forward_with`] over a stream of several segments' positions: the MLP's
+    /// matmuls take them as `segments` says.
+    fn forward_split(
+        &self,
+        x: &Residual,
+        segments: &Segments,
+        mix: impl FnOnce(&Mixer, &Tensor) -> Result<Tensor>,
+    ) -> Result<Residual> {
         let (x, normed) = self.input_norm.forward_stream(x)?;
         let h = mix(&self.mixer, &normed)?;
         let (x, h) = self.post_norm.forward_residual(&x, &h)?;
-        Ok(Residual::pending(x, self.mlp.forward(&h)?))
+        Ok(Residual::pending(x, segments.positionwise(&h, |h| self.mlp.forward(h))?))
     }
+}
+
+/// How the positions of a forward's stream group for position-wise matmuls.
+enum Segments {
+    /// One rectangle of rows, as the stream's shape says.
+    Whole,
+    /// `[N, hidden]` holding several segments' positions in turn, each `(rows, positions)`.
+    Split(Vec<(usize, usize)>),
+}
+
+impl Segments {
+    /// `f` of the stream `x`. On CPU each segment of a split stream goes through `f` alone, as
+    /// `[rows, positions, hidden]`, so its matmuls take the kernels (and the bits) it gets in
+    /// a forward of its own — a decode row stays in the batch-invariant kernel beside a prompt's
+    /// chunk; elsewhere every position shares one pass over the weights.
+    fn positionwise(&self, x: &Tensor, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        match self {
+            Segments::Split(shapes) if x.device().is_cpu() && shapes.len() > 1 => {
+                let mut at = 0;
+                let parts = shapes
+                    .iter()
+                    .map(|&(rows, positions)| {
+                        let n = rows * positions;
+                        let part = x.narrow(0, at, n)?.reshape((rows, positions, x.dim(1)?))?;
+                        at += n;
+                        let y = f(&part)?;
+                        Ok(y.reshape((n, y.dim(2)?))?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&parts, 0)?)
+            }
+            Segments::Split(_) | Segments::Whole => f(x),
+        }
+    }
+}
+
+/// Rows fed together in one forward (see [`Qwen35::forward_segments`]): `tokens` `[B, T]`
+/// (u32) continuing the `B` rows of `state`, and which positions' logits to return.
+pub struct Segment<'a> {
+    pub tokens: &'a Tensor,
+    pub state: &'a mut BatchState,
+    pub logits: Logits,
+}
+
+/// What a forward gives a [`Segment`]: f32 logits (`[B, vocab]` or `[B, T, vocab]`, as it
+/// asked), and every position's final normed hidden state `[B, T, hidden]` where asked for.
+pub struct SegmentOutput {
+    pub logits: Tensor,
+    pub hidden: Option<Tensor>,
 }
 
 fn mismatched(state: &LayerState) -> ModelError {
@@ -377,6 +437,98 @@ impl Qwen35 {
             Logits::Last => hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?,
         };
         Ok((self.lm_head.forward(&x)?.to_dtype(DType::F32)?, hidden))
+    }
+
+    /// One forward over several segments — rows of different lengths, each group of rows
+    /// continuing its own state: a decode batch beside prompts' prefill chunks, or prompts whose
+    /// chunks differ in length. Position-wise work (embedding, norms, projections, MLP, output
+    /// head) runs over every segment's positions at once; attention and DeltaNet layers run per
+    /// segment on its own state. Each segment's results are what a forward of it alone gives:
+    /// bit for bit on CPU (see [`Segments::positionwise`]), within the matmuls' rounding on
+    /// CUDA. With `hidden`, also every position's final normed hidden state (for an MTP head).
+    /// A single segment is [`Qwen35::forward`] (a decode step may replay a CUDA graph).
+    pub fn forward_segments(&self, segments: &mut [Segment<'_>], hidden: bool) -> Result<Vec<SegmentOutput>> {
+        if let [one] = segments {
+            let (logits, hidden) = match hidden {
+                true => self.forward_with_hidden(one.tokens, one.state, one.logits).map(|(l, h)| (l, Some(h)))?,
+                false => (self.forward(one.tokens, one.state, one.logits)?, None),
+            };
+            return Ok(vec![SegmentOutput { logits, hidden }]);
+        }
+        let mut shapes = Vec::with_capacity(segments.len());
+        let mut ids = Vec::with_capacity(segments.len());
+        let mut ropes = Vec::with_capacity(segments.len());
+        for s in segments.iter() {
+            let (b, t) = s.tokens.dims2()?;
+            if b != s.state.rows() {
+                return Err(ModelError::Invalid(format!("a segment of {b} rows of tokens for a state of {} rows", s.state.rows())));
+            }
+            shapes.push((b, t));
+            ids.push(s.tokens.flatten_all()?);
+            ropes.push(self.rotary.tables(&s.state.rope_starts(), t, &self.device)?);
+        }
+        let ids = Tensor::cat(&ids, 0)?;
+        self.check_tokens(&ids.to_vec1::<u32>()?)?;
+        let mut x = Residual::new(self.embed.rows_at(&ids, self.dtype)?);
+        let split = Segments::Split(shapes.clone());
+        for (i, layer) in self.layers.iter().enumerate() {
+            x = layer.forward_split(&x, &split, |mixer, normed| {
+                let mut at = 0;
+                let outputs = segments
+                    .iter_mut()
+                    .zip(&shapes)
+                    .zip(&ropes)
+                    .map(|((s, &(b, t)), rope)| {
+                        let h = normed.narrow(0, at, b * t)?.reshape((b, t, normed.dim(1)?))?;
+                        at += b * t;
+                        let out = match (mixer, &mut s.state.layers[i]) {
+                            (Mixer::Linear(m), LayerState::Recurrent(state)) => m.forward(&h, state)?,
+                            (Mixer::Full(m), LayerState::Attention(kv)) => m.forward(&h, kv, rope)?,
+                            (_, state) => return Err(mismatched(state)),
+                        };
+                        Ok(out.reshape((b * t, out.dim(2)?))?)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                Ok(Tensor::cat(&outputs, 0)?)
+            })?;
+        }
+        for (s, &(_, t)) in segments.iter_mut().zip(&shapes) {
+            s.state.positions.iter_mut().for_each(|p| *p += t);
+        }
+        let (_, normed) = self.norm.forward_stream(&x)?;
+        // The positions whose logits are asked for, segment by segment.
+        let (mut picked, mut picked_shapes, mut at) = (Vec::new(), Vec::new(), 0u32);
+        for (s, &(b, t)) in segments.iter().zip(&shapes) {
+            let (b32, t32) = (b as u32, t as u32);
+            match s.logits {
+                Logits::All => picked.extend(at..at + b32 * t32),
+                Logits::Last => picked.extend((1..=b32).map(|r| at + r * t32 - 1)),
+            }
+            picked_shapes.push(if s.logits == Logits::All { (b, t) } else { (b, 1) });
+            at += b32 * t32;
+        }
+        let rows = normed.index_select(&Tensor::new(picked, &self.device)?, 0)?;
+        let logits =
+            Segments::Split(picked_shapes.clone()).positionwise(&rows, |x| Ok(self.lm_head.forward(x)?.to_dtype(DType::F32)?))?;
+        let (mut at, mut hidden_at) = (0, 0);
+        let vocab = logits.dim(1)?;
+        segments
+            .iter()
+            .zip(shapes.iter().zip(&picked_shapes))
+            .map(|(s, (&(b, t), &(_, picked)))| {
+                let rows = logits.narrow(0, at, b * picked)?;
+                at += b * picked;
+                let logits = match s.logits {
+                    Logits::All => rows.reshape((b, t, vocab))?,
+                    Logits::Last => rows,
+                };
+                let hidden = hidden
+                    .then(|| normed.narrow(0, hidden_at, b * t)?.reshape((b, t, normed.dim(1)?)))
+                    .transpose()?;
+                hidden_at += b * t;
+                Ok(SegmentOutput { logits, hidden })
+            })
+            .collect()
     }
 
     /// The multi-token-prediction head shipped beside the model (`mtp.*` in `src`), sharing
