@@ -381,16 +381,16 @@ impl<'a> Engine<'a> {
         let text: Vec<usize> = (0..self.joiners.len()).filter(|&i| !has_images(i)).collect();
         let image_turn = !self.joiners.is_empty() && has_images(0) && (text.is_empty() || !self.image_turn_taken);
         let candidates = if image_turn { vec![0] } else { text };
-        let (len, members) = self.policy.cohort(&candidates.iter().map(|&i| lens[i]).collect::<Vec<_>>());
+        let cohort = self.policy.cohort(0, &candidates.iter().map(|&i| lens[i]).collect::<Vec<_>>());
         // A state outside the pool would be copied in by the merge, taking blocks no check
         // counted: such a job prefills alone, when it is the oldest.
-        let members: Vec<usize> = members
+        let (members, lens): (Vec<usize>, Vec<usize>) = cohort
             .into_iter()
-            .map(|k| candidates[k])
-            .filter(|&i| i == candidates[0] || self.joiners[i].state.is_pooled())
-            .collect();
+            .map(|(k, len)| (candidates[k], len))
+            .filter(|&(i, _)| i == candidates[0] || self.joiners[i].state.is_pooled())
+            .unzip();
         self.image_turn_taken = image_turn;
-        let grow = members.iter().map(|&i| self.joiners[i].state.blocks_to_grow(len)).sum();
+        let grow = members.iter().zip(&lens).map(|(&i, &len)| self.joiners[i].state.blocks_to_grow(len)).sum();
         if members.is_empty() || !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
             return Ok(());
         }
@@ -403,7 +403,7 @@ impl<'a> Engine<'a> {
             }
         }
         let started = Instant::now();
-        let logits = self.runner.prefill(&mut feeds, len)?;
+        let logits = self.runner.prefill(&mut feeds, &lens)?;
         // Waits for the device, so that the time counts its work (the logits are read next).
         logits.device().synchronize()?;
         self.stats.prefill_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -411,7 +411,7 @@ impl<'a> Engine<'a> {
         self.stats.prefill_forwards.fetch_add(1, Ordering::Relaxed);
         self.stats.prefill_chunks.fetch_add(members.len() as u64, Ordering::Relaxed);
         let mut done = Vec::new();
-        for (k, (&i, state)) in members.iter().zip(states).enumerate() {
+        for (k, ((&i, &len), state)) in members.iter().zip(&lens).zip(states).enumerate() {
             let joiner = &mut self.joiners[i];
             (joiner.state, joiner.fed) = (state, joiner.fed + len);
             if joiner.fed == joiner.job.prompt.len() {

@@ -10,8 +10,14 @@ use crate::job::Job;
 pub struct EngineConfig {
     /// Most rows decoded together (`--max-num-seqs`).
     pub max_batch: usize,
-    /// Prompt tokens per prefill forward.
+    /// Most tokens of one prompt a forward takes (`--prefill-chunk`; also the prompt cache's
+    /// snapshot stride by default).
     pub prefill_chunk: usize,
+    /// Most positions one step's forward carries: every running row's decode positions and
+    /// prompts' prefill chunks (`--max-num-batched-tokens`, vLLM's name). A smaller budget
+    /// bounds the pause a joining prompt makes in running streams; a larger one prefills bursts
+    /// of prompts in fewer, fuller forwards. `None`: the prefill chunk.
+    pub max_batched_tokens: Option<usize>,
     /// Admission by worst case (`--state-budget-bytes`): a job is admitted only while the
     /// running rows' state at their full length (prompt + `max_tokens`) fits in these bytes,
     /// and the pool is sized to hold them, so no row is ever preempted. `usize::MAX` (the
@@ -42,11 +48,19 @@ impl EngineConfig {
         Self {
             max_batch,
             prefill_chunk,
+            max_batched_tokens: None,
             state_budget_bytes: usize::MAX,
             kv_cache_bytes: None,
             kv_block_size: DEFAULT_KV_BLOCK_SIZE,
             gpu_memory_utilization: (!cpu).then_some(DEFAULT_GPU_MEMORY_UTILIZATION),
         }
+    }
+}
+
+impl EngineConfig {
+    /// Most positions one step's forward carries (`max_batched_tokens`, else the prefill chunk).
+    pub fn step_tokens(&self) -> usize {
+        self.max_batched_tokens.unwrap_or(self.prefill_chunk).max(1)
     }
 }
 

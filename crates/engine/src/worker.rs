@@ -78,13 +78,13 @@ struct MemoryPlan {
 impl MemoryPlan {
     fn new(model: &Model, config: &EngineConfig, cache_bytes: usize, share: f64, free: usize, total: usize) -> Self {
         let used = total.saturating_sub(free);
-        // A prompt chunk, the decode steps recorded as CUDA graphs (one per batch-size bucket,
+        // A step's forward, the decode steps recorded as CUDA graphs (one per batch-size bucket,
         // whose sizes sum to about five times the widest), the prompt cache's RAM tier (which
         // holds its snapshots in the device's memory), and 1 GiB for cuBLAS's workspaces and
         // the CUDA context's own.
         let widest = 5 * config.max_batch;
         let reserve = model
-            .activation_bytes(config.prefill_chunk, 1)
+            .activation_bytes(config.step_tokens().max(config.prefill_chunk), 1)
             .saturating_add(model.activation_bytes(widest, widest))
             .saturating_add(cache_bytes)
             .saturating_add(1 << 30);
@@ -348,6 +348,7 @@ mod tests {
         let config = EngineConfig {
             max_batch: 4,
             prefill_chunk: 8,
+            max_batched_tokens: None,
             state_budget_bytes: 1 << 30,
             kv_cache_bytes: None,
             kv_block_size: 16,

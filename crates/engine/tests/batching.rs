@@ -78,6 +78,7 @@ fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {
             EngineConfig {
                 max_batch: 8,
                 prefill_chunk: chunk,
+                max_batched_tokens: None,
                 state_budget_bytes: 1 << 30,
                 kv_cache_bytes: None,
                 kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
@@ -145,6 +146,7 @@ fn a_long_prompt_joins_one_chunk_per_step() {
         EngineConfig {
             max_batch: 8,
             prefill_chunk: chunk,
+            max_batched_tokens: None,
             state_budget_bytes: 1 << 30,
             kv_cache_bytes: None,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
@@ -182,6 +184,7 @@ fn admission_respects_the_state_budget_and_arrival_order() {
         EngineConfig {
             max_batch: 8,
             prefill_chunk: 8,
+            max_batched_tokens: None,
             state_budget_bytes: budget,
             kv_cache_bytes: None,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
@@ -238,6 +241,7 @@ fn prompts_arriving_together_prefill_together_and_match_solo_runs() {
         let config = EngineConfig {
             max_batch: 8,
             prefill_chunk: chunk,
+            max_batched_tokens: None,
             state_budget_bytes: 1 << 30,
             kv_cache_bytes: None,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,

@@ -203,6 +203,7 @@ fn a_burst_after_restart_restores_only_what_admission_can_take() {
         let config = EngineConfig {
             max_batch,
             prefill_chunk: 8,
+            max_batched_tokens: None,
             state_budget_bytes: need * halves / 2,
             kv_cache_bytes: None,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,

@@ -26,6 +26,7 @@ fn engine(dir: &Path, cache: CacheConfig, speculation: Option<Speculation>) -> W
         EngineConfig {
             max_batch: 8,
             prefill_chunk: 16,
+            max_batched_tokens: None,
             state_budget_bytes: 1 << 30,
             kv_cache_bytes: None,
             kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,

@@ -101,12 +101,19 @@ pub(crate) enum Measure {
 pub(crate) struct Policy {
     pub max_seqs: usize,
     pub prefill_chunk: usize,
+    /// Positions one step's forward carries at most (decode rows and prefill chunks).
+    pub max_batched_tokens: usize,
     pub state_budget_bytes: usize,
 }
 
 impl Policy {
     pub fn new(config: &EngineConfig) -> Self {
-        Self { max_seqs: config.max_batch, prefill_chunk: config.prefill_chunk, state_budget_bytes: config.state_budget_bytes }
+        Self {
+            max_seqs: config.max_batch,
+            prefill_chunk: config.prefill_chunk,
+            max_batched_tokens: config.step_tokens(),
+            state_budget_bytes: config.state_budget_bytes,
+        }
     }
 
     /// Preempted rows come back first, the first preempted first, and no job starts while one
@@ -136,7 +143,7 @@ impl Policy {
         if !job.fetched {
             return Admission::Fetch;
         }
-        let forward_full = load.unfed() >= self.prefill_chunk;
+        let forward_full = load.unfed() >= self.max_batched_tokens;
         if forward_full || load.rows() >= self.max_seqs || !Self::has_room(load, job.prompt_len, blocks) {
             return Admission::Wait;
         }
@@ -170,16 +177,28 @@ impl Policy {
         Chunk { end, snapshot: snapshots.is_some() && end < len && point }
     }
 
-    /// Which prefilling jobs feed their next chunk in this step's prefill forward, given each
-    /// one's next chunk length (oldest first); returns the tokens each feeds and the members.
-    /// The forward takes a rectangle of rows × tokens, so members feed equally many: the
-    /// oldest job's chunk, cut by nobody, and each younger job whose chunk is at least as long
-    /// (cut to it, chunks may end anywhere) while the forward stays within `prefill_chunk`
-    /// tokens. A job left out is never starved: the oldest always runs.
-    pub fn cohort(&self, chunks: &[usize]) -> (usize, Vec<usize>) {
-        let Some(&len) = chunks.first() else { return (0, Vec::new()) };
-        let room = (self.prefill_chunk / len.max(1)).max(1);
-        (len, chunks.iter().enumerate().filter(|&(_, &c)| c >= len).map(|(i, _)| i).take(room).collect())
+    /// The prefill chunks a step's forward carries beside `decode_positions` positions of the
+    /// running rows, given each prefilling job's next chunk (oldest first): `(job, tokens)`.
+    /// Chunks fill the step's token budget (`--max-num-batched-tokens`) left after the decode
+    /// positions, oldest first, the last one cut to what is left (a chunk may end anywhere), so a
+    /// step's forward stays within the budget and running streams' inter-token latency with it.
+    /// The oldest job feeds at least a quarter of the budget however many rows decode, so a
+    /// prompt never waits behind a full batch.
+    pub fn cohort(&self, decode_positions: usize, chunks: &[usize]) -> Vec<(usize, usize)> {
+        let budget = self.max_batched_tokens.max(1);
+        let mut room = budget.saturating_sub(decode_positions).max(budget.div_ceil(4));
+        let mut members = Vec::new();
+        for (i, &chunk) in chunks.iter().enumerate() {
+            let tokens = chunk.min(room);
+            if tokens > 0 {
+                members.push((i, tokens));
+                room -= tokens;
+            }
+            if room == 0 {
+                break;
+            }
+        }
+        members
     }
 
     /// Whether a chunk that takes `blocks_to_grow` blocks runs now. The running rows come
@@ -247,7 +266,7 @@ mod tests {
     }
 
     fn policy(max_seqs: usize) -> Policy {
-        Policy { max_seqs, prefill_chunk: 64, state_budget_bytes: usize::MAX }
+        Policy { max_seqs, prefill_chunk: 64, max_batched_tokens: 64, state_budget_bytes: usize::MAX }
     }
 
     fn job(prompt_len: usize) -> Waiting {
@@ -316,15 +335,18 @@ mod tests {
         }
     }
 
-    /// A prefill forward feeds the oldest job's chunk and, cut to it, the chunks of younger
-    /// jobs at least as long, within the forward's tokens (64 here).
+    /// A step's forward carries the running rows' positions, then prefill chunks oldest first
+    /// while the budget (64 tokens here) lasts, the last cut to fit; the oldest prompt feeds at
+    /// least a quarter of it however many rows decode.
     #[test]
-    fn a_cohort_feeds_equal_chunks_within_the_forward() {
-        assert_eq!(policy(8).cohort(&[]), (0, vec![]));
-        assert_eq!(policy(8).cohort(&[64, 64]), (64, vec![0]), "a full chunk runs alone");
-        assert_eq!(policy(8).cohort(&[16, 8, 20, 16, 30, 16]), (16, vec![0, 2, 3, 4]), "four of 16 fill the forward");
-        assert_eq!(policy(8).cohort(&[40, 8]), (40, vec![0]), "the oldest is never cut");
-        assert_eq!(policy(8).cohort(&[1, 50, 50]), (1, vec![0, 1, 2]));
+    fn a_step_fills_its_token_budget_with_chunks_oldest_first() {
+        assert_eq!(policy(8).cohort(0, &[]), vec![]);
+        assert_eq!(policy(8).cohort(0, &[64, 64]), vec![(0, 64)], "a full chunk runs alone");
+        assert_eq!(policy(8).cohort(0, &[16, 8, 20, 16, 30]), vec![(0, 16), (1, 8), (2, 20), (3, 16), (4, 4)]);
+        assert_eq!(policy(8).cohort(0, &[40, 8]), vec![(0, 40), (1, 8)], "chunks of different lengths share the forward");
+        assert_eq!(policy(8).cohort(40, &[30, 8]), vec![(0, 24)], "decode positions come first");
+        assert_eq!(policy(8).cohort(60, &[30, 8]), vec![(0, 16)], "the oldest prompt still feeds a quarter");
+        assert_eq!(policy(8).cohort(200, &[10, 8]), vec![(0, 10), (1, 6)]);
     }
 
     /// A job starts only while the free blocks cover its prompt (rounded up to blocks) and one

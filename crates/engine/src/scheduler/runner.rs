@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
-use strata_model::{ImagePrompt, Logits, Model, Round};
+use strata_model::{ImagePrompt, Logits, Model, Round, Segment};
 use strata_state::{BatchState, StatePool};
 
 use super::apply::{Row, RowMasks, Scores};
@@ -223,40 +223,72 @@ impl Runner {
         })
     }
 
-    /// One prefill forward: each job feeds `len` more prompt tokens into its state, every job
+    /// One prefill forward: job `i` feeds `lens[i]` more prompt tokens into its state, every job
     /// a row of the same forward. Returns the last position's logits per job, `[jobs, vocab]`.
-    /// Jobs prefilled together are merged into one batch for the forward and split back after
-    /// it, each keeping its own blocks and slot; no padding enters any state.
-    pub fn prefill(&self, feeds: &mut [Feed<'_>], len: usize) -> strata_model::Result<Tensor> {
-        let tokens: Vec<u32> = feeds.iter().flat_map(|f| &f.prompt[f.fed..f.fed + len]).copied().collect();
-        let input = Tensor::from_vec(tokens, (feeds.len(), len), self.model.device())?;
+    /// Jobs feeding equally many tokens are merged into one segment of the forward (their
+    /// attention runs as one batch) and split back after it, each keeping its own blocks and
+    /// slot; no padding enters any state.
+    pub fn prefill(&self, feeds: &mut [Feed<'_>], lens: &[usize]) -> strata_model::Result<Tensor> {
+        let chunk = |f: &Feed, len: usize| f.prompt[f.fed..f.fed + len].to_vec();
         let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
-        let (logits, hidden) = match feeds {
-            // The drafter does not read a prompt with images; its drafts start after it.
-            [Feed { images: Some(images), fed, state, .. }] => {
-                let inputs = images.inputs(*fed..*fed + len)?;
-                (self.model.forward_images(&input, &inputs, state, Logits::Last)?, None)
-            }
-            [one] => forward(&self.model, &input, &mut one.state, Logits::Last, hidden)?,
-            _ => {
-                let mut cohort = self.new_state(0)?;
-                for feed in feeds.iter_mut() {
-                    // Taken, not shared: a block or slot two states hold is copied when written.
-                    cohort.merge(&std::mem::take(&mut feed.state))?;
-                }
-                let out = forward(&self.model, &input, &mut cohort, Logits::Last, hidden)?;
-                for (feed, state) in feeds.iter_mut().zip(cohort.split()?) {
-                    feed.state = state;
-                }
-                out
-            }
-        };
-        if let (Some(drafter), Some(hidden)) = (&self.drafter, hidden) {
-            for (i, feed) in feeds.iter_mut().enumerate() {
-                drafter.prefilled(feed.draft, feed.prompt, feed.fed, &hidden.get(i)?)?;
+        // The drafter does not read a prompt with images; its drafts start after it.
+        if let [Feed { images: Some(images), fed, state, prompt, .. }] = feeds {
+            let input = Tensor::new(vec![prompt[*fed..*fed + lens[0]].to_vec()], self.model.device())?;
+            let inputs = images.inputs(*fed..*fed + lens[0])?;
+            return Ok(self.model.forward_images(&input, &inputs, state, Logits::Last)?);
+        }
+        // Segments of equal lengths, in the order their first job comes; each job's place in them.
+        let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            match groups.iter_mut().find(|(l, _)| *l == len) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((len, vec![i])),
             }
         }
-        Ok(logits)
+        let mut states = Vec::with_capacity(groups.len());
+        let mut inputs = Vec::with_capacity(groups.len());
+        for (len, members) in &groups {
+            let state = match &members[..] {
+                &[one] => std::mem::take(&mut feeds[one].state),
+                _ => {
+                    let mut cohort = self.new_state(0)?;
+                    for &i in members {
+                        // Taken, not shared: a block or slot two states hold is copied when written.
+                        cohort.merge(&std::mem::take(&mut feeds[i].state))?;
+                    }
+                    cohort
+                }
+            };
+            states.push(state);
+            inputs.push(Tensor::new(members.iter().map(|&i| chunk(&feeds[i], *len)).collect::<Vec<_>>(), self.model.device())?);
+        }
+        let mut segments: Vec<Segment> = states
+            .iter_mut()
+            .zip(&inputs)
+            .map(|(state, tokens)| Segment { tokens, state, logits: Logits::Last })
+            .collect();
+        let outputs = self.model.forward_segments(&mut segments, hidden)?;
+        // Back to the jobs' order: each job's state, logits row and hidden states.
+        let mut place = vec![(0, 0); feeds.len()];
+        for (g, ((_, members), state)) in groups.iter().zip(states).enumerate() {
+            let parts = if members.len() == 1 { vec![state] } else { state.split()? };
+            for (k, (&i, part)) in members.iter().zip(parts).enumerate() {
+                feeds[i].state = part;
+                place[i] = (g, k);
+            }
+        }
+        if let Some(drafter) = &self.drafter {
+            for (feed, &(g, k)) in feeds.iter_mut().zip(&place) {
+                if let Some(hidden) = &outputs[g].hidden {
+                    drafter.prefilled(feed.draft, feed.prompt, feed.fed, &hidden.get(k)?)?;
+                }
+            }
+        }
+        if let [one] = &outputs[..] {
+            return Ok(one.logits.clone()); // one segment: already in the jobs' order
+        }
+        let rows: Vec<Tensor> = place.iter().map(|&(g, k)| outputs[g].logits.get(k)).collect::<candle_core::Result<_>>()?;
+        Ok(Tensor::stack(&rows, 0)?)
     }
 
     /// Blocks a decode step of `width` positions per row would take from the pool.

@@ -123,6 +123,7 @@ pub fn small_engine(model: Model, cache: CacheConfig, speculation: Option<Specul
     let config = EngineConfig {
         max_batch: 4,
         prefill_chunk: 8,
+        max_batched_tokens: None,
         state_budget_bytes: 1 << 30,
         kv_cache_bytes: None,
         kv_block_size: strata_engine::DEFAULT_KV_BLOCK_SIZE,
