@@ -51,6 +51,9 @@ pub struct Args {
     /// Prompt tokens per prefill forward (default: 512 on CPU, 2048 on GPU).
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Most positions one step's forward carries, decode rows and prefill chunks (as serve's).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    max_num_batched_tokens: Option<u64>,
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
     #[arg(long)]
     no_cuda_graphs: bool,
@@ -150,6 +153,8 @@ struct Measured {
     /// wall time (a draft model's reading of the prompt included); none without a prefill.
     prefill_forwards: u64,
     prefill_forward_ms: Option<f64>,
+    /// Of the steps, those whose forward also carried prompts' chunks.
+    mixed_steps: u64,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -177,7 +182,11 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
         stats.decode_forward_ns.load(Ordering::Relaxed),
     );
     let masks_before = (stats.structured_masks.load(Ordering::Relaxed), stats.structured_mask_ns.load(Ordering::Relaxed));
-    let prefills_before = (stats.prefill_forwards.load(Ordering::Relaxed), stats.prefill_ns.load(Ordering::Relaxed));
+    let prefills_before = (
+        stats.prefill_forwards.load(Ordering::Relaxed),
+        stats.prefill_ns.load(Ordering::Relaxed),
+        stats.mixed_steps.load(Ordering::Relaxed),
+    );
     let start = Instant::now();
     for i in 0..concurrency {
         // Distinct fixed pseudo-random prompts: the same workload on every run.
@@ -258,6 +267,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
         prefill_forwards: prefills,
         prefill_forward_ms: (prefills > 0)
             .then(|| (stats.prefill_ns.load(Ordering::Relaxed) - prefills_before.1) as f64 / prefills as f64 / 1e6),
+        mixed_steps: stats.mixed_steps.load(Ordering::Relaxed) - prefills_before.2,
     })
 }
 
@@ -343,6 +353,7 @@ pub fn run(mut a: Args) -> Result<()> {
             EngineConfig {
                 max_batch: max_concurrency,
                 prefill_chunk: a.prefill_chunk(),
+                max_batched_tokens: a.max_num_batched_tokens.map(|n| n as usize),
                 state_budget_bytes: usize::MAX,
                 ..EngineConfig::for_device(&device)
             },
@@ -373,9 +384,9 @@ pub fn run(mut a: Args) -> Result<()> {
                         "cuda_graph_recordings": m.graph_recordings, "cuda_graph_replays": m.graph_replays,
                         "decode_step_ms": m.decode_step_ms, "decode_forward_ms": m.decode_forward_ms,
                         "graph_prepare_ms": m.graph_prepare_ms, "graph_replay_gpu_ms": m.graph_replay_gpu_ms,
-                        "max_num_seqs": worker.config().max_batch, "pool": worker.pool_stats(),
+                        "max_num_seqs": worker.config().max_batch, "max_num_batched_tokens": worker.config().step_tokens(), "pool": worker.pool_stats(),
                         "json_schema": a.json_schema, "mask_us_per_token": m.mask_us,
-                        "prefill_forwards": m.prefill_forwards, "prefill_forward_ms": m.prefill_forward_ms,
+                        "prefill_forwards": m.prefill_forwards, "prefill_forward_ms": m.prefill_forward_ms, "mixed_steps": m.mixed_steps,
                         "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p,
                     })
                 );
@@ -573,7 +584,7 @@ fn serve_and_measure(a: &Args, name: &str, source: &Source, device: &Device, mac
             http: HttpLimits { max_connections: strata_server::default_max_connections(open_files), ..HttpLimits::default() },
             images: Default::default(),
         };
-        let engine = a.pool.engine_config(device, a.prefill_chunk)?;
+        let engine = a.pool.engine_config(device, a.prefill_chunk, a.max_num_batched_tokens)?;
         let state = crate::serve::start(
             model,
             source.text()?,

@@ -53,6 +53,12 @@ pub struct Args {
     /// one chunk per step (default: 512 on CPU, 2048 on GPU).
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Most positions one step's forward carries: the running requests' decode positions, then
+    /// prompts' chunks, oldest first, in the room left (vLLM's name; default: the prefill chunk).
+    /// Smaller bounds the pause a joining prompt makes in running streams; larger prefills a
+    /// burst of prompts in fewer forwards.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    max_num_batched_tokens: Option<u64>,
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
     #[arg(long)]
     no_cuda_graphs: bool,
@@ -146,7 +152,7 @@ pub fn run(a: Args) -> Result<()> {
     if max_context > model_max {
         bail!("--max-context {max_context} is more than the model's {model_max} positions (max_position_embeddings)");
     }
-    let engine = a.pool.engine_config(&device, a.prefill_chunk)?;
+    let engine = a.pool.engine_config(&device, a.prefill_chunk, a.max_num_batched_tokens)?;
     let cache = a.cache.config(&device, engine.prefill_chunk, || folder_identity(&folder.path, &a.kv.identity_dtype(dtype)?))?;
     let model = match a.max_images_per_request {
         0 => folder.load(dtype.dtype(), &device)?,
@@ -259,8 +265,13 @@ pub struct PoolArgs {
 
 impl PoolArgs {
     /// The engine's settings on `device`, prefilling `prefill_chunk` prompt tokens a forward
-    /// (default: the device's).
-    pub fn engine_config(&self, device: &Device, prefill_chunk: Option<usize>) -> Result<EngineConfig> {
+    /// (default: the device's) within steps of `max_batched_tokens` positions.
+    pub fn engine_config(
+        &self,
+        device: &Device,
+        prefill_chunk: Option<usize>,
+        max_batched_tokens: Option<u64>,
+    ) -> Result<EngineConfig> {
         let defaults = EngineConfig::for_device(device);
         if device.is_cpu() && self.gpu_memory_utilization.is_some() {
             bail!("--gpu-memory-utilization is for GPUs; on the CPU --kv-cache-memory sizes the state pool");
@@ -272,6 +283,7 @@ impl PoolArgs {
         Ok(EngineConfig {
             max_batch: self.max_num_seqs.unwrap_or(defaults.max_batch).max(1),
             prefill_chunk: prefill_chunk.unwrap_or(defaults.prefill_chunk).max(1),
+            max_batched_tokens: max_batched_tokens.map(|n| n as usize),
             state_budget_bytes: self.state_budget_bytes.unwrap_or(defaults.state_budget_bytes),
             // The CPU's pool has a size of its own unless a budget cap sizes it; a GPU's comes
             // from its memory.
@@ -333,6 +345,7 @@ pub fn start(
         recurrent_bytes_per_row = pool.recurrent_bytes_per_row,
         rows = pool.slots_total,
         max_num_seqs = engine.max_batch,
+        max_num_batched_tokens = engine.step_tokens(),
         pool_bytes = worker.pool_bytes(),
         state_budget_bytes = (engine.state_budget_bytes != usize::MAX).then_some(engine.state_budget_bytes),
         "state pool allocated"

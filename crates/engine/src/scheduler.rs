@@ -45,8 +45,8 @@ use strata_model::{ImagePrompt, Model};
 use strata_state::{BatchState, StateCost, StatePool};
 
 use self::apply::{Row, Step};
-use self::policy::{Admission, Fed, Load, Measure, Policy, Prompt, Waiting};
-use self::runner::{Feed, Runner};
+use self::policy::{Admission, Chunk, Fed, Load, Measure, Policy, Prompt, Waiting};
+use self::runner::{Decoded, Feed, Runner};
 use crate::cache::{Snapshot, PROMPT_NAMESPACE};
 use crate::generate::FinishReason;
 use crate::job::{Event, Fetch, Job, Queued};
@@ -146,11 +146,17 @@ impl<'a> Engine<'a> {
         Load { running: self.rows.len(), joiners, reserved_bytes: self.reserved() }
     }
 
-    /// Admission, one prefill forward, one decode step.
+    /// Admission, then one forward for the running rows' decode positions and the prompts'
+    /// chunks that fit the step's token budget beside them (a prompt with images takes its
+    /// turns in a forward of its own first).
     fn step(&mut self) -> strata_model::Result<()> {
         self.admit()?;
-        self.prefill()?;
-        self.decode()?;
+        self.drop_gone_joiners();
+        let image_turn = self.image_turn();
+        if image_turn {
+            self.prefill_images()?;
+        }
+        self.forward_step(!image_turn)?;
         let active = self.rows.len() + self.preempted.len() + self.joiners.len();
         self.stats.active.store(active, Ordering::Relaxed);
         self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
@@ -360,38 +366,90 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    /// Feeds the joiners' next chunks in one forward (the policy's cohort); each whose prompt
-    /// is done samples its first token and moves its state into the batch.
-    fn prefill(&mut self) -> strata_model::Result<()> {
-        self.drop_gone_joiners();
-        let (caching, cache, load) = (apply::caching(self.cache), self.cache, self.load());
-        let snapshots = caching.then_some(cache.config.stride);
-        let chunks: Vec<_> = self
-            .joiners
-            .iter()
-            .map(|j| {
-                let (fed, cache_points) = (j.fed, &j.job.cache_points[..]);
-                self.policy.chunk(&Prompt { fed, len: j.job.prompt.len(), cache_points, snapshots })
-            })
-            .collect();
-        let lens: Vec<usize> = chunks.iter().zip(&self.joiners).map(|(c, j)| c.end - j.fed).collect();
-        // A prompt with images prefills alone (its embeddings and positions are its own). While
-        // the oldest joiner has images, its chunks take turns with a cohort of the text prompts.
-        let has_images = |i: usize| self.joiners[i].images.is_some();
-        let text: Vec<usize> = (0..self.joiners.len()).filter(|&i| !has_images(i)).collect();
-        let image_turn = !self.joiners.is_empty() && has_images(0) && (text.is_empty() || !self.image_turn_taken);
-        let candidates = if image_turn { vec![0] } else { text };
-        let cohort = self.policy.cohort(0, &candidates.iter().map(|&i| lens[i]).collect::<Vec<_>>());
+    /// Whether the oldest joiner's prompt, which has images, takes this step's prefill turn:
+    /// its chunks take turns with the text prompts' (it prefills alone: its embeddings and
+    /// positions are its own).
+    fn image_turn(&mut self) -> bool {
+        let has_images = |j: &Joiner| j.images.is_some();
+        let text = self.joiners.iter().any(|j| !has_images(j));
+        let turn = self.joiners.first().is_some_and(has_images) && (!text || !self.image_turn_taken);
+        self.image_turn_taken = turn;
+        turn
+    }
+
+    /// The oldest joiner's next chunk, a prompt with images, in a forward of its own.
+    fn prefill_images(&mut self) -> strata_model::Result<()> {
+        let (cache, load) = (self.cache, self.load());
+        let chunk = self.planned_chunk(0);
+        let len = chunk.end - self.joiners[0].fed;
+        let grow = self.joiners[0].state.blocks_to_grow(len);
+        if !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
+            return Ok(());
+        }
+        let j = &mut self.joiners[0];
+        let images = j.images.as_ref().expect("an image turn's prompt has images");
+        let state = std::mem::take(&mut j.state);
+        let mut feed = Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft };
+        let started = Instant::now();
+        let logits = self.runner.prefill_images(&mut feed, images, len)?;
+        logits.device().synchronize()?;
+        self.stats.prefill_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        j.state = feed.state;
+        self.prefilled(&[0], &[len], &[chunk], logits)
+    }
+
+    /// The joiner `i`'s next chunk as the policy plans it.
+    fn planned_chunk(&self, i: usize) -> Chunk {
+        let snapshots = apply::caching(self.cache).then_some(self.cache.config.stride);
+        let j = &self.joiners[i];
+        self.policy.chunk(&Prompt { fed: j.fed, len: j.job.prompt.len(), cache_points: &j.job.cache_points, snapshots })
+    }
+
+    /// The text prompts' chunks this step carries beside `decode_positions` positions of the
+    /// running rows (the policy's cohort): the joiners, their planned chunks and the tokens
+    /// each feeds.
+    fn plan_prompts(&mut self, decode_positions: usize) -> (Vec<usize>, Vec<Chunk>, Vec<usize>) {
+        let none = (Vec::new(), Vec::new(), Vec::new());
+        let text: Vec<usize> = (0..self.joiners.len()).filter(|&i| self.joiners[i].images.is_none()).collect();
+        let Some(&oldest) = text.first() else { return none };
+        let chunks: Vec<Chunk> = text.iter().map(|&i| self.planned_chunk(i)).collect();
+        let wants: Vec<usize> = text.iter().zip(&chunks).map(|(&i, c)| c.end - self.joiners[i].fed).collect();
         // A state outside the pool would be copied in by the merge, taking blocks no check
         // counted: such a job prefills alone, when it is the oldest.
-        let (members, lens): (Vec<usize>, Vec<usize>) = cohort
+        let planned: Vec<(usize, Chunk, usize)> = self
+            .policy
+            .cohort(decode_positions, &wants)
             .into_iter()
-            .map(|(k, len)| (candidates[k], len))
-            .filter(|&(i, _)| i == candidates[0] || self.joiners[i].state.is_pooled())
-            .unzip();
-        self.image_turn_taken = image_turn;
-        let grow = members.iter().zip(&lens).map(|(&i, &len)| self.joiners[i].state.blocks_to_grow(len)).sum();
-        if members.is_empty() || !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
+            .map(|(k, len)| (text[k], chunks[k], len))
+            .filter(|&(i, _, _)| i == oldest || self.joiners[i].state.is_pooled())
+            .collect();
+        let grow = planned.iter().map(|&(i, _, len)| self.joiners[i].state.blocks_to_grow(len)).sum();
+        let (load, cache) = (self.load(), self.cache);
+        if planned.is_empty() || !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
+            return none;
+        }
+        let mut plan = none;
+        for (i, chunk, len) in planned {
+            plan.0.push(i);
+            plan.1.push(chunk);
+            plan.2.push(len);
+        }
+        plan
+    }
+
+    /// One forward for the running rows (after room is made for their step) and, with
+    /// `prompts`, the text prompts' chunks that fit beside them; then each row is verified and
+    /// sampled, and each prompt that is done samples its first token and joins the batch.
+    fn forward_step(&mut self, prompts: bool) -> strata_model::Result<()> {
+        let started = Instant::now();
+        let width = 1 + self.runner.max_draft();
+        if self.runner.batch().is_some() {
+            self.room_for_step(width)?;
+        }
+        let decode_positions = if self.runner.batch().is_some() { self.rows.len() * width } else { 0 };
+        let (members, chunks, lens) = if prompts { self.plan_prompts(decode_positions) } else { Default::default() };
+        let decoding = self.runner.batch().is_some();
+        if !decoding && members.is_empty() {
             return Ok(());
         }
         let mut feeds: Vec<Feed> = Vec::with_capacity(members.len());
@@ -399,24 +457,48 @@ impl<'a> Engine<'a> {
         for (i, j) in self.joiners.iter_mut().enumerate() {
             if member.next_if_eq(&i).is_some() {
                 let state = std::mem::take(&mut j.state);
-                feeds.push(Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft, images: j.images.as_ref() });
+                feeds.push(Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft });
             }
         }
-        let started = Instant::now();
-        let logits = self.runner.prefill(&mut feeds, &lens)?;
-        // Waits for the device, so that the time counts its work (the logits are read next).
-        logits.device().synchronize()?;
-        self.stats.prefill_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        let rows: &mut [Row] = if decoding { &mut self.rows } else { &mut [] };
+        let stepped = self.runner.step(rows, self.stats, &mut feeds, &lens)?;
         let states: Vec<BatchState> = feeds.into_iter().map(|f| f.state).collect();
+        for (&i, state) in members.iter().zip(states) {
+            self.joiners[i].state = state;
+        }
+        if let Some(logits) = &stepped.prefilled {
+            // Waits for the device, so that the time counts its work (the logits are read next).
+            logits.device().synchronize()?;
+            self.stats.prefill_ns.fetch_add(stepped.elapsed.as_nanos() as u64, Ordering::Relaxed);
+        }
+        if let Some(decoded) = stepped.decoded {
+            if stepped.prefilled.is_some() {
+                self.stats.mixed_steps.fetch_add(1, Ordering::Relaxed);
+            }
+            self.stats.decode_forward_ns.fetch_add(stepped.elapsed.as_nanos() as u64, Ordering::Relaxed);
+            self.decoded(decoded)?;
+            self.stats.decode_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
+        match stepped.prefilled {
+            Some(logits) => self.prefilled(&members, &lens, &chunks, logits),
+            None => Ok(()),
+        }
+    }
+
+    /// After a forward fed joiners `members` `lens` more tokens each (their chunks planned as
+    /// `chunks`), with `logits` their last positions': snapshots where due, and each joiner
+    /// whose prompt is done samples its first token and joins the batch.
+    fn prefilled(&mut self, members: &[usize], lens: &[usize], chunks: &[Chunk], logits: Tensor) -> strata_model::Result<()> {
+        let cache = self.cache;
         self.stats.prefill_forwards.fetch_add(1, Ordering::Relaxed);
         self.stats.prefill_chunks.fetch_add(members.len() as u64, Ordering::Relaxed);
         let mut done = Vec::new();
-        for (k, ((&i, &len), state)) in members.iter().zip(&lens).zip(states).enumerate() {
+        for (k, ((&i, &len), chunk)) in members.iter().zip(lens).zip(chunks).enumerate() {
             let joiner = &mut self.joiners[i];
-            (joiner.state, joiner.fed) = (state, joiner.fed + len);
+            joiner.fed += len;
             if joiner.fed == joiner.job.prompt.len() {
                 done.push((i, k));
-            } else if chunks[i].snapshot && chunks[i].end == joiner.fed {
+            } else if chunk.snapshot && chunk.end == joiner.fed {
                 if let Some(state) = cache.copied("a prefill snapshot", joiner.state.share(0)) {
                     let tokens = joiner.job.cache_tokens()[..joiner.fed].to_vec();
                     apply::publish(cache, Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });
@@ -485,26 +567,12 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    /// One forward for every running row, then per-row sampling; checkpoints are taken, and
-    /// finished rows publish their state and leave. With speculation, each row's drafts ride in
-    /// the same forward, each position is verified in order, and the state keeps exactly the
-    /// positions whose tokens stand.
-    fn decode(&mut self) -> strata_model::Result<()> {
-        if self.runner.batch().is_none() {
-            return Ok(());
-        }
-        let started = Instant::now();
-        let result = self.decode_step();
-        self.stats.decode_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        result
-    }
-
-    /// [`Self::decode`]'s work, which it times.
-    fn decode_step(&mut self) -> strata_model::Result<()> {
+    /// The running rows' part of a step, after its forward: per-row verification and
+    /// sampling; checkpoints are taken, and finished rows publish their state and leave. With
+    /// speculation each row's drafts rode in the forward, each position is verified in order,
+    /// and the state keeps exactly the positions whose tokens stand.
+    fn decoded(&mut self, decoded: Decoded) -> strata_model::Result<()> {
         let max_draft = self.runner.max_draft();
-        self.room_for_step(1 + max_draft)?;
-        let (decoded, forward_time) = self.runner.decode(&mut self.rows, self.stats)?;
-        self.stats.decode_forward_ns.fetch_add(forward_time.as_nanos() as u64, Ordering::Relaxed);
         self.stats.decode_steps.fetch_add(1, Ordering::Relaxed);
         let mut kept = Vec::with_capacity(self.rows.len());
         let mut keep = Vec::with_capacity(self.rows.len());

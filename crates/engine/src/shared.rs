@@ -121,6 +121,9 @@ pub struct WorkerStats {
     pub prefill_chunks: AtomicU64,
     /// Time in prefill forwards, the device's work included.
     pub prefill_ns: AtomicU64,
+    /// Steps whose one forward carried running rows' decode positions and prompts' chunks
+    /// together (their time counts in both the prefill and the decode forward times).
+    pub mixed_steps: AtomicU64,
     /// Structured output: token masks computed, and the time computing them took.
     pub structured_masks: AtomicU64,
     pub structured_mask_ns: AtomicU64,

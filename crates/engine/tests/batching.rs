@@ -1,5 +1,6 @@
 //! Continuous batching against single-sequence runs: rows joining at different steps, at their
-//! own positions, give the tokens they give alone; a long prompt joining a running batch is fed
+//! own positions — their prompts' chunks in the same forwards as the running rows' decode
+//! positions — give the tokens they give alone; a long prompt joining a running batch is fed
 //! one chunk per step while the running streams keep flowing.
 
 use std::path::PathBuf;
@@ -103,6 +104,8 @@ fn batch_matches_solo(sampling: impl Fn(usize) -> SamplingParams) {
             r.wait(Recorder::finished);
             assert_eq!(r.tokens(), solo[i], "{} request {i}", dir.display());
         }
+        // The later waves' prompts rode in the running rows' steps.
+        assert!(worker.stats().mixed_steps.load(Ordering::Relaxed) > 0, "{}: no step mixed decode and prefill", dir.display());
         // The engine retires a row right after sending its last event: allow it that moment.
         let active = || worker.stats().active.load(std::sync::atomic::Ordering::Relaxed);
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

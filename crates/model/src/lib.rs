@@ -30,7 +30,7 @@ pub use generation_config::GenerationConfig;
 pub use images::{ImageLimits, ImageProcessor, PreparedImage};
 pub use model::{ArchConfig, GraphStats, Model, ModelConfig};
 pub use qwen3_5::{
-    expand_image_tokens, image_cache_key, mrope_positions, ImageInputs, ImagePrompt, Logits, MtpHead, Qwen35, Round,
-    Segment, SegmentOutput, VisionConfig, VisionTower,
+    expand_image_tokens, image_cache_key, mrope_positions, ImageInputs, ImagePrompt, Logits, MtpHead, Qwen35, Round, Segment,
+    SegmentOutput, VisionConfig, VisionTower,
 };
 pub use tokenizer::Tokenizer;

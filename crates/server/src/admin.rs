@@ -50,6 +50,7 @@ fn all_stats(state: &AppState) -> Value {
         "prefill": {
             "forwards": w.prefill_forwards.load(Ordering::Relaxed),
             "chunks": w.prefill_chunks.load(Ordering::Relaxed),
+            "mixed_steps": w.mixed_steps.load(Ordering::Relaxed),
             "seconds": w.prefill_ns.load(Ordering::Relaxed) as f64 / 1e9,
         },
         "structured_output": {
@@ -160,7 +161,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let w = state.worker.stats();
     let s = state.worker.cache_stats();
     let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
-    let rows: [(&str, &str, &str, f64); 35] = [
+    let rows: [(&str, &str, &str, f64); 36] = [
         ("strata_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
         ("strata_http_requests_total", "counter", "HTTP requests received.", state.http_requests.load(Ordering::Relaxed) as f64),
         (
@@ -186,6 +187,12 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
             "counter",
             "Prompt chunks fed by prefill forwards (several per forward for prompts prefilled together).",
             n(&w.prefill_chunks),
+        ),
+        (
+            "strata_mixed_steps_total",
+            "counter",
+            "Steps whose forward carried running requests' decode positions and prompt chunks together.",
+            n(&w.mixed_steps),
         ),
         ("strata_prefill_seconds_total", "counter", "Time in prefill forwards.", n(&w.prefill_ns) / 1e9),
         (

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
-use strata_model::{ImagePrompt, Logits, Model, Round, Segment};
+use strata_model::{ImagePrompt, Logits, Model, Round, Segment, SegmentOutput};
 use strata_state::{BatchState, StatePool};
 
 use super::apply::{Row, RowMasks, Scores};
@@ -39,6 +39,22 @@ pub(super) struct Decoded {
     hidden: Option<Tensor>,
 }
 
+/// A step's results: the running rows' decode output, and the prompts' last logits `[jobs,
+/// vocab]` (in the jobs' order), each where the step had them; and the forward's time.
+pub(super) struct Stepped {
+    pub decoded: Option<Decoded>,
+    pub prefilled: Option<Tensor>,
+    pub elapsed: std::time::Duration,
+}
+
+/// The running rows' part of a step.
+struct DecodeInput {
+    input: Tensor,
+    drafts: Vec<Vec<u32>>,
+    round: Option<Round>,
+    logits: Logits,
+}
+
 /// A prefilling job's next chunk: its prompt from `fed` on, into its single-row `state` (lent
 /// to the forward) and its drafter's record.
 pub(super) struct Feed<'a> {
@@ -46,8 +62,6 @@ pub(super) struct Feed<'a> {
     pub fed: usize,
     pub state: BatchState,
     pub draft: &'a mut JoinerDraft,
-    /// Its images, where the prompt has them (such a job prefills alone).
-    pub images: Option<&'a ImagePrompt>,
 }
 
 /// The pool's blocks, with the prompt cache giving up entries on demand.
@@ -223,21 +237,40 @@ impl Runner {
         })
     }
 
-    /// One prefill forward: job `i` feeds `lens[i]` more prompt tokens into its state, every job
-    /// a row of the same forward. Returns the last position's logits per job, `[jobs, vocab]`.
-    /// Jobs feeding equally many tokens are merged into one segment of the forward (their
-    /// attention runs as one batch) and split back after it, each keeping its own blocks and
-    /// slot; no padding enters any state.
-    pub fn prefill(&self, feeds: &mut [Feed<'_>], lens: &[usize]) -> strata_model::Result<Tensor> {
-        let chunk = |f: &Feed, len: usize| f.prompt[f.fed..f.fed + len].to_vec();
-        let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
-        // The drafter does not read a prompt with images; its drafts start after it.
-        if let [Feed { images: Some(images), fed, state, prompt, .. }] = feeds {
-            let input = Tensor::new(vec![prompt[*fed..*fed + lens[0]].to_vec()], self.model.device())?;
-            let inputs = images.inputs(*fed..*fed + lens[0])?;
-            return Ok(self.model.forward_images(&input, &inputs, state, Logits::Last)?);
-        }
-        // Segments of equal lengths, in the order their first job comes; each job's place in them.
+    /// The chunk of a prompt with images (which prefills alone: its embeddings and positions
+    /// are its own): `len` more tokens; the last position's logits, `[1, vocab]`. The drafter
+    /// does not read such a prompt; its drafts start after it.
+    pub fn prefill_images(&self, feed: &mut Feed<'_>, images: &ImagePrompt, len: usize) -> strata_model::Result<Tensor> {
+        let input = Tensor::new(vec![feed.prompt[feed.fed..feed.fed + len].to_vec()], self.model.device())?;
+        let inputs = images.inputs(feed.fed..feed.fed + len)?;
+        Ok(self.model.forward_images(&input, &inputs, &mut feed.state, Logits::Last)?)
+    }
+
+    /// Blocks a decode step of `width` positions per row would take from the pool.
+    pub fn blocks_to_grow(&self, width: usize) -> usize {
+        self.batch.as_ref().map_or(0, |batch| batch.blocks_to_grow(width))
+    }
+
+    /// One step's forward: every running row's decode positions — its last token, and with
+    /// speculation its drafts (`[last, d1..dk]`; a structured row's only as far as its
+    /// structure allows them) — and prompts' prefill chunks, job `i` of `feeds` feeding
+    /// `lens[i]` more tokens, as segments of one forward (jobs feeding equally many tokens
+    /// merged into one segment, their attention one batch, and split back after it, each
+    /// keeping its own blocks and slot; no padding enters any state). Either side may be empty.
+    /// The structured rows' masks are computed on other threads while the forward runs.
+    pub fn step(
+        &mut self,
+        rows: &mut [Row],
+        stats: &WorkerStats,
+        feeds: &mut [Feed<'_>],
+        lens: &[usize],
+    ) -> strata_model::Result<Stepped> {
+        let decode = match rows.is_empty() {
+            true => None,
+            false => Some(self.decode_input(rows)?),
+        };
+        // Prompts' segments: jobs feeding equally many tokens together, in the order their
+        // first job comes.
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
         for (i, &len) in lens.iter().enumerate() {
             match groups.iter_mut().find(|(l, _)| *l == len) {
@@ -260,14 +293,43 @@ impl Runner {
                 }
             };
             states.push(state);
-            inputs.push(Tensor::new(members.iter().map(|&i| chunk(&feeds[i], *len)).collect::<Vec<_>>(), self.model.device())?);
+            let chunks: Vec<Vec<u32>> =
+                members.iter().map(|&i| feeds[i].prompt[feeds[i].fed..feeds[i].fed + len].to_vec()).collect();
+            inputs.push(Tensor::new(chunks, self.model.device())?);
         }
-        let mut segments: Vec<Segment> = states
-            .iter_mut()
-            .zip(&inputs)
-            .map(|(state, tokens)| Segment { tokens, state, logits: Logits::Last })
-            .collect();
-        let outputs = self.model.forward_segments(&mut segments, hidden)?;
+        let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
+        let started = Instant::now();
+        let mut segments: Vec<Segment> = Vec::with_capacity(1 + groups.len());
+        if let Some(d) = &decode {
+            let batch = self.batch.as_mut().expect("a row runs");
+            segments.push(Segment { tokens: &d.input, state: batch, logits: d.logits });
+        }
+        segments.extend(states.iter_mut().zip(&inputs).map(|(state, tokens)| Segment { tokens, state, logits: Logits::Last }));
+        let n = rows.len();
+        let structured = rows.iter().any(|r| r.constraint.is_some());
+        let (forwarded, masks) = std::thread::scope(|scope| {
+            // One thread beside the forward (which stays on this one: it may record a CUDA
+            // graph), the rows spread over rayon's pool from there: a mask of a large
+            // vocabulary can take a large share of a millisecond.
+            let masking = structured.then(|| {
+                let (rows, drafts) = (&mut *rows, decode.as_ref().map(|d| &d.drafts));
+                let drafts = drafts.expect("structured rows run");
+                scope.spawn(move || rows.par_iter_mut().zip(drafts).map(|(r, d)| r.masks(stats, d)).collect::<Vec<_>>())
+            });
+            let forwarded = self.model.forward_segments(&mut segments, hidden);
+            let masks = masking.map(|m| m.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+            (forwarded, masks.unwrap_or_else(|| vec![None; n]))
+        });
+        let mut outputs = forwarded?.into_iter();
+        let decoded = match decode {
+            Some(DecodeInput { drafts, round, .. }) => {
+                let out = outputs.next().expect("a decode segment ran");
+                let scores = Scores::of_step(&out.logits, rows, &masks, &drafts)?;
+                Some(Decoded { scores, drafts, masks, round, hidden: out.hidden })
+            }
+            None => None,
+        };
+        let outputs: Vec<SegmentOutput> = outputs.collect();
         // Back to the jobs' order: each job's state, logits row and hidden states.
         let mut place = vec![(0, 0); feeds.len()];
         for (g, ((_, members), state)) in groups.iter().zip(states).enumerate() {
@@ -284,25 +346,23 @@ impl Runner {
                 }
             }
         }
-        if let [one] = &outputs[..] {
-            return Ok(one.logits.clone()); // one segment: already in the jobs' order
-        }
-        let rows: Vec<Tensor> = place.iter().map(|&(g, k)| outputs[g].logits.get(k)).collect::<candle_core::Result<_>>()?;
-        Ok(Tensor::stack(&rows, 0)?)
+        let firsts = match &outputs[..] {
+            [] => None,
+            [one] => Some(one.logits.clone()), // one segment: already in the jobs' order
+            _ => {
+                let rows: Vec<Tensor> =
+                    place.iter().map(|&(g, k)| outputs[g].logits.get(k)).collect::<candle_core::Result<_>>()?;
+                Some(Tensor::stack(&rows, 0)?)
+            }
+        };
+        Ok(Stepped { decoded, prefilled: firsts, elapsed: started.elapsed() })
     }
 
-    /// Blocks a decode step of `width` positions per row would take from the pool.
-    pub fn blocks_to_grow(&self, width: usize) -> usize {
-        self.batch.as_ref().map_or(0, |batch| batch.blocks_to_grow(width))
-    }
-
-    /// One forward for every running row: each row's last token, and with speculation its
-    /// drafts in the same forward (`[last, d1..dk]`; a structured row's only as far as its
-    /// structure allows them). The structured rows' masks are computed on other threads while
-    /// the forward runs. Returns the forward's time too.
-    pub fn decode(&mut self, rows: &mut [Row], stats: &WorkerStats) -> strata_model::Result<(Decoded, std::time::Duration)> {
+    /// The running rows' decode input: each row's last token and drafts, a speculative round
+    /// opened where any row has drafts.
+    fn decode_input(&mut self, rows: &mut [Row]) -> strata_model::Result<DecodeInput> {
         let batch = self.batch.as_mut().expect("a row runs");
-        let drafts = match &mut self.drafter {
+        let mut drafts = match &mut self.drafter {
             Some(drafter) => {
                 let contexts: Vec<&[u32]> = rows.iter().map(|r| r.context.as_slice()).collect();
                 // No point drafting past a row's budget (the last token it may emit is
@@ -317,7 +377,6 @@ impl Runner {
             }
             None => vec![Vec::new(); rows.len()],
         };
-        let mut drafts = drafts;
         for (row, drafts) in rows.iter_mut().zip(&mut drafts) {
             if let Some(constraint) = &mut row.constraint {
                 drafts.truncate(constraint.allowed_drafts(drafts, &row.job.opts.stop_tokens));
@@ -336,26 +395,8 @@ impl Runner {
             })
             .collect();
         let round = if width > 1 { Some(self.model.open_round(batch)?) } else { None };
-        let which = if width > 1 { Logits::All } else { Logits::Last };
-        let hidden = self.drafter.as_ref().is_some_and(Drafter::wants_hidden);
-        let started = Instant::now();
-        let input = Tensor::new(input, self.model.device())?;
-        let (n, structured) = (rows.len(), rows.iter().any(|r| r.constraint.is_some()));
-        let (forwarded, masks) = std::thread::scope(|scope| {
-            // One thread beside the forward (which stays on this one: it may record a CUDA
-            // graph), the rows spread over rayon's pool from there: a mask of a large
-            // vocabulary can take a large share of a millisecond.
-            let masking = structured.then(|| {
-                let (rows, drafts) = (&mut *rows, &drafts);
-                scope.spawn(move || rows.par_iter_mut().zip(drafts).map(|(r, d)| r.masks(stats, d)).collect::<Vec<_>>())
-            });
-            let forwarded = forward(&self.model, &input, batch, which, hidden);
-            let masks = masking.map(|m| m.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
-            (forwarded, masks.unwrap_or_else(|| vec![None; n]))
-        });
-        let (logits, hidden) = forwarded?;
-        let scores = Scores::of_step(&logits, rows, &masks, &drafts)?;
-        Ok((Decoded { scores, drafts, masks, round, hidden }, started.elapsed()))
+        let logits = if width > 1 { Logits::All } else { Logits::Last };
+        Ok(DecodeInput { input: Tensor::new(input, self.model.device())?, drafts, round, logits })
     }
 
     /// After a decode step's rows were verified: the state (and the drafter's) keeps `kept[i]`
@@ -388,22 +429,5 @@ impl Runner {
         if let Some(drafter) = &mut self.drafter {
             drafter.clear();
         }
-    }
-}
-
-/// The target's forward, also returning every position's hidden state when `hidden` (for an
-/// MTP drafter).
-fn forward(
-    model: &Model,
-    tokens: &Tensor,
-    state: &mut BatchState,
-    logits: Logits,
-    hidden: bool,
-) -> strata_model::Result<(Tensor, Option<Tensor>)> {
-    if hidden {
-        let (logits, hidden) = model.forward_with_hidden(tokens, state, logits)?;
-        Ok((logits, Some(hidden)))
-    } else {
-        Ok((model.forward(tokens, state, logits)?, None))
     }
 }

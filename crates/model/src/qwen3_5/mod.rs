@@ -461,7 +461,10 @@ impl Qwen35 {
         for s in segments.iter() {
             let (b, t) = s.tokens.dims2()?;
             if b != s.state.rows() {
-                return Err(ModelError::Invalid(format!("a segment of {b} rows of tokens for a state of {} rows", s.state.rows())));
+                return Err(ModelError::Invalid(format!(
+                    "a segment of {b} rows of tokens for a state of {} rows",
+                    s.state.rows()
+                )));
             }
             shapes.push((b, t));
             ids.push(s.tokens.flatten_all()?);
@@ -508,8 +511,8 @@ impl Qwen35 {
             at += b32 * t32;
         }
         let rows = normed.index_select(&Tensor::new(picked, &self.device)?, 0)?;
-        let logits =
-            Segments::Split(picked_shapes.clone()).positionwise(&rows, |x| Ok(self.lm_head.forward(x)?.to_dtype(DType::F32)?))?;
+        let logits = Segments::Split(picked_shapes.clone())
+            .positionwise(&rows, |x| Ok(self.lm_head.forward(x)?.to_dtype(DType::F32)?))?;
         let (mut at, mut hidden_at) = (0, 0);
         let vocab = logits.dim(1)?;
         segments
@@ -522,9 +525,7 @@ impl Qwen35 {
                     Logits::All => rows.reshape((b, t, vocab))?,
                     Logits::Last => rows,
                 };
-                let hidden = hidden
-                    .then(|| normed.narrow(0, hidden_at, b * t)?.reshape((b, t, normed.dim(1)?)))
-                    .transpose()?;
+                let hidden = hidden.then(|| normed.narrow(0, hidden_at, b * t)?.reshape((b, t, normed.dim(1)?))).transpose()?;
                 hidden_at += b * t;
                 Ok(SegmentOutput { logits, hidden })
             })
