@@ -40,7 +40,8 @@ pub(super) struct Decoded {
 }
 
 /// A step's results: the running rows' decode output, and the prompts' last logits `[jobs,
-/// vocab]` (in the jobs' order), each where the step had them; and the forward's time.
+/// vocab]` (in the jobs' order), each where the step had them; and the forward's time (to the
+/// decode rows' scores on the host, and the device's work done where prompts were fed).
 pub(super) struct Stepped {
     pub decoded: Option<Decoded>,
     pub prefilled: Option<Tensor>,
@@ -355,6 +356,11 @@ impl Runner {
                 Some(Tensor::stack(&rows, 0)?)
             }
         };
+        if firsts.is_some() {
+            // Waits for the device, so that the time counts the prompts' work too (their logits
+            // are read next).
+            self.model.device().synchronize()?;
+        }
         Ok(Stepped { decoded, prefilled: firsts, elapsed: started.elapsed() })
     }
 
