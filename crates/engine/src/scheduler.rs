@@ -2,13 +2,15 @@
 //!
 //! Each step it admits waiting jobs (first come, first admitted, while the batch has room, the
 //! pool has free KV blocks for the prompt, and a `--state-budget-bytes` cap, where set, covers
-//! the job's whole prompt + output), runs one prefill forward for the prefilling jobs (the
-//! joiners: several prompts that arrived together feed equal chunks as rows of one forward,
-//! within the prefill chunk's tokens), then one batched decode forward for every running row —
-//! each row at its own position — and samples each row with its own parameters. Prompts
-//! therefore hold the running streams up for at most one chunk's forward per step. A finished
-//! row (end token, length, or a requester that went away) leaves the batch without disturbing
-//! the others.
+//! the job's whole prompt + output), then runs one forward that carries every running row's
+//! decode positions — each row at its own position — and, beside them, the prefilling jobs'
+//! next chunks (the joiners: several prompts that arrived together feed their chunks as
+//! segments of the same forward) in the room the step's token budget
+//! (`--max-num-batched-tokens`) leaves, oldest first; then samples each row with its own
+//! parameters. A prompt therefore holds the running streams up by at most its share of one
+//! step's budget. (A prompt with images prefills in a forward of its own, taking turns with the
+//! others.) A finished row (end token, length, or a requester that went away) leaves the batch
+//! without disturbing the others.
 //!
 //! When the pool runs short of blocks for a decode step, the prompt cache gives up entries
 //! first, then the prefilling jobs start over, then the youngest running rows are preempted:
@@ -22,12 +24,11 @@
 //! recurrent state exists only where it was computed, so these are the positions later prompts
 //! can resume from. A finished row publishes its state. Snapshots are copies; the SSD gets them
 //! through the write-behind queue, so this thread never touches the disk.
-
 //!
 //! The work splits three ways. The [`policy`] decides from plain bookkeeping (no model, no
-//! tensors) what the step does: which row resumes or job starts, which joiners' chunks run
-//! together and where they end, which measures free blocks for a decode step. The [`runner`] does it:
-//! forwards, the pool, the batch's state, the drafter. [`apply`] turns a forward's logits into
+//! tensors) what the step does: which row resumes or job starts, which joiners' chunks ride in
+//! the step and where they end, which measures free blocks for a decode step. The [`runner`]
+//! does it: forwards, the pool, the batch's state, the drafter. [`apply`] turns a forward's logits into
 //! tokens and events, finishes rows, and feeds the prompt cache. This module holds the rows'
 //! bookkeeping and asks each in turn.
 
