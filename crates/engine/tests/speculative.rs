@@ -1,6 +1,7 @@
 //! Speculative decoding against plain decoding: greedy output with every draft source equals
 //! greedy output without speculation, token for token, alone and in a batch whose rows accept
-//! different counts, and after a prompt-cache hit; seeded sampled output with speculation equals
+//! different counts, after a prompt-cache hit, and with cache hits and prompts' chunks sharing
+//! the rows' forwards; seeded sampled output with speculation equals
 //! the output without, and draws from the target's distribution (chi-square).
 
 use std::collections::HashMap;
@@ -189,6 +190,34 @@ fn cache_hit_then_speculation_matches_a_cold_plain_run() {
         assert_eq!(worker.cache_stats().ram_hits.load(Ordering::Relaxed), 1, "{name}: the second run hits");
         assert_eq!(first[0].0, cold[0].0, "{name}: first run");
         assert_eq!(hit[0].0, cold[0].0, "{name}: after a cache hit");
+    }
+}
+
+/// Speculation, the prompt cache and prompts prefilled together, combined: after one prompt
+/// warmed the cache, a burst of prompts extending it (some hit the cache, their chunks of
+/// different lengths sharing forwards with rows that already decode and verify drafts) gives
+/// plain cold greedy output, with every draft source.
+#[test]
+fn speculation_cache_hits_and_mixed_steps_together_match_plain_decoding() {
+    let dir = &fixtures()[0];
+    let base = prompts(dir)[7].clone();
+    let burst: Vec<Vec<u32>> = (0..6)
+        .map(|i| base.iter().chain(&prompts(dir)[i][..3 + 2 * i]).copied().collect())
+        .chain(prompts(dir)[..2].to_vec())
+        .collect();
+    let plain = engine(dir, CacheConfig::off(), None);
+    let cold: Vec<Vec<u32>> = burst.iter().map(|p| run_all(&plain, &[p.clone()], &greedy(24)).remove(0).0).collect();
+    let cache = CacheConfig { ram_bytes: 1 << 30, stride: 8, ssd: None, checkpoint_every: 0 };
+    for (name, spec) in sources(dir) {
+        let worker = engine(dir, cache.clone(), Some(spec));
+        run_all(&worker, &[base.clone()], &greedy(4));
+        let together = run_all(&worker, &burst, &greedy(24));
+        for (i, (tokens, _, _)) in together.iter().enumerate() {
+            assert_eq!(tokens, &cold[i], "{name}: prompt {i} of the burst");
+        }
+        assert!(worker.cache_stats().ram_hits.load(Ordering::Relaxed) > 0, "{name}: no prompt hit the cache");
+        assert!(worker.stats().mixed_steps.load(Ordering::Relaxed) > 0, "{name}: no step mixed decode and prefill");
+        assert!(worker.stats().drafted_tokens.load(Ordering::Relaxed) > 0, "{name}: nothing was drafted");
     }
 }
 
