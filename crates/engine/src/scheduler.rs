@@ -8,8 +8,8 @@
 //! segments of the same forward) in the room the step's token budget
 //! (`--max-num-batched-tokens`) leaves, oldest first; then samples each row with its own
 //! parameters. A prompt therefore holds the running streams up by at most its share of one
-//! step's budget. (A prompt with images prefills in a forward of its own, taking turns with the
-//! others.) A finished row (end token, length, or a requester that went away) leaves the batch
+//! step's budget. (A prompt with images is a segment of its own: its embeddings and positions
+//! are its own.) A finished row (end token, length, or a requester that went away) leaves the batch
 //! without disturbing the others.
 //!
 //! When the pool runs short of blocks for a decode step, the prompt cache gives up entries
@@ -95,8 +95,6 @@ pub(crate) struct Engine<'a> {
     preempted: VecDeque<Preempted>,
     /// Reads SSD state for the job at the front of `waiting` (with an SSD tier).
     prefetch: Option<Prefetcher>,
-    /// Whether the last prefill forward was the chunk of a prompt with images.
-    image_turn_taken: bool,
 }
 
 impl<'a> Engine<'a> {
@@ -112,7 +110,7 @@ impl<'a> Engine<'a> {
     ) -> Self {
         let (policy, runner) = (Policy::new(&config), Runner::new(model, pool, drafter));
         let (waiting, joiners, rows, preempted) = (VecDeque::new(), Vec::new(), Vec::new(), VecDeque::new());
-        Self { policy, runner, cost, stats, cache, waiting, joiners, rows, preempted, prefetch, image_turn_taken: false }
+        Self { policy, runner, cost, stats, cache, waiting, joiners, rows, preempted, prefetch }
     }
 
     pub fn run(mut self, queue: mpsc::Receiver<Queued>) {
@@ -148,16 +146,11 @@ impl<'a> Engine<'a> {
     }
 
     /// Admission, then one forward for the running rows' decode positions and the prompts'
-    /// chunks that fit the step's token budget beside them (a prompt with images takes its
-    /// turns in a forward of its own first).
+    /// chunks that fit the step's token budget beside them.
     fn step(&mut self) -> strata_model::Result<()> {
         self.admit()?;
         self.drop_gone_joiners();
-        let image_turn = self.image_turn();
-        if image_turn {
-            self.prefill_images()?;
-        }
-        self.forward_step(!image_turn)?;
+        self.forward_step()?;
         let active = self.rows.len() + self.preempted.len() + self.joiners.len();
         self.stats.active.store(active, Ordering::Relaxed);
         self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
@@ -367,38 +360,6 @@ impl<'a> Engine<'a> {
         Ok(())
     }
 
-    /// Whether the oldest joiner's prompt, which has images, takes this step's prefill turn:
-    /// its chunks take turns with the text prompts' (it prefills alone: its embeddings and
-    /// positions are its own).
-    fn image_turn(&mut self) -> bool {
-        let has_images = |j: &Joiner| j.images.is_some();
-        let text = self.joiners.iter().any(|j| !has_images(j));
-        let turn = self.joiners.first().is_some_and(has_images) && (!text || !self.image_turn_taken);
-        self.image_turn_taken = turn;
-        turn
-    }
-
-    /// The oldest joiner's next chunk, a prompt with images, in a forward of its own.
-    fn prefill_images(&mut self) -> strata_model::Result<()> {
-        let (cache, load) = (self.cache, self.load());
-        let chunk = self.planned_chunk(0);
-        let len = chunk.end - self.joiners[0].fed;
-        let grow = self.joiners[0].state.blocks_to_grow(len);
-        if !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
-            return Ok(());
-        }
-        let j = &mut self.joiners[0];
-        let images = j.images.as_ref().expect("an image turn's prompt has images");
-        let state = std::mem::take(&mut j.state);
-        let mut feed = Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft };
-        let started = Instant::now();
-        let logits = self.runner.prefill_images(&mut feed, images, len)?;
-        logits.device().synchronize()?;
-        self.stats.prefill_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        j.state = feed.state;
-        self.prefilled(&[0], &[len], &[chunk], logits)
-    }
-
     /// The joiner `i`'s next chunk as the policy plans it.
     fn planned_chunk(&self, i: usize) -> Chunk {
         let snapshots = apply::caching(self.cache).then_some(self.cache.config.stride);
@@ -406,23 +367,21 @@ impl<'a> Engine<'a> {
         self.policy.chunk(&Prompt { fed: j.fed, len: j.job.prompt.len(), cache_points: &j.job.cache_points, snapshots })
     }
 
-    /// The text prompts' chunks this step carries beside `decode_positions` positions of the
+    /// The prompts' chunks this step carries beside `decode_positions` positions of the
     /// running rows (the policy's cohort): the joiners, their planned chunks and the tokens
     /// each feeds.
     fn plan_prompts(&mut self, decode_positions: usize) -> (Vec<usize>, Vec<Chunk>, Vec<usize>) {
         let none = (Vec::new(), Vec::new(), Vec::new());
-        let text: Vec<usize> = (0..self.joiners.len()).filter(|&i| self.joiners[i].images.is_none()).collect();
-        let Some(&oldest) = text.first() else { return none };
-        let chunks: Vec<Chunk> = text.iter().map(|&i| self.planned_chunk(i)).collect();
-        let wants: Vec<usize> = text.iter().zip(&chunks).map(|(&i, c)| c.end - self.joiners[i].fed).collect();
+        let chunks: Vec<Chunk> = (0..self.joiners.len()).map(|i| self.planned_chunk(i)).collect();
+        let wants: Vec<usize> = self.joiners.iter().zip(&chunks).map(|(j, c)| c.end - j.fed).collect();
         // A state outside the pool would be copied in by the merge, taking blocks no check
         // counted: such a job prefills alone, when it is the oldest.
         let planned: Vec<(usize, Chunk, usize)> = self
             .policy
             .cohort(decode_positions, &wants)
             .into_iter()
-            .map(|(k, len)| (text[k], chunks[k], len))
-            .filter(|&(i, _, _)| i == oldest || self.joiners[i].state.is_pooled())
+            .map(|(i, len)| (i, chunks[i], len))
+            .filter(|&(i, _, _)| i == 0 || self.joiners[i].state.is_pooled())
             .collect();
         let grow = planned.iter().map(|&(i, _, len)| self.joiners[i].state.blocks_to_grow(len)).sum();
         let (load, cache) = (self.load(), self.cache);
@@ -438,17 +397,17 @@ impl<'a> Engine<'a> {
         plan
     }
 
-    /// One forward for the running rows (after room is made for their step) and, with
-    /// `prompts`, the text prompts' chunks that fit beside them; then each row is verified and
-    /// sampled, and each prompt that is done samples its first token and joins the batch.
-    fn forward_step(&mut self, prompts: bool) -> strata_model::Result<()> {
+    /// One forward for the running rows (after room is made for their step) and the prompts'
+    /// chunks that fit beside them; then each row is verified and sampled, and each prompt that
+    /// is done samples its first token and joins the batch.
+    fn forward_step(&mut self) -> strata_model::Result<()> {
         let started = Instant::now();
         let width = 1 + self.runner.max_draft();
         if self.runner.batch().is_some() {
             self.room_for_step(width)?;
         }
         let decode_positions = if self.runner.batch().is_some() { self.rows.len() * width } else { 0 };
-        let (members, chunks, lens) = if prompts { self.plan_prompts(decode_positions) } else { Default::default() };
+        let (members, chunks, lens) = self.plan_prompts(decode_positions);
         let decoding = self.runner.batch().is_some();
         if !decoding && members.is_empty() {
             return Ok(());
@@ -458,7 +417,7 @@ impl<'a> Engine<'a> {
         for (i, j) in self.joiners.iter_mut().enumerate() {
             if member.next_if_eq(&i).is_some() {
                 let state = std::mem::take(&mut j.state);
-                feeds.push(Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft });
+                feeds.push(Feed { prompt: &j.job.prompt, fed: j.fed, state, draft: &mut j.draft, images: j.images.as_ref() });
             }
         }
         let rows: &mut [Row] = if decoding { &mut self.rows } else { &mut [] };

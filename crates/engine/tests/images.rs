@@ -2,7 +2,7 @@
 //! fixture's two images give transformers' greedy tokens (alone, drafted by the model itself,
 //! and with prefill chunks that cut through both images); the same text with another image gives
 //! another output and reuses no state past the first image token, while the same images reuse
-//! it all; 8 requests mixing images and text at once give their solo outputs.
+//! it all; 8 requests mixing images and text at once, sharing forwards, give their solo outputs.
 
 use std::path::PathBuf;
 use std::sync::atomic::Ordering;
@@ -151,6 +151,11 @@ fn requests_mixing_images_and_text_give_their_solo_outputs() {
     for (i, (rx, solo)) in pending.into_iter().zip(&solo).enumerate() {
         assert_eq!(collect(rx).tokens, solo.tokens, "request {i}");
     }
+    // Prompts with images were segments of forwards that also carried other prompts' chunks
+    // and running rows.
+    let stats = worker.stats();
+    assert!(stats.prefill_chunks.load(Ordering::Relaxed) > stats.prefill_forwards.load(Ordering::Relaxed));
+    assert!(stats.mixed_steps.load(Ordering::Relaxed) > 0);
 }
 
 #[test]

@@ -113,6 +113,12 @@ impl Model {
             Model::Dense(_) | Model::Gemma3(_) => segments
                 .iter_mut()
                 .map(|s| {
+                    if let Some(images) = s.images {
+                        return Ok(SegmentOutput {
+                            logits: self.forward_images(s.tokens, images, s.state, s.logits)?,
+                            hidden: None,
+                        });
+                    }
                     Ok(match hidden {
                         true => {
                             let (logits, hidden) = self.forward_with_hidden(s.tokens, s.state, s.logits)?;

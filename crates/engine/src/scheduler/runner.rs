@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
-use strata_model::{ImagePrompt, Logits, Model, Round, Segment, SegmentOutput};
+use strata_model::{ImageInputs, ImagePrompt, Logits, Model, Round, Segment, SegmentOutput};
 use strata_state::{BatchState, StatePool};
 
 use super::apply::{Row, RowMasks, Scores};
@@ -63,6 +63,9 @@ pub(super) struct Feed<'a> {
     pub fed: usize,
     pub state: BatchState,
     pub draft: &'a mut JoinerDraft,
+    /// Its images, where the prompt has them (its chunks are segments of their own, and the
+    /// drafter does not read them: its drafts start after the prompt).
+    pub images: Option<&'a ImagePrompt>,
 }
 
 /// The pool's blocks, with the prompt cache giving up entries on demand.
@@ -238,15 +241,6 @@ impl Runner {
         })
     }
 
-    /// The chunk of a prompt with images (which prefills alone: its embeddings and positions
-    /// are its own): `len` more tokens; the last position's logits, `[1, vocab]`. The drafter
-    /// does not read such a prompt; its drafts start after it.
-    pub fn prefill_images(&self, feed: &mut Feed<'_>, images: &ImagePrompt, len: usize) -> strata_model::Result<Tensor> {
-        let input = Tensor::new(vec![feed.prompt[feed.fed..feed.fed + len].to_vec()], self.model.device())?;
-        let inputs = images.inputs(feed.fed..feed.fed + len)?;
-        Ok(self.model.forward_images(&input, &inputs, &mut feed.state, Logits::Last)?)
-    }
-
     /// Blocks a decode step of `width` positions per row would take from the pool.
     pub fn blocks_to_grow(&self, width: usize) -> usize {
         self.batch.as_ref().map_or(0, |batch| batch.blocks_to_grow(width))
@@ -270,15 +264,24 @@ impl Runner {
             true => None,
             false => Some(self.decode_input(rows)?),
         };
-        // Prompts' segments: jobs feeding equally many tokens together, in the order their
-        // first job comes.
+        // Prompts' segments: text jobs feeding equally many tokens together, in the order their
+        // first job comes; a job with images alone (its embeddings and positions are its own).
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
         for (i, &len) in lens.iter().enumerate() {
-            match groups.iter_mut().find(|(l, _)| *l == len) {
+            let text = feeds[i].images.is_none();
+            let shared = |(l, members): &&mut (usize, Vec<usize>)| *l == len && text && feeds[members[0]].images.is_none();
+            match groups.iter_mut().find(shared) {
                 Some((_, members)) => members.push(i),
                 None => groups.push((len, vec![i])),
             }
         }
+        let images: Vec<Option<ImageInputs>> = groups
+            .iter()
+            .map(|(len, members)| {
+                let feed = &feeds[members[0]];
+                feed.images.map(|images| images.inputs(feed.fed..feed.fed + len)).transpose()
+            })
+            .collect::<strata_model::Result<_>>()?;
         let mut states = Vec::with_capacity(groups.len());
         let mut inputs = Vec::with_capacity(groups.len());
         for (len, members) in &groups {
@@ -303,9 +306,14 @@ impl Runner {
         let mut segments: Vec<Segment> = Vec::with_capacity(1 + groups.len());
         if let Some(d) = &decode {
             let batch = self.batch.as_mut().expect("a row runs");
-            segments.push(Segment { tokens: &d.input, state: batch, logits: d.logits });
+            segments.push(Segment { tokens: &d.input, state: batch, logits: d.logits, images: None });
         }
-        segments.extend(states.iter_mut().zip(&inputs).map(|(state, tokens)| Segment { tokens, state, logits: Logits::Last }));
+        segments.extend(states.iter_mut().zip(&inputs).zip(&images).map(|((state, tokens), images)| Segment {
+            tokens,
+            state,
+            logits: Logits::Last,
+            images: images.as_ref(),
+        }));
         let n = rows.len();
         let structured = rows.iter().any(|r| r.constraint.is_some());
         let (forwarded, masks) = std::thread::scope(|scope| {

@@ -140,11 +140,14 @@ impl Segments {
 }
 
 /// Rows fed together in one forward (see [`Qwen35::forward_segments`]): `tokens` `[B, T]`
-/// (u32) continuing the `B` rows of `state`, and which positions' logits to return.
+/// (u32) continuing the `B` rows of `state`, and which positions' logits to return. A segment
+/// with `images` is one row whose image tokens take the images' merged tokens and whose
+/// positions take explicit rotary positions (see [`Qwen35::forward_images`]).
 pub struct Segment<'a> {
     pub tokens: &'a Tensor,
     pub state: &'a mut BatchState,
     pub logits: Logits,
+    pub images: Option<&'a ImageInputs>,
 }
 
 /// What a forward gives a [`Segment`]: f32 logits (`[B, vocab]` or `[B, T, vocab]`, as it
@@ -152,6 +155,17 @@ pub struct Segment<'a> {
 pub struct SegmentOutput {
     pub logits: Tensor,
     pub hidden: Option<Tensor>,
+}
+
+/// Moves `state`'s rows `t` positions on; tokens fed after explicit (image) positions continue
+/// past the largest of them.
+fn advance(state: &mut BatchState, t: usize, images: Option<&ImageInputs>) {
+    for p in &mut state.positions {
+        *p += t;
+    }
+    if let Some(next) = images.and_then(|i| i.positions.iter().flatten().max()).map(|&p| p as i64 + 1) {
+        state.rope_offsets[0] = next - state.positions[0] as i64;
+    }
 }
 
 fn mismatched(state: &LayerState) -> ModelError {
@@ -446,17 +460,19 @@ impl Qwen35 {
     /// segment on its own state. Each segment's results are what a forward of it alone gives:
     /// bit for bit on CPU (see [`Segments::positionwise`]), within the matmuls' rounding on
     /// CUDA. With `hidden`, also every position's final normed hidden state (for an MTP head).
-    /// A single segment is [`Qwen35::forward`] (a decode step may replay a CUDA graph).
+    /// A single segment is [`Qwen35::forward`] (a decode step may replay a CUDA graph). A
+    /// segment with images gives no hidden states (an MTP head does not read image prompts).
     pub fn forward_segments(&self, segments: &mut [Segment<'_>], hidden: bool) -> Result<Vec<SegmentOutput>> {
         if let [one] = segments {
-            let (logits, hidden) = match hidden {
-                true => self.forward_with_hidden(one.tokens, one.state, one.logits).map(|(l, h)| (l, Some(h)))?,
-                false => (self.forward(one.tokens, one.state, one.logits)?, None),
+            let (logits, hidden) = match (one.images, hidden) {
+                (Some(images), _) => (self.forward_images(one.tokens, images, one.state, one.logits)?, None),
+                (None, true) => self.forward_with_hidden(one.tokens, one.state, one.logits).map(|(l, h)| (l, Some(h)))?,
+                (None, false) => (self.forward(one.tokens, one.state, one.logits)?, None),
             };
             return Ok(vec![SegmentOutput { logits, hidden }]);
         }
         let mut shapes = Vec::with_capacity(segments.len());
-        let mut ids = Vec::with_capacity(segments.len());
+        let mut embedded = Vec::with_capacity(segments.len());
         let mut ropes = Vec::with_capacity(segments.len());
         for s in segments.iter() {
             let (b, t) = s.tokens.dims2()?;
@@ -467,12 +483,11 @@ impl Qwen35 {
                 )));
             }
             shapes.push((b, t));
-            ids.push(s.tokens.flatten_all()?);
-            ropes.push(self.rotary.tables(&s.state.rope_starts(), t, &self.device)?);
+            let (x, rope) = self.embed_segment(s.tokens, s.state, s.images)?;
+            embedded.push(x.reshape((b * t, self.cfg.hidden_size))?);
+            ropes.push(rope);
         }
-        let ids = Tensor::cat(&ids, 0)?;
-        self.check_tokens(&ids.to_vec1::<u32>()?)?;
-        let mut x = Residual::new(self.embed.rows_at(&ids, self.dtype)?);
+        let mut x = Residual::new(Tensor::cat(&embedded, 0)?);
         let split = Segments::Split(shapes.clone());
         for (i, layer) in self.layers.iter().enumerate() {
             x = layer.forward_split(&x, &split, |mixer, normed| {
@@ -496,7 +511,7 @@ impl Qwen35 {
             })?;
         }
         for (s, &(_, t)) in segments.iter_mut().zip(&shapes) {
-            s.state.positions.iter_mut().for_each(|p| *p += t);
+            advance(s.state, t, s.images);
         }
         let (_, normed) = self.norm.forward_stream(&x)?;
         // The positions whose logits are asked for, segment by segment.
@@ -525,7 +540,9 @@ impl Qwen35 {
                     Logits::All => rows.reshape((b, t, vocab))?,
                     Logits::Last => rows,
                 };
-                let hidden = hidden.then(|| normed.narrow(0, hidden_at, b * t)?.reshape((b, t, normed.dim(1)?))).transpose()?;
+                let hidden = (hidden && s.images.is_none())
+                    .then(|| normed.narrow(0, hidden_at, b * t)?.reshape((b, t, normed.dim(1)?)))
+                    .transpose()?;
                 hidden_at += b * t;
                 Ok(SegmentOutput { logits, hidden })
             })
@@ -544,7 +561,26 @@ impl Qwen35 {
         if b != state.rows() {
             return Err(ModelError::Invalid(format!("forward got {b} rows of tokens for a state of {} rows", state.rows())));
         }
-        let (embedded, rope) = match images {
+        let (embedded, rope) = self.embed_segment(tokens, state, images)?;
+        let mut x = Residual::new(embedded);
+        for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
+            x = layer.forward(&x, layer_state, &rope)?;
+        }
+        advance(state, t, images);
+        Ok(x)
+    }
+
+    /// `tokens`' embeddings `[B, T, hidden]` (each image token's replaced by the images' next
+    /// merged token) and their rotary tables: from each row's position in `state`, or the
+    /// images' explicit positions.
+    fn embed_segment(
+        &self,
+        tokens: &Tensor,
+        state: &BatchState,
+        images: Option<&ImageInputs>,
+    ) -> Result<(Tensor, (Tensor, Tensor))> {
+        let (b, t) = tokens.dims2()?;
+        Ok(match images {
             None => (self.embed_tokens(tokens)?, self.rotary.tables(&state.rope_starts(), t, &self.device)?),
             Some(images) => {
                 if b != 1 || images.positions.len() != t {
@@ -556,19 +592,7 @@ impl Qwen35 {
                 let rope = self.rotary.tables_at(&images.positions, 1, self.cfg.mrope_section, &self.device)?;
                 (self.embed_with_images(tokens, images.embeds.as_ref())?, rope)
             }
-        };
-        let mut x = Residual::new(embedded);
-        for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
-            x = layer.forward(&x, layer_state, &rope)?;
-        }
-        for p in &mut state.positions {
-            *p += t;
-        }
-        // Tokens fed after explicit positions continue past the largest of them.
-        if let Some(next) = images.and_then(|i| i.positions.iter().flatten().max()).map(|&p| p as i64 + 1) {
-            state.rope_offsets[0] = next - state.positions[0] as i64;
-        }
-        Ok(x)
+        })
     }
 
     /// `[B, T]` token ids as `[B, T, hidden]` embeddings, refusing ids outside the vocabulary.

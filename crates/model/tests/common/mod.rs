@@ -130,13 +130,13 @@ pub fn assert_segments_match_alone(model: &strata_model::Model, tolerance: f32, 
         .iter_mut()
         .zip(&tokens)
         .zip(&plans)
-        .map(|((state, tokens), &(_, _, logits))| Segment { tokens, state, logits })
+        .map(|((state, tokens), &(_, _, logits))| Segment { tokens, state, logits, images: None })
         .collect();
     let together = model.forward_segments(&mut segments, hidden).unwrap();
     let flat = |t: &Tensor| -> Vec<f32> { t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
     for (k, ((mut alone, (prefixes, len, logits)), out)) in states().into_iter().zip(plans).zip(&together).enumerate() {
         let what = format!("{what}: segment {k} ({} rows of {len})", prefixes.len());
-        let mut one = [Segment { tokens: &tokens[k], state: &mut alone, logits }];
+        let mut one = [Segment { tokens: &tokens[k], state: &mut alone, logits, images: None }];
         let solo = model.forward_segments(&mut one, hidden).unwrap().pop().unwrap();
         assert_eq!(out.logits.dims(), solo.logits.dims(), "{what}: logits' shape");
         let want_positions: Vec<usize> = prefixes.iter().map(|p| p + len).collect();
