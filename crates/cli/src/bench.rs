@@ -51,7 +51,8 @@ pub struct Args {
     /// Prompt tokens per prefill forward (default: 512 on CPU, 2048 on GPU).
     #[arg(long)]
     prefill_chunk: Option<usize>,
-    /// Most positions one step's forward carries, decode rows and prefill chunks (as serve's).
+    /// A step's token budget: decode positions, then prompts' whole chunks while they fit (as
+    /// serve's).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_num_batched_tokens: Option<u64>,
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.
@@ -150,7 +151,8 @@ struct Measured {
     /// than the forward's).
     mask_us: Option<f64>,
     /// Prefill forwards the run took (prompts arriving together share them), and their mean
-    /// wall time (a draft model's reading of the prompt included); none without a prefill.
+    /// wall time (a draft model's reading of the prompt included; a forward that also carried
+    /// running rows counts whole); none without a prefill.
     prefill_forwards: u64,
     prefill_forward_ms: Option<f64>,
     /// Of the steps, those whose forward also carried prompts' chunks.

@@ -49,14 +49,14 @@ pub struct Args {
     device: String,
     #[command(flatten)]
     kv: KvCacheArgs,
-    /// Prompt tokens per prefill forward; a joining prompt holds running streams up for at most
-    /// one chunk per step (default: 512 on CPU, 2048 on GPU).
+    /// Most tokens of one prompt a step feeds (default: 512 on CPU, 2048 on GPU; at most the
+    /// step's budget).
     #[arg(long)]
     prefill_chunk: Option<usize>,
-    /// Most positions one step's forward carries: the running requests' decode positions, then
-    /// prompts' chunks, oldest first, in the room left (vLLM's name; default: the prefill chunk).
-    /// Smaller bounds the pause a joining prompt makes in running streams; larger prefills a
-    /// burst of prompts in fewer forwards.
+    /// A step's token budget (vLLM's name; default: the prefill chunk): the running requests'
+    /// decode positions, then prompts' whole chunks, oldest first, while they fit (the oldest
+    /// prompt's chunk always runs). Smaller bounds the pause a joining prompt makes in running
+    /// streams; larger prefills a burst of prompts in fewer forwards.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_num_batched_tokens: Option<u64>,
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.

@@ -367,32 +367,30 @@ impl<'a> Engine<'a> {
         self.policy.chunk(&Prompt { fed: j.fed, len: j.job.prompt.len(), cache_points: &j.job.cache_points, snapshots })
     }
 
-    /// The prompts' chunks this step carries beside `decode_positions` positions of the
-    /// running rows (the policy's cohort): the joiners, their planned chunks and the tokens
-    /// each feeds.
-    fn plan_prompts(&mut self, decode_positions: usize) -> (Vec<usize>, Vec<Chunk>, Vec<usize>) {
-        let none = (Vec::new(), Vec::new(), Vec::new());
-        let chunks: Vec<Chunk> = (0..self.joiners.len()).map(|i| self.planned_chunk(i)).collect();
-        let wants: Vec<usize> = self.joiners.iter().zip(&chunks).map(|(j, c)| c.end - j.fed).collect();
+    /// The prompts' chunks this step carries beside the running rows' decode positions (the
+    /// policy's cohort): the joiners, their chunks and the tokens each feeds.
+    fn plan_prompts(&mut self) -> (Vec<usize>, Vec<Chunk>, Vec<usize>) {
+        let width = 1 + self.runner.max_draft();
+        let (decode_positions, decode_blocks) = match self.runner.batch() {
+            Some(_) => (self.rows.len() * width, self.runner.blocks_to_grow(width)),
+            None => (0, 0),
+        };
         // A state outside the pool would be copied in by the merge, taking blocks no check
-        // counted: such a job prefills alone, when it is the oldest.
-        let planned: Vec<(usize, Chunk, usize)> = self
-            .policy
-            .cohort(decode_positions, &wants)
-            .into_iter()
-            .map(|(i, len)| (i, chunks[i], len))
-            .filter(|&(i, _, _)| i == 0 || self.joiners[i].state.is_pooled())
-            .collect();
-        let grow = planned.iter().map(|&(i, _, len)| self.joiners[i].state.blocks_to_grow(len)).sum();
+        // counted: such a job prefills only as the oldest, in a segment of its own.
+        let candidates: Vec<usize> = (0..self.joiners.len()).filter(|&i| i == 0 || self.joiners[i].state.is_pooled()).collect();
+        let chunks: Vec<Chunk> = candidates.iter().map(|&i| self.planned_chunk(i)).collect();
+        let lens: Vec<usize> = candidates.iter().zip(&chunks).map(|(&i, c)| c.end - self.joiners[i].fed).collect();
+        let members = self.policy.cohort(decode_positions, &lens);
+        let grow = members.iter().map(|&k| self.joiners[candidates[k]].state.blocks_to_grow(lens[k])).sum();
         let (load, cache) = (self.load(), self.cache);
-        if planned.is_empty() || !self.policy.chunk_runs(&load, grow, &mut self.runner.blocks(cache)) {
-            return none;
+        if members.is_empty() || !self.policy.chunk_runs(&load, grow, decode_blocks, &mut self.runner.blocks(cache)) {
+            return Default::default();
         }
-        let mut plan = none;
-        for (i, chunk, len) in planned {
-            plan.0.push(i);
-            plan.1.push(chunk);
-            plan.2.push(len);
+        let mut plan: (Vec<usize>, Vec<Chunk>, Vec<usize>) = Default::default();
+        for k in members {
+            plan.0.push(candidates[k]);
+            plan.1.push(chunks[k]);
+            plan.2.push(lens[k]);
         }
         plan
     }
@@ -402,12 +400,10 @@ impl<'a> Engine<'a> {
     /// is done samples its first token and joins the batch.
     fn forward_step(&mut self) -> strata_model::Result<()> {
         let started = Instant::now();
-        let width = 1 + self.runner.max_draft();
         if self.runner.batch().is_some() {
-            self.room_for_step(width)?;
+            self.room_for_step(1 + self.runner.max_draft())?;
         }
-        let decode_positions = if self.runner.batch().is_some() { self.rows.len() * width } else { 0 };
-        let (members, chunks, lens) = self.plan_prompts(decode_positions);
+        let (members, chunks, lens) = self.plan_prompts();
         let decoding = self.runner.batch().is_some();
         if !decoding && members.is_empty() {
             return Ok(());

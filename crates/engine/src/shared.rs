@@ -13,10 +13,11 @@ pub struct EngineConfig {
     /// Most tokens of one prompt a forward takes (`--prefill-chunk`; also the prompt cache's
     /// snapshot stride by default).
     pub prefill_chunk: usize,
-    /// Most positions one step's forward carries: every running row's decode positions and
-    /// prompts' prefill chunks (`--max-num-batched-tokens`, vLLM's name). A smaller budget
-    /// bounds the pause a joining prompt makes in running streams; a larger one prefills bursts
-    /// of prompts in fewer, fuller forwards. `None`: the prefill chunk.
+    /// A step's token budget (`--max-num-batched-tokens`, vLLM's name): every running row's
+    /// decode positions, then prompts' whole chunks, oldest first, while they fit (the oldest
+    /// prompt's chunk always runs); it also caps a chunk. A smaller budget bounds the pause a
+    /// joining prompt makes in running streams; a larger one prefills bursts of prompts in
+    /// fewer, fuller forwards. `None`: the prefill chunk.
     pub max_batched_tokens: Option<usize>,
     /// Admission by worst case (`--state-budget-bytes`): a job is admitted only while the
     /// running rows' state at their full length (prompt + `max_tokens`) fits in these bytes,
@@ -58,7 +59,7 @@ impl EngineConfig {
 }
 
 impl EngineConfig {
-    /// Most positions one step's forward carries (`max_batched_tokens`, else the prefill chunk).
+    /// A step's token budget (`max_batched_tokens`, else the prefill chunk).
     pub fn step_tokens(&self) -> usize {
         self.max_batched_tokens.unwrap_or(self.prefill_chunk).max(1)
     }
@@ -119,7 +120,8 @@ pub struct WorkerStats {
     /// that arrived together prefill as one cohort.
     pub prefill_forwards: AtomicU64,
     pub prefill_chunks: AtomicU64,
-    /// Time in prefill forwards, the device's work included.
+    /// Time in forwards that fed prompts' chunks, the device's work included (a mixed step's
+    /// whole forward).
     pub prefill_ns: AtomicU64,
     /// Steps whose one forward carried running rows' decode positions and prompts' chunks
     /// together (their time counts in both the prefill and the decode forward times).
@@ -137,8 +139,9 @@ pub struct WorkerStats {
     /// Of the replayed steps: host time before each replay, and the replays' GPU time.
     pub graph_prepare_ns: AtomicU64,
     pub graph_replay_gpu_ns: AtomicU64,
-    /// Time spent in decode steps, and the part of it in the target's forward (to its logits
-    /// on the host): the rest is the scheduler's own work (drafting, sampling, bookkeeping).
+    /// Time spent in steps with running rows, and the part of it in the target's forward (to
+    /// its logits on the host): the rest is the scheduler's own work (drafting, sampling,
+    /// planning, bookkeeping). A mixed step counts whole, its prompts' chunks included.
     pub decode_ns: AtomicU64,
     pub decode_forward_ns: AtomicU64,
     /// Running rows taken out of the batch (their state moved to host memory) because the

@@ -264,3 +264,50 @@ fn prompts_arriving_together_prefill_together_and_match_solo_runs() {
         assert!(forwards < chunks && chunks >= jobs.len() as u64, "{forwards} prefill forwards for {chunks} chunks");
     }
 }
+
+/// A prompt fed in chunks longer than the batch-invariant kernels' rows (128 positions, whose
+/// bits depend on where a chunk starts and ends) joins rows that are decoding, its chunks in
+/// their steps: its every log-probability is the one it gets with the engine to itself, since
+/// a prompt's chunks never depend on what else runs — greedy and seeded, on every fixture.
+#[test]
+fn a_long_prompt_joining_running_rows_gets_its_bits_alone() {
+    for dir in fixtures() {
+        let tokens = load(&dir).1;
+        let long: Vec<u32> = tokens.iter().cycle().skip(3).take(300).copied().collect();
+        let engine = || {
+            let config = EngineConfig { max_batch: 8, prefill_chunk: 128, ..EngineConfig::for_device(&Device::Cpu) };
+            Worker::spawn(load(&dir).0, config, CacheConfig::off(), None).unwrap()
+        };
+        // Each token with its log-probabilities.
+        let seen = |r: &Recorder| -> Vec<(u32, Vec<(u32, f32)>)> {
+            let events = r.0.lock().unwrap();
+            events
+                .iter()
+                .filter_map(|(_, e)| if let Event::Token(s) = e { Some((s.id, s.top_logprobs.clone())) } else { None })
+                .collect()
+        };
+        for sampling in [SamplingParams::greedy(), SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::greedy() }]
+        {
+            let joiner_opts = GenerationOptions { logprobs: Some(64), ..opts(6, sampling.clone()) };
+            let alone = Recorder::default();
+            let worker = engine();
+            worker.submit(Job::new(long.clone(), joiner_opts.clone(), Box::new(alone.clone()))).unwrap();
+            alone.wait(Recorder::finished);
+            let worker = engine();
+            let running: Vec<Recorder> = (0..6).map(|_| Recorder::default()).collect();
+            for (i, r) in running.iter().enumerate() {
+                worker.submit(Job::new(tokens[i..i + 4].to_vec(), opts(60, sampling.clone()), Box::new(r.clone()))).unwrap();
+            }
+            running[5].wait(|r| r.tokens().len() >= 2);
+            let joiner = Recorder::default();
+            worker.submit(Job::new(long.clone(), joiner_opts, Box::new(joiner.clone()))).unwrap();
+            joiner.wait(Recorder::finished);
+            assert_eq!(seen(&joiner), seen(&alone), "{}: {sampling:?}", dir.display());
+            assert!(
+                worker.stats().mixed_steps.load(Ordering::Relaxed) > 0,
+                "{}: the prompt never rode in a decode step",
+                dir.display()
+            );
+        }
+    }
+}

@@ -146,7 +146,10 @@ fn requests_mixing_images_and_text_give_their_solo_outputs() {
         .collect();
     let solo: Vec<Run> =
         requests.iter().map(|(p, imgs)| collect(submit(&small_engine(load(), CacheConfig::off(), None), p, imgs, 10))).collect();
-    let worker = small_engine(load(), CacheConfig::off(), None);
+    // Steps of up to 32 positions: several prompts' chunks of 8 share each forward.
+    let config =
+        EngineConfig { max_batch: 4, prefill_chunk: 8, max_batched_tokens: Some(32), ..EngineConfig::for_device(&Device::Cpu) };
+    let worker = Worker::spawn(load(), config, CacheConfig::off(), None).unwrap();
     let pending: Vec<_> = requests.iter().map(|(p, imgs)| submit(&worker, p, imgs, 10)).collect();
     for (i, (rx, solo)) in pending.into_iter().zip(&solo).enumerate() {
         assert_eq!(collect(rx).tokens, solo.tokens, "request {i}");

@@ -194,7 +194,12 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
             "Steps whose forward carried running requests' decode positions and prompt chunks together.",
             n(&w.mixed_steps),
         ),
-        ("strata_prefill_seconds_total", "counter", "Time in prefill forwards.", n(&w.prefill_ns) / 1e9),
+        (
+            "strata_prefill_seconds_total",
+            "counter",
+            "Time in forwards that fed prompt chunks (a step that also decoded counts whole).",
+            n(&w.prefill_ns) / 1e9,
+        ),
         (
             "strata_structured_masks_total",
             "counter",

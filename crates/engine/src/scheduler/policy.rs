@@ -120,8 +120,8 @@ impl Policy {
     /// waits. Jobs start strictly in arrival order, so none starves: only the oldest is ever
     /// considered. Its read is asked for once it fits the budget, even while the batch is full
     /// or other jobs prefill, so that the read overlaps their work. Jobs start prefilling while
-    /// the prompt tokens the prefilling jobs have yet to feed fall short of one prefill
-    /// forward, so that prompts arriving together prefill together (see [`Policy::cohort`]).
+    /// the prompt tokens the prefilling jobs have yet to feed fall short of one step's token
+    /// budget, so that prompts arriving together prefill together (see [`Policy::cohort`]).
     pub fn admission(
         &self,
         load: &Load,
@@ -159,12 +159,15 @@ impl Policy {
         blocks.free_toward(need).is_none_or(|free| free >= need)
     }
 
-    /// The joiner's next chunk: at most `prefill_chunk` tokens, ending where a snapshot is due
-    /// (every `stride` tokens, at the job's cache points, one token before the prompt's end);
-    /// without a cache, chunking is left alone.
+    /// The joiner's next chunk: at most `prefill_chunk` tokens (and no more than a step's
+    /// budget), ending where a snapshot is due (every `stride` tokens, at the job's cache
+    /// points, one token before the prompt's end); without a cache, chunking is left alone. A
+    /// prompt's chunks depend on the prompt alone, never on what else runs: on CPU a chunk past
+    /// the batch-invariant kernels' rows computes its positions with bits that depend on where
+    /// it starts and ends, and batching must not change a request's tokens.
     pub fn chunk(&self, prompt: &Prompt) -> Chunk {
         let Prompt { fed, len, cache_points, snapshots } = *prompt;
-        let mut end = (fed + self.prefill_chunk.max(1)).min(len);
+        let mut end = (fed + self.prefill_chunk.min(self.max_batched_tokens).max(1)).min(len);
         let stride = snapshots.unwrap_or(0);
         let next_point = cache_points.iter().copied().filter(|&p| p > fed && p < len).min();
         if snapshots.is_some() && fed + 1 < len {
@@ -178,34 +181,29 @@ impl Policy {
     }
 
     /// The prefill chunks a step's forward carries beside `decode_positions` positions of the
-    /// running rows, given each prefilling job's next chunk (oldest first): `(job, tokens)`.
-    /// Chunks fill the step's token budget (`--max-num-batched-tokens`) left after the decode
-    /// positions, oldest first, the last one cut to what is left (a chunk may end anywhere), so a
-    /// step's forward stays within the budget and running streams' inter-token latency with it.
-    /// The oldest job feeds at least a quarter of the budget however many rows decode, so a
-    /// prompt never waits behind a full batch.
-    pub fn cohort(&self, decode_positions: usize, chunks: &[usize]) -> Vec<(usize, usize)> {
-        let budget = self.max_batched_tokens.max(1);
-        let mut room = budget.saturating_sub(decode_positions).max(budget.div_ceil(4));
+    /// running rows, given each prefilling job's next chunk (oldest first): the jobs whose whole
+    /// chunks fit the step's token budget (`--max-num-batched-tokens`) after the decode
+    /// positions, oldest first. The oldest job's chunk always runs, so a prompt never waits
+    /// behind a full batch: a step carries at most the budget, or the decode positions and one
+    /// chunk where they are more. Chunks are never cut (see [`Policy::chunk`]).
+    pub fn cohort(&self, decode_positions: usize, chunks: &[usize]) -> Vec<usize> {
+        let mut used = decode_positions;
         let mut members = Vec::new();
         for (i, &chunk) in chunks.iter().enumerate() {
-            let tokens = chunk.min(room);
-            if tokens > 0 {
-                members.push((i, tokens));
-                room -= tokens;
-            }
-            if room == 0 {
-                break;
+            if i == 0 || used + chunk <= self.max_batched_tokens {
+                members.push(i);
+                used += chunk;
             }
         }
         members
     }
 
-    /// Whether a chunk that takes `blocks_to_grow` blocks runs now. The running rows come
-    /// first: a block each stays free for their next step, and the chunk waits while that would
-    /// not leave it room.
-    pub fn chunk_runs(&self, load: &Load, blocks_to_grow: usize, blocks: &mut impl Blocks) -> bool {
-        let need = blocks_to_grow + load.running;
+    /// Whether a chunk that takes `blocks_to_grow` blocks runs in a step whose running rows
+    /// take `decode_blocks`. The running rows come first: their step's blocks, and at least a
+    /// block each for the steps after it, stay free, and the chunk waits while that would not
+    /// leave it room.
+    pub fn chunk_runs(&self, load: &Load, blocks_to_grow: usize, decode_blocks: usize, blocks: &mut impl Blocks) -> bool {
+        let need = blocks_to_grow + decode_blocks.max(load.running);
         let free = blocks.free_toward(need);
         load.running == 0 || free.is_none_or(|free| free >= need)
     }
@@ -310,7 +308,7 @@ mod tests {
     }
 
     /// Jobs join the prefill while what the prefilling jobs have yet to feed falls short of
-    /// one prefill forward (64 tokens here), however much each has fed.
+    /// one step's budget (64 tokens here), however much each has fed.
     #[test]
     fn jobs_prefill_together_while_their_prompts_fill_less_than_a_forward() {
         let joiners =
@@ -335,18 +333,26 @@ mod tests {
         }
     }
 
-    /// A step's forward carries the running rows' positions, then prefill chunks oldest first
-    /// while the budget (64 tokens here) lasts, the last cut to fit; the oldest prompt feeds at
-    /// least a quarter of it however many rows decode.
+    /// A step's forward carries the running rows' positions, then whole prefill chunks oldest
+    /// first while the budget (64 tokens here) lasts; the oldest prompt's chunk always runs.
     #[test]
-    fn a_step_fills_its_token_budget_with_chunks_oldest_first() {
-        assert_eq!(policy(8).cohort(0, &[]), vec![]);
-        assert_eq!(policy(8).cohort(0, &[64, 64]), vec![(0, 64)], "a full chunk runs alone");
-        assert_eq!(policy(8).cohort(0, &[16, 8, 20, 16, 30]), vec![(0, 16), (1, 8), (2, 20), (3, 16), (4, 4)]);
-        assert_eq!(policy(8).cohort(0, &[40, 8]), vec![(0, 40), (1, 8)], "chunks of different lengths share the forward");
-        assert_eq!(policy(8).cohort(40, &[30, 8]), vec![(0, 24)], "decode positions come first");
-        assert_eq!(policy(8).cohort(60, &[30, 8]), vec![(0, 16)], "the oldest prompt still feeds a quarter");
-        assert_eq!(policy(8).cohort(200, &[10, 8]), vec![(0, 10), (1, 6)]);
+    fn a_step_fills_its_token_budget_with_whole_chunks_oldest_first() {
+        assert_eq!(policy(8).cohort(0, &[]), Vec::<usize>::new());
+        assert_eq!(policy(8).cohort(0, &[64, 64]), vec![0], "a full chunk runs alone");
+        assert_eq!(policy(8).cohort(0, &[16, 8, 20, 16, 30]), vec![0, 1, 2, 3], "60 tokens; the 30 would pass 64");
+        assert_eq!(policy(8).cohort(0, &[40, 30, 8]), vec![0, 2], "a younger chunk that fits runs past one that does not");
+        assert_eq!(policy(8).cohort(20, &[30, 8, 20]), vec![0, 1], "decode positions come first");
+        assert_eq!(policy(8).cohort(40, &[30, 8, 20]), vec![0], "the oldest always runs, past the budget");
+        assert_eq!(policy(8).cohort(200, &[10, 8]), vec![0]);
+    }
+
+    /// Chunks are at most the prefill chunk and the step's budget, whatever else runs.
+    #[test]
+    fn a_chunk_is_at_most_the_prefill_chunk_and_the_budget() {
+        let prompt = Prompt { fed: 0, len: 500, cache_points: &[], snapshots: None };
+        assert_eq!(policy(8).chunk(&prompt).end, 64);
+        let small_budget = Policy { max_batched_tokens: 40, ..policy(8) };
+        assert_eq!(small_budget.chunk(&prompt).end, 40);
     }
 
     /// A job starts only while the free blocks cover its prompt (rounded up to blocks) and one
@@ -431,13 +437,17 @@ mod tests {
         assert!(policy(8).step_fits(usize::MAX, &mut FakeBlocks::growing()));
     }
 
-    /// A chunk leaves a block free for each running row; with no row running it never waits.
+    /// A chunk leaves the running rows' step its blocks, and at least a block free for each
+    /// row; with no row running it never waits.
     #[test]
     fn a_chunk_waits_for_the_running_rows() {
-        assert!(policy(8).chunk_runs(&load(3), 2, &mut FakeBlocks::new(5)));
-        assert!(!policy(8).chunk_runs(&load(3), 2, &mut FakeBlocks::new(4)));
+        assert!(policy(8).chunk_runs(&load(3), 2, 0, &mut FakeBlocks::new(5)));
+        assert!(!policy(8).chunk_runs(&load(3), 2, 0, &mut FakeBlocks::new(4)));
+        // Drafts wider than a block: the rows' step takes 6 blocks.
+        assert!(!policy(8).chunk_runs(&load(3), 2, 6, &mut FakeBlocks::new(7)));
+        assert!(policy(8).chunk_runs(&load(3), 2, 6, &mut FakeBlocks::new(8)));
         let mut blocks = FakeBlocks::new(0);
-        assert!(policy(8).chunk_runs(&load(0), 2, &mut blocks));
+        assert!(policy(8).chunk_runs(&load(0), 2, 0, &mut blocks));
         assert_eq!(blocks.asked, [2], "the cache still gives up what the chunk takes");
     }
 

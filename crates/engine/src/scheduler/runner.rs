@@ -268,8 +268,10 @@ impl Runner {
         // first job comes; a job with images alone (its embeddings and positions are its own).
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
         for (i, &len) in lens.iter().enumerate() {
-            let text = feeds[i].images.is_none();
-            let shared = |(l, members): &&mut (usize, Vec<usize>)| *l == len && text && feeds[members[0]].images.is_none();
+            // A state outside the pool is never merged: the merge would copy it into the pool.
+            let mergeable = |f: &Feed| f.images.is_none() && f.state.is_pooled();
+            let joins = mergeable(&feeds[i]);
+            let shared = |(l, members): &&mut (usize, Vec<usize>)| *l == len && joins && mergeable(&feeds[members[0]]);
             match groups.iter_mut().find(shared) {
                 Some((_, members)) => members.push(i),
                 None => groups.push((len, vec![i])),

@@ -124,38 +124,42 @@ pub fn assert_segments_match_alone(model: &strata_model::Model, tolerance: f32, 
             .collect()
     };
     let tokens: Vec<Tensor> = feeds.iter().map(|rows| ids(&rows.iter().map(|(_, f)| f.clone()).collect::<Vec<_>>())).collect();
-    let hidden = model.forward_with_hidden(&tokens[3], &mut states().pop().unwrap(), Logits::All).is_ok();
-    let mut together_states = states();
-    let mut segments: Vec<Segment> = together_states
-        .iter_mut()
-        .zip(&tokens)
-        .zip(&plans)
-        .map(|((state, tokens), &(_, _, logits))| Segment { tokens, state, logits, images: None })
-        .collect();
-    let together = model.forward_segments(&mut segments, hidden).unwrap();
-    let flat = |t: &Tensor| -> Vec<f32> { t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
-    for (k, ((mut alone, (prefixes, len, logits)), out)) in states().into_iter().zip(plans).zip(&together).enumerate() {
-        let what = format!("{what}: segment {k} ({} rows of {len})", prefixes.len());
-        let mut one = [Segment { tokens: &tokens[k], state: &mut alone, logits, images: None }];
-        let solo = model.forward_segments(&mut one, hidden).unwrap().pop().unwrap();
-        assert_eq!(out.logits.dims(), solo.logits.dims(), "{what}: logits' shape");
-        let want_positions: Vec<usize> = prefixes.iter().map(|p| p + len).collect();
-        assert_eq!(together_states[k].positions, want_positions, "{what}: positions");
-        let pairs = [Some((&out.logits, &solo.logits)), out.hidden.as_ref().zip(solo.hidden.as_ref())];
-        for (got, want) in pairs.into_iter().flatten() {
-            let (got, want) = (flat(got), flat(want));
-            let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
-            match device.is_cpu() {
-                true => assert_eq!(diff, 0.0, "{what}: each segment keeps the bits it has alone"),
-                false => assert!(diff <= tolerance, "{what}: differ by {diff}"),
+    // Plain forwards, and (where the model has them) forwards returning hidden states too.
+    let hides = model.forward_with_hidden(&tokens[3], &mut states().pop().unwrap(), Logits::All).is_ok();
+    for hidden in [false, true].into_iter().filter(|&h| !h || hides) {
+        let mut together_states = states();
+        let mut segments: Vec<Segment> = together_states
+            .iter_mut()
+            .zip(&tokens)
+            .zip(&plans)
+            .map(|((state, tokens), &(_, _, logits))| Segment { tokens, state, logits, images: None })
+            .collect();
+        let together = model.forward_segments(&mut segments, hidden).unwrap();
+        let flat = |t: &Tensor| -> Vec<f32> { t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+        for (k, ((mut alone, (prefixes, len, logits)), out)) in states().into_iter().zip(plans).zip(&together).enumerate() {
+            let what = format!("{what}: segment {k} ({} rows of {len}), hidden {hidden}", prefixes.len());
+            let mut one = [Segment { tokens: &tokens[k], state: &mut alone, logits, images: None }];
+            let solo = model.forward_segments(&mut one, hidden).unwrap().pop().unwrap();
+            assert_eq!(out.logits.dims(), solo.logits.dims(), "{what}: logits' shape");
+            let want_positions: Vec<usize> = prefixes.iter().map(|p| p + len).collect();
+            assert_eq!(together_states[k].positions, want_positions, "{what}: positions");
+            let pairs = [Some((&out.logits, &solo.logits)), out.hidden.as_ref().zip(solo.hidden.as_ref())];
+            for (got, want) in pairs.into_iter().flatten() {
+                let (got, want) = (flat(got), flat(want));
+                let diff = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+                match device.is_cpu() {
+                    true => assert_eq!(diff, 0.0, "{what}: each segment keeps the bits it has alone"),
+                    false => assert!(diff <= tolerance, "{what}: differ by {diff}"),
+                }
+            }
+            let width = model.vocab_size();
+            let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |best, (i, x)| if *x > v[best] { i } else { best });
+            let (got, want) = (flat(&out.logits), flat(&solo.logits));
+            for (g, w) in got.chunks(width).zip(want.chunks(width)) {
+                assert_eq!(argmax(g), argmax(w), "{what}: greedy token");
             }
         }
-        let width = model.vocab_size();
-        let argmax = |v: &[f32]| v.iter().enumerate().fold(0, |best, (i, x)| if *x > v[best] { i } else { best });
-        let (got, want) = (flat(&out.logits), flat(&solo.logits));
-        for (g, w) in got.chunks(width).zip(want.chunks(width)) {
-            assert_eq!(argmax(g), argmax(w), "{what}: greedy token");
-        }
+        assert_eq!(together.len(), plans.len());
+        assert_eq!(together.iter().all(|o| o.hidden.is_some()), hidden, "hidden states where asked for");
     }
-    assert_eq!(together.len(), plans.len());
 }
