@@ -368,8 +368,8 @@ impl<'a> Engine<'a> {
     }
 
     /// The prompts' chunks this step carries beside the running rows' decode positions (the
-    /// policy's cohort): the joiners, their chunks and the tokens each feeds.
-    fn plan_prompts(&mut self) -> (Vec<usize>, Vec<Chunk>, Vec<usize>) {
+    /// policy's cohort): each joiner with its chunk.
+    fn plan_prompts(&mut self) -> Vec<(usize, Chunk)> {
         let width = 1 + self.runner.max_draft();
         let (decode_positions, decode_blocks) = match self.runner.batch() {
             Some(_) => (self.rows.len() * width, self.runner.blocks_to_grow(width)),
@@ -384,15 +384,9 @@ impl<'a> Engine<'a> {
         let grow = members.iter().map(|&k| self.joiners[candidates[k]].state.blocks_to_grow(lens[k])).sum();
         let (load, cache) = (self.load(), self.cache);
         if members.is_empty() || !self.policy.chunk_runs(&load, grow, decode_blocks, &mut self.runner.blocks(cache)) {
-            return Default::default();
+            return Vec::new();
         }
-        let mut plan: (Vec<usize>, Vec<Chunk>, Vec<usize>) = Default::default();
-        for k in members {
-            plan.0.push(candidates[k]);
-            plan.1.push(chunks[k]);
-            plan.2.push(lens[k]);
-        }
-        plan
+        members.into_iter().map(|k| (candidates[k], chunks[k])).collect()
     }
 
     /// One forward for the running rows (after room is made for their step) and the prompts'
@@ -403,13 +397,15 @@ impl<'a> Engine<'a> {
         if self.runner.batch().is_some() {
             self.room_for_step(1 + self.runner.max_draft())?;
         }
-        let (members, chunks, lens) = self.plan_prompts();
+        let plan = self.plan_prompts();
         let decoding = self.runner.batch().is_some();
-        if !decoding && members.is_empty() {
+        if !decoding && plan.is_empty() {
             return Ok(());
         }
-        let mut feeds: Vec<Feed> = Vec::with_capacity(members.len());
-        let mut member = members.iter().copied().peekable();
+        // Chunks are whole: each feeds from where its joiner stands to the chunk's end.
+        let lens: Vec<usize> = plan.iter().map(|&(i, chunk)| chunk.end - self.joiners[i].fed).collect();
+        let mut feeds: Vec<Feed> = Vec::with_capacity(plan.len());
+        let mut member = plan.iter().map(|&(i, _)| i).peekable();
         for (i, j) in self.joiners.iter_mut().enumerate() {
             if member.next_if_eq(&i).is_some() {
                 let state = std::mem::take(&mut j.state);
@@ -419,7 +415,7 @@ impl<'a> Engine<'a> {
         let rows: &mut [Row] = if decoding { &mut self.rows } else { &mut [] };
         let stepped = self.runner.step(rows, self.stats, &mut feeds, &lens)?;
         let states: Vec<BatchState> = feeds.into_iter().map(|f| f.state).collect();
-        for (&i, state) in members.iter().zip(states) {
+        for (&(i, _), state) in plan.iter().zip(states) {
             self.joiners[i].state = state;
         }
         if stepped.prefilled.is_some() {
@@ -434,25 +430,25 @@ impl<'a> Engine<'a> {
             self.stats.decode_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
         match stepped.prefilled {
-            Some(logits) => self.prefilled(&members, &lens, &chunks, logits),
+            Some(logits) => self.prefilled(&plan, logits),
             None => Ok(()),
         }
     }
 
-    /// After a forward fed joiners `members` `lens` more tokens each (their chunks planned as
-    /// `chunks`), with `logits` their last positions': snapshots where due, and each joiner
-    /// whose prompt is done samples its first token and joins the batch.
-    fn prefilled(&mut self, members: &[usize], lens: &[usize], chunks: &[Chunk], logits: Tensor) -> strata_model::Result<()> {
+    /// After a forward fed each joiner of `plan` its chunk, with `logits` their last
+    /// positions': snapshots where due, and each joiner whose prompt is done samples its first
+    /// token and joins the batch.
+    fn prefilled(&mut self, plan: &[(usize, Chunk)], logits: Tensor) -> strata_model::Result<()> {
         let cache = self.cache;
         self.stats.prefill_forwards.fetch_add(1, Ordering::Relaxed);
-        self.stats.prefill_chunks.fetch_add(members.len() as u64, Ordering::Relaxed);
+        self.stats.prefill_chunks.fetch_add(plan.len() as u64, Ordering::Relaxed);
         let mut done = Vec::new();
-        for (k, ((&i, &len), chunk)) in members.iter().zip(lens).zip(chunks).enumerate() {
+        for (k, &(i, chunk)) in plan.iter().enumerate() {
             let joiner = &mut self.joiners[i];
-            joiner.fed += len;
+            joiner.fed = chunk.end;
             if joiner.fed == joiner.job.prompt.len() {
                 done.push((i, k));
-            } else if chunk.snapshot && chunk.end == joiner.fed {
+            } else if chunk.snapshot {
                 if let Some(state) = cache.copied("a prefill snapshot", joiner.state.share(0)) {
                     let tokens = joiner.job.cache_tokens()[..joiner.fed].to_vec();
                     apply::publish(cache, Snapshot { namespace: PROMPT_NAMESPACE, tokens, state, resume: None });

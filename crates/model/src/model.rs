@@ -106,29 +106,27 @@ impl Model {
 
     /// One forward over several segments of rows of different lengths, each continuing its
     /// own state (see [`Qwen35::forward_segments`]); with `hidden`, also every position's final
-    /// normed hidden state. Dense and Gemma 3 models run one forward per segment.
+    /// normed hidden state. A single segment is a plain forward (a decode step may replay a
+    /// CUDA graph); dense and Gemma 3 models run one forward per segment. A segment with images
+    /// gives no hidden states (an MTP head does not read image prompts).
     pub fn forward_segments(&self, segments: &mut [Segment<'_>], hidden: bool) -> Result<Vec<SegmentOutput>> {
-        match self {
-            Model::Qwen35(m) => m.forward_segments(segments, hidden),
-            Model::Dense(_) | Model::Gemma3(_) => segments
-                .iter_mut()
-                .map(|s| {
-                    if let Some(images) = s.images {
-                        return Ok(SegmentOutput {
-                            logits: self.forward_images(s.tokens, images, s.state, s.logits)?,
-                            hidden: None,
-                        });
-                    }
-                    Ok(match hidden {
-                        true => {
-                            let (logits, hidden) = self.forward_with_hidden(s.tokens, s.state, s.logits)?;
-                            SegmentOutput { logits, hidden: Some(hidden) }
-                        }
-                        false => SegmentOutput { logits: self.forward(s.tokens, s.state, s.logits)?, hidden: None },
-                    })
-                })
-                .collect(),
+        match (self, segments) {
+            (_, [one]) => Ok(vec![self.forward_segment(one, hidden)?]),
+            (Model::Qwen35(m), segments) => m.forward_segments(segments, hidden),
+            (Model::Dense(_) | Model::Gemma3(_), segments) => {
+                segments.iter_mut().map(|s| self.forward_segment(s, hidden)).collect()
+            }
         }
+    }
+
+    /// A forward of one segment alone.
+    fn forward_segment(&self, s: &mut Segment<'_>, hidden: bool) -> Result<SegmentOutput> {
+        let (logits, hidden) = match (s.images, hidden) {
+            (Some(images), _) => (self.forward_images(s.tokens, images, s.state, s.logits)?, None),
+            (None, true) => self.forward_with_hidden(s.tokens, s.state, s.logits).map(|(l, h)| (l, Some(h)))?,
+            (None, false) => (self.forward(s.tokens, s.state, s.logits)?, None),
+        };
+        Ok(SegmentOutput { logits, hidden })
     }
 
     /// [`Model::forward`] of one row holding images (see [`Qwen35::forward_images`]).

@@ -459,18 +459,10 @@ impl Qwen35 {
     /// head) runs over every segment's positions at once; attention and DeltaNet layers run per
     /// segment on its own state. Each segment's results are what a forward of it alone gives:
     /// bit for bit on CPU (see [`Segments::positionwise`]), within the matmuls' rounding on
-    /// CUDA. With `hidden`, also every position's final normed hidden state (for an MTP head).
-    /// A single segment is [`Qwen35::forward`] (a decode step may replay a CUDA graph). A
-    /// segment with images gives no hidden states (an MTP head does not read image prompts).
+    /// CUDA. With `hidden`, also every position's final normed hidden state (for an MTP head),
+    /// except a segment with images'. Always eager: [`crate::Model::forward_segments`] gives a
+    /// single segment to the plain forward, which may replay a CUDA graph.
     pub fn forward_segments(&self, segments: &mut [Segment<'_>], hidden: bool) -> Result<Vec<SegmentOutput>> {
-        if let [one] = segments {
-            let (logits, hidden) = match (one.images, hidden) {
-                (Some(images), _) => (self.forward_images(one.tokens, images, one.state, one.logits)?, None),
-                (None, true) => self.forward_with_hidden(one.tokens, one.state, one.logits).map(|(l, h)| (l, Some(h)))?,
-                (None, false) => (self.forward(one.tokens, one.state, one.logits)?, None),
-            };
-            return Ok(vec![SegmentOutput { logits, hidden }]);
-        }
         let mut shapes = Vec::with_capacity(segments.len());
         let mut embedded = Vec::with_capacity(segments.len());
         let mut ropes = Vec::with_capacity(segments.len());
@@ -519,10 +511,15 @@ impl Qwen35 {
         for (s, &(b, t)) in segments.iter().zip(&shapes) {
             let (b32, t32) = (b as u32, t as u32);
             match s.logits {
-                Logits::All => picked.extend(at..at + b32 * t32),
-                Logits::Last => picked.extend((1..=b32).map(|r| at + r * t32 - 1)),
+                Logits::All => {
+                    picked.extend(at..at + b32 * t32);
+                    picked_shapes.push((b, t));
+                }
+                Logits::Last => {
+                    picked.extend((1..=b32).map(|r| at + r * t32 - 1));
+                    picked_shapes.push((b, 1));
+                }
             }
-            picked_shapes.push(if s.logits == Logits::All { (b, t) } else { (b, 1) });
             at += b32 * t32;
         }
         let rows = normed.index_select(&Tensor::new(picked, &self.device)?, 0)?;
