@@ -13,6 +13,7 @@ use strata_engine::{
     CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Grammar, Grammars, Job, SamplingParams, Speculation,
     SsdConfig, Structure, Worker,
 };
+use strata_model::config::FeedForward;
 use strata_model::images::{Rgb, RgbImage};
 use strata_model::{synthetic, GenerationConfig, ImageProcessor, Model, ModelFolder, Tokenizer, VisionTower};
 use strata_server::{HttpLimits, ResponseStore, ServerConfig};
@@ -475,8 +476,14 @@ impl Source {
         match (&a.model, &a.synthetic) {
             (Some(dir), _) => Ok((dir.display().to_string(), Source::Folder(Box::new(open_model(dir)?)))),
             (_, Some(name)) => {
-                synthetic::config(name)?;
-                Ok((format!("{name} (synthetic)"), Source::Synthetic(name.clone())))
+                let cfg = synthetic::config(name)?;
+                let count = cfg.weight_count();
+                let billions = |n: u64| n as f64 / 1e9;
+                let mut size = format!("{:.1}B parameters", billions(count.total()));
+                if matches!(cfg.feed_forward, FeedForward::Experts(_)) {
+                    size += &format!(", {:.1}B per token", billions(count.active_at_dtype + count.f32));
+                }
+                Ok((format!("{name} (synthetic, {size})"), Source::Synthetic(name.clone())))
             }
             _ => bail!("give --model DIR or --synthetic NAME (or --url with --request-rate)"),
         }

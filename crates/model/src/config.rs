@@ -51,6 +51,39 @@ impl FeedForward {
     }
 }
 
+/// A model's weights in elements: those stored in the compute dtype (the matrices; all of them,
+/// and those one token reads, which for a mixture of experts is its routed experts only) and the
+/// few kept in f32 whatever the dtype (norms, the DeltaNet's conv and decay).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WeightCount {
+    pub at_dtype: u64,
+    pub active_at_dtype: u64,
+    pub f32: u64,
+}
+
+impl WeightCount {
+    fn add(&mut self, at_dtype: u64, active_at_dtype: u64, f32: u64) {
+        self.at_dtype += at_dtype;
+        self.active_at_dtype += active_at_dtype;
+        self.f32 += f32;
+    }
+
+    /// Parameters in all.
+    pub fn total(&self) -> u64 {
+        self.at_dtype + self.f32
+    }
+
+    /// Bytes resident with the matrices in `dtype`.
+    pub fn bytes(&self, dtype: candle_core::DType) -> u64 {
+        self.at_dtype * dtype.size_in_bytes() as u64 + 4 * self.f32
+    }
+
+    /// Bytes one token's forward reads with the matrices in `dtype` (the roofline's weight traffic).
+    pub fn active_bytes(&self, dtype: candle_core::DType) -> u64 {
+        self.active_at_dtype * dtype.size_in_bytes() as u64 + 4 * self.f32
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Qwen35Config {
     pub vocab_size: usize,
@@ -95,6 +128,45 @@ impl Qwen35Config {
     /// Channels of the DeltaNet conv: q and k for all key heads, v for all value heads.
     pub fn linear_conv_dim(&self) -> usize {
         2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+    }
+
+    /// The text decoder's weights (embedding, layers, output head; not the MTP head or a vision
+    /// tower), counted from the shapes its loader asks for.
+    pub fn weight_count(&self) -> WeightCount {
+        let (h, v) = (self.hidden_size as u64, self.vocab_size as u64);
+        let mut count = WeightCount::default();
+        // A token reads one row of the embedding, and all of the output head.
+        count.add(v * h * if self.tie_word_embeddings { 1 } else { 2 }, v * h, 0);
+        count.add(0, 0, h); // the final norm
+        let (hv, dv) = (self.linear_num_value_heads as u64, self.linear_value_head_dim as u64);
+        let (q, kv, d) = (self.num_attention_heads as u64, self.num_key_value_heads as u64, self.head_dim as u64);
+        for kind in &self.layer_types {
+            count.add(0, 0, 2 * h); // the input and post-attention norms
+            match kind {
+                LayerKind::Linear => {
+                    let conv = self.linear_conv_dim() as u64;
+                    let matrices = h * (conv + hv * dv + 2 * hv) + hv * dv * h;
+                    count.add(matrices, matrices, conv * self.linear_conv_kernel_dim as u64 + 2 * hv + dv);
+                }
+                LayerKind::Full => {
+                    let matrices = h * (2 * q * d + 2 * kv * d) + q * d * h;
+                    let biases = if self.attention_bias { 2 * q * d + 2 * kv * d + h } else { 0 };
+                    count.add(matrices + biases, matrices + biases, 2 * d);
+                }
+            }
+            match self.feed_forward {
+                FeedForward::Dense { intermediate_size } => {
+                    let mlp = 3 * h * intermediate_size as u64;
+                    count.add(mlp, mlp, 0);
+                }
+                FeedForward::Experts(e) => {
+                    let expert = 3 * h * e.moe_intermediate_size as u64;
+                    let always = h * e.num_experts as u64 + 3 * h * e.shared_expert_intermediate_size as u64 + h;
+                    count.add(e.num_experts as u64 * expert + always, e.num_experts_per_tok as u64 * expert + always, 0);
+                }
+            }
+        }
+        count
     }
 
     pub fn from_file(path: &Path) -> Result<Self> {

@@ -105,10 +105,42 @@ pub fn config(name: &str) -> Result<Qwen35Config> {
     })
 }
 
-/// A model of the named shape with random weights.
+/// A model of the named shape with random weights; an error, before anything is allocated, when
+/// its weights alone take more memory than the device has free.
 pub fn build(name: &str, dtype: DType, device: &Device) -> Result<Model> {
     let cfg = config(name)?;
+    let need = cfg.weight_count().bytes(dtype);
+    if let Some(free) = free_memory(device)? {
+        if need > free {
+            let where_ = if device.is_cuda() { "this GPU has" } else { "this machine has" };
+            return Err(ModelError::Invalid(format!(
+                "the synthetic model `{name}` does not fit: its weights take {} in {dtype:?}, and {where_} {} free \
+                 (a model this large needs several GPUs, or quantized weights)",
+                gigabytes(need),
+                gigabytes(free)
+            )));
+        }
+    }
     Ok(Model::Qwen35(Qwen35::load(&cfg, &RandomSource::new(device.clone(), 0x5EED), dtype)?))
+}
+
+fn gigabytes(bytes: u64) -> String {
+    format!("{:.1} GB", bytes as f64 / 1e9)
+}
+
+/// Free memory on `device`: the GPU's, or on the CPU what Linux says can be taken without
+/// swapping (`MemAvailable`); `None` where it cannot tell.
+fn free_memory(device: &Device) -> Result<Option<u64>> {
+    if let Some((free, _)) = strata_kernels::device_memory(device)? {
+        return Ok(Some(free as u64));
+    }
+    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else { return Ok(None) };
+    Ok(meminfo
+        .lines()
+        .find_map(|line| line.strip_prefix("MemAvailable:"))
+        .and_then(|rest| rest.trim().strip_suffix("kB"))
+        .and_then(|kb| kb.trim().parse::<u64>().ok())
+        .map(|kb| kb * 1024))
 }
 
 /// The vision config of a named shape, and its release's image processor (patches of 16, 2×2
@@ -173,5 +205,73 @@ mod tests {
         assert_eq!(processor.resized(1024, 1024).unwrap(), (1024, 1024));
         assert!(vision("qwen3.5-9b").unwrap_err().to_string().contains("no vision tower"));
         assert!(config("qwen3.5-1t").unwrap_err().to_string().contains("known: qwen3.5-0.8b"));
+    }
+
+    /// Counts what the loader asks a random source for.
+    struct Counting {
+        random: RandomSource,
+        bytes: std::cell::Cell<u64>,
+    }
+
+    impl crate::source::WeightSource for Counting {
+        fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<candle_core::Tensor> {
+            self.bytes.set(self.bytes.get() + (shape.iter().product::<usize>() * dtype.size_in_bytes()) as u64);
+            self.random.get(name, shape, dtype)
+        }
+
+        fn device(&self) -> &Device {
+            &self.random.device
+        }
+    }
+
+    #[test]
+    fn the_weight_count_is_what_the_loader_reads() {
+        let mut cfg = config("qwen3.5-35b-a3b").unwrap();
+        (cfg.vocab_size, cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads) = (96, 32, 16, 4, 2);
+        (cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_num_key_heads, cfg.linear_num_value_heads) = (8, 8, 2, 4);
+        cfg.layer_types.truncate(4);
+        let experts = FeedForward::Experts(ExpertsConfig {
+            num_experts: 6,
+            num_experts_per_tok: 2,
+            moe_intermediate_size: 12,
+            shared_expert_intermediate_size: 20,
+        });
+        for (feed_forward, tied, bias) in [(experts, false, false), (FeedForward::Dense { intermediate_size: 40 }, true, true)] {
+            (cfg.feed_forward, cfg.tie_word_embeddings, cfg.attention_bias) = (feed_forward, tied, bias);
+            for dtype in [DType::F32, DType::BF16] {
+                let source = Counting { random: RandomSource::new(Device::Cpu, 1), bytes: 0.into() };
+                Qwen35::load(&cfg, &source, dtype).unwrap();
+                assert_eq!(cfg.weight_count().bytes(dtype), source.bytes.get(), "{feed_forward:?} {dtype:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn the_shapes_have_their_releases_parameter_counts() {
+        // Billions of parameters in all and per token, as the releases name them. The count is the
+        // text decoder's (the releases add a vision tower of 0.1–0.6B and the MTP head), and a
+        // token's excludes the embedding table it reads one row of (the releases count it: 0.5B at
+        // 35B-A3B, 0.8B at 122B-A10B).
+        for (name, total, active) in [
+            ("qwen3.5-4b", 4.0, None),
+            ("qwen3.5-9b", 9.0, None),
+            ("qwen3.5-35b-a3b", 35.0, Some(3.0)),
+            ("qwen3.5-122b-a10b", 122.0, Some(10.0)),
+        ] {
+            let count = config(name).unwrap().weight_count();
+            let got_total = count.total() as f64 / 1e9;
+            assert!((got_total / total - 1.0).abs() < 0.06, "{name}: {got_total:.2}B parameters");
+            if let Some(active) = active {
+                let got_active = (count.active_at_dtype + count.f32) as f64 / 1e9;
+                assert!((got_active / active - 1.0).abs() < 0.12, "{name}: {got_active:.2}B per token");
+            }
+        }
+    }
+
+    #[test]
+    fn a_shape_larger_than_free_memory_is_refused_before_any_allocation() {
+        let err = build("qwen3.5-122b-a10b", DType::F32, &Device::Cpu).err().expect("488 GB of f32 weights fit nowhere here");
+        let msg = err.to_string();
+        assert!(msg.contains("does not fit") && msg.contains("GB in F32"), "{msg}");
     }
 }
