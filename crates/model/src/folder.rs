@@ -2,6 +2,7 @@
 //! one), opened and checked as a whole.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use candle_core::{DType, Device};
 
@@ -12,7 +13,8 @@ use crate::generation_config::GenerationConfig;
 use crate::gguf::GgufFile;
 use crate::images::ImageProcessor;
 use crate::model::{ArchConfig, Model, ModelConfig};
-use crate::qwen3_5::{MtpHead, VisionConfig, VisionTower};
+use crate::parallel::Collective;
+use crate::qwen3_5::{MtpHead, Qwen35, VisionConfig, VisionTower};
 use crate::source::FileSource;
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
@@ -142,6 +144,22 @@ impl ModelFolder {
             Tensors::Safetensors(weights) => Model::load(&self.config.arch, &self.source(weights, device), dtype),
             Tensors::Gguf(file) => Model::load(&self.config.arch, &file.source(device, false)?, dtype),
         }
+    }
+
+    /// This rank's share of the model split over `group` (tensor parallelism, see
+    /// [`crate::parallel`]): Qwen3.5 models; GGUF matrices are dequantized to `dtype`.
+    pub fn load_sharded(&self, dtype: DType, device: &Device, group: Arc<dyn Collective>) -> Result<Model> {
+        let ArchConfig::Qwen35(cfg) = &self.config.arch else {
+            return Err(ModelError::file(
+                &self.path,
+                "holds a model tensor parallelism does not split yet (it splits Qwen3.5 models)",
+            ));
+        };
+        let model = match &self.tensors {
+            Tensors::Safetensors(weights) => Qwen35::load_sharded(cfg, &self.source(weights, device), dtype, group),
+            Tensors::Gguf(file) => Qwen35::load_sharded(cfg, &file.source(device, true)?, dtype, group),
+        };
+        Ok(Model::Qwen35(model.map_err(|e| ModelError::file(&self.path, e))?))
     }
 
     /// [`ModelFolder::load`], with the vision tower attached where the folder has one.

@@ -14,6 +14,7 @@ pub mod gguf;
 pub mod images;
 pub mod literal;
 pub mod model;
+pub mod parallel;
 pub mod qwen3_5;
 pub mod source;
 pub mod synthetic;

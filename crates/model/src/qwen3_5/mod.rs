@@ -11,6 +11,8 @@ pub mod layers;
 mod mtp;
 pub mod vision;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, RecurrentShape, StateSpec};
 
@@ -22,6 +24,7 @@ pub use self::mtp::MtpHead;
 pub use self::vision::{expand_image_tokens, image_cache_key, mrope_positions, ImagePrompt, VisionConfig, VisionTower};
 use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
+use crate::parallel::{Collective, ShardedSource, TensorParallel};
 use crate::source::WeightSource;
 
 enum Mixer {
@@ -58,12 +61,23 @@ struct DecoderLayer {
     mixer: Mixer,
     post_norm: RmsNorm,
     mlp: Mlps,
+    /// The group whose shares of the mixer's and the MLP's outputs this layer sums, when the
+    /// model is split (see [`crate::parallel`]).
+    parallel: Option<Arc<TensorParallel>>,
 }
 
 impl DecoderLayer {
-    fn load(src: &dyn WeightSource, prefix: &str, kind: LayerKind, cfg: &Qwen35Config, dtype: DType) -> Result<Self> {
+    fn load(
+        src: &dyn WeightSource,
+        prefix: &str,
+        kind: LayerKind,
+        cfg: &Qwen35Config,
+        dtype: DType,
+        parallel: Option<Arc<TensorParallel>>,
+    ) -> Result<Self> {
         let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         Ok(Self {
+            parallel,
             input_norm: RmsNorm::load(src, &format!("{prefix}.input_layernorm"), hidden, eps)?,
             mixer: match kind {
                 LayerKind::Linear => Mixer::Linear(GatedDeltaNet::load(src, &format!("{prefix}.linear_attn"), cfg, dtype)?),
@@ -99,9 +113,17 @@ impl DecoderLayer {
         mix: impl FnOnce(&Mixer, &Tensor) -> Result<Tensor>,
     ) -> Result<Residual> {
         let (x, normed) = self.input_norm.forward_stream(x)?;
-        let h = mix(&self.mixer, &normed)?;
+        let h = self.summed(mix(&self.mixer, &normed)?)?;
         let (x, h) = self.post_norm.forward_residual(&x, &h)?;
-        Ok(Residual::pending(x, segments.positionwise(&h, |h| self.mlp.forward(h))?))
+        Ok(Residual::pending(x, segments.positionwise(&h, |h| self.summed(self.mlp.forward(h)?))?))
+    }
+
+    /// A row-parallel output summed over the group (the output itself when the model is whole).
+    fn summed(&self, x: Tensor) -> Result<Tensor> {
+        match &self.parallel {
+            Some(p) => p.reduce(&x),
+            None => Ok(x),
+        }
     }
 }
 
@@ -228,6 +250,8 @@ pub enum Logits {
 
 pub struct Qwen35 {
     cfg: Qwen35Config,
+    /// The rank's group and shares, when the model is split over several devices.
+    parallel: Option<Arc<TensorParallel>>,
     embed: Matrix,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -253,23 +277,44 @@ impl Qwen35 {
     /// Builds the model from `src`, whose names are relative to the text model
     /// (`embed_tokens.weight`, `layers.N.…`, `norm.weight`), plus `lm_head.weight` when untied.
     pub fn load(cfg: &Qwen35Config, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
+        Self::load_share(cfg, cfg, src, dtype, None)
+    }
+
+    /// This rank's share of the model split over `group` (see [`crate::parallel`]): `src`
+    /// holds the whole model's tensors, of which it loads the rank's slices. Every rank of the
+    /// group runs each forward together, on its own state; each returns every logit.
+    pub fn load_sharded(cfg: &Qwen35Config, src: &dyn WeightSource, dtype: DType, group: Arc<dyn Collective>) -> Result<Self> {
+        let parallel = Arc::new(TensorParallel::new(cfg, group)?);
+        let src = ShardedSource { inner: src, parallel: &parallel, cfg };
+        Self::load_share(cfg, &parallel.local, &src, dtype, Some(parallel.clone()))
+    }
+
+    /// Loads layers of `local`'s shapes from `src`, as a model of `cfg`.
+    fn load_share(
+        cfg: &Qwen35Config,
+        local: &Qwen35Config,
+        src: &dyn WeightSource,
+        dtype: DType,
+        parallel: Option<Arc<TensorParallel>>,
+    ) -> Result<Self> {
         #[cfg(feature = "cuda")]
         let src = &PlainWatch { src, plain: std::cell::Cell::new(true) };
         let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let embed = src.matrix("embed_tokens.weight", cfg.vocab_size, hidden, dtype)?;
-        let layers = cfg
+        let embed = src.matrix("embed_tokens.weight", local.vocab_size, hidden, dtype)?;
+        let layers = local
             .layer_types
             .iter()
             .enumerate()
-            .map(|(i, &kind)| DecoderLayer::load(src, &format!("layers.{i}"), kind, cfg, dtype))
+            .map(|(i, &kind)| DecoderLayer::load(src, &format!("layers.{i}"), kind, local, dtype, parallel.clone()))
             .collect::<Result<Vec<_>>>()?;
         let lm_head = if cfg.tie_word_embeddings {
             Linear::from_weight(embed.clone())
         } else {
-            Linear::load(src, "lm_head", cfg.vocab_size, hidden, false, dtype)?
+            Linear::load(src, "lm_head", local.vocab_size, hidden, false, dtype)?
         };
         Ok(Self {
             cfg: cfg.clone(),
+            parallel,
             embed,
             layers,
             norm: RmsNorm::load(src, "norm", hidden, eps)?,
@@ -356,7 +401,8 @@ impl Qwen35 {
     /// What each layer's state is: KV for full attention, a conv window and recurrent matrix
     /// for Gated DeltaNet.
     pub fn state_spec(&self) -> StateSpec {
-        let cfg = &self.cfg;
+        // The shapes this model's layers hold: a split model's rank holds a share of them.
+        let cfg = self.parallel.as_ref().map_or(&self.cfg, |p| &p.local);
         let kv = KvShape { kv_heads: cfg.num_key_value_heads, head_dim: cfg.head_dim };
         let layers = cfg
             .layer_types
@@ -413,9 +459,12 @@ impl Qwen35 {
     /// position in `state`, and advances the state. Returns f32 logits. On CUDA, a decode step
     /// (one token per row, last logits) replays a captured graph where one fits the batch.
     pub fn forward(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<Tensor> {
+        // A split model runs eagerly: its steps' collectives are not in the recorded graphs.
         #[cfg(feature = "cuda")]
-        if let Some(logits) = self.graphs.decode(self, tokens, state, logits)? {
-            return Ok(logits);
+        if self.parallel.is_none() {
+            if let Some(logits) = self.graphs.decode(self, tokens, state, logits)? {
+                return Ok(logits);
+            }
         }
         self.finish(self.decode_layers(tokens, state, None)?, logits)
     }
@@ -439,7 +488,17 @@ impl Qwen35 {
             Logits::Last => x.map(|t| t.narrow(1, t.dim(1)? - 1, 1)?.squeeze(1))?,
         };
         let (_, normed) = self.norm.forward_stream(&x)?;
-        Ok(self.lm_head.forward(&normed)?.to_dtype(DType::F32)?)
+        self.head(&normed)
+    }
+
+    /// f32 logits of final normed hidden states; a split model gathers its ranks' vocabulary rows.
+    fn head(&self, x: &Tensor) -> Result<Tensor> {
+        let logits = self.lm_head.forward(x)?;
+        let logits = match &self.parallel {
+            Some(p) => p.group.all_gather(&logits, logits.rank() - 1)?,
+            None => logits,
+        };
+        Ok(logits.to_dtype(DType::F32)?)
     }
 
     /// [`Qwen35::forward`], also returning every position's final normed hidden state
@@ -450,7 +509,7 @@ impl Qwen35 {
             Logits::All => hidden.clone(),
             Logits::Last => hidden.narrow(1, hidden.dim(1)? - 1, 1)?.squeeze(1)?,
         };
-        Ok((self.lm_head.forward(&x)?.to_dtype(DType::F32)?, hidden))
+        Ok((self.head(&x)?, hidden))
     }
 
     /// One forward over several segments — rows of different lengths, each group of rows
@@ -523,8 +582,7 @@ impl Qwen35 {
             at += b32 * t32;
         }
         let rows = normed.index_select(&Tensor::new(picked, &self.device)?, 0)?;
-        let logits = Segments::Split(picked_shapes.clone())
-            .positionwise(&rows, |x| Ok(self.lm_head.forward(x)?.to_dtype(DType::F32)?))?;
+        let logits = Segments::Split(picked_shapes.clone()).positionwise(&rows, |x| self.head(x))?;
         let (mut at, mut hidden_at) = (0, 0);
         let vocab = logits.dim(1)?;
         segments
@@ -549,6 +607,9 @@ impl Qwen35 {
     /// The multi-token-prediction head shipped beside the model (`mtp.*` in `src`), sharing
     /// its embedding and output head.
     pub fn mtp_head(&self, src: &dyn WeightSource) -> Result<MtpHead> {
+        if self.parallel.is_some() {
+            return Err(ModelError::Invalid("the multi-token-prediction head does not run split over devices yet".into()));
+        }
         MtpHead::load(self, src)
     }
 
@@ -641,6 +702,11 @@ impl Qwen35 {
     /// [`Qwen35::embed_tokens`] of ids already checked.
     fn embed_checked(&self, tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
-        Ok(self.embed.rows_at(&tokens.flatten_all()?, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?)
+        let ids = tokens.flatten_all()?;
+        let rows = match &self.parallel {
+            Some(p) => p.embed(&ids.to_vec1::<u32>()?, |ids| self.embed.rows_at(ids, self.dtype), &self.device)?,
+            None => self.embed.rows_at(&ids, self.dtype)?,
+        };
+        Ok(rows.reshape((b, t, self.cfg.hidden_size))?)
     }
 }

@@ -1,0 +1,399 @@
+//! Tensor parallelism: one model split over the ranks of a group (GPUs of a host, each driven by
+//! its own thread), every rank holding a share of each layer's heads and channels and the same
+//! number of layers. Attention and DeltaNet layers split by heads (query and value heads; the
+//! key/value heads they read go along, and are replicated where the ranks outnumber them), MLPs
+//! and experts by their intermediate channels, the embedding and the output head by vocabulary
+//! rows. A layer's output projection is row-parallel: each rank multiplies its share, and one
+//! all-reduce per mixer and per MLP sums the shares; the output head's shares are gathered.
+//!
+//! Where a head is replicated (more ranks than heads), every rank holding it computes it — its
+//! state stays whole on each — and only one of them (the head's owner) multiplies it into the
+//! row-parallel sum: the others hold zeros there, so the sum counts it once.
+
+use std::sync::{Arc, Barrier, Mutex};
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::config::{FeedForward, Qwen35Config};
+use crate::error::{ModelError, Result};
+use crate::source::WeightSource;
+
+/// The collective operations the ranks of a tensor-parallel group run together: every rank
+/// calls each one, in the same order, with tensors of the same shape.
+pub trait Collective: Send + Sync {
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// The element-wise sum of every rank's `x`, on every rank (summed in rank order).
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor>;
+    /// Every rank's `x` joined along `dim` in rank order, on every rank.
+    fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor>;
+}
+
+/// A group of threads of one process exchanging tensors through shared memory: it stands in for
+/// NCCL in tests, where CPU ranks must agree with the unsplit model. Not a serving path (a rank
+/// that stops calling leaves the others waiting).
+pub struct LocalGroup {
+    rank: usize,
+    shared: Arc<Exchange>,
+}
+
+struct Exchange {
+    size: usize,
+    slots: Mutex<Vec<Option<Tensor>>>,
+    barrier: Barrier,
+}
+
+impl LocalGroup {
+    /// The `size` members of a new group, rank by rank.
+    pub fn new(size: usize) -> Vec<LocalGroup> {
+        let shared = Arc::new(Exchange { size, slots: Mutex::new(vec![None; size]), barrier: Barrier::new(size) });
+        (0..size).map(|rank| LocalGroup { rank, shared: shared.clone() }).collect()
+    }
+
+    /// Every rank's `x`, in rank order.
+    fn exchange(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let lock = || self.shared.slots.lock().map_err(|_| ModelError::Invalid("a rank of the group panicked".into()));
+        lock()?[self.rank] = Some(x.clone());
+        self.shared.barrier.wait();
+        let all = lock()?.iter().map(|s| s.clone().expect("every rank wrote before the barrier")).collect();
+        // Nobody writes the next exchange's slot before everyone has read this one.
+        self.shared.barrier.wait();
+        Ok(all)
+    }
+}
+
+impl Collective for LocalGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.shared.size
+    }
+
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        let all = self.exchange(x)?;
+        let mut sum = all[0].clone();
+        for t in &all[1..] {
+            sum = (sum + t)?;
+        }
+        Ok(sum)
+    }
+
+    fn all_gather(&self, x: &Tensor, dim: usize) -> Result<Tensor> {
+        Ok(Tensor::cat(&self.exchange(x)?, dim)?)
+    }
+}
+
+/// The units (heads, channels, vocabulary rows) of one kind a rank holds: `len` of them from
+/// `start`. `owner`: whether it multiplies them into row-parallel sums — false only on the
+/// second and later ranks of a replicated unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Share {
+    pub start: usize,
+    pub len: usize,
+    pub owner: bool,
+}
+
+impl Share {
+    /// `units` over `size` ranks: an equal run each, or, with fewer units than ranks, each unit
+    /// on `size / units` consecutive ranks.
+    fn of(units: usize, rank: usize, size: usize, what: &str) -> Result<Share> {
+        if units >= size {
+            if !units.is_multiple_of(size) {
+                return Err(split_error(what, units, size));
+            }
+            let len = units / size;
+            return Ok(Share { start: rank * len, len, owner: true });
+        }
+        if units == 0 || !size.is_multiple_of(units) {
+            return Err(split_error(what, units, size));
+        }
+        let copies = size / units;
+        Ok(Share { start: rank / copies, len: 1, owner: rank.is_multiple_of(copies) })
+    }
+
+    /// The units of a grouped kind (`groups` of them, each serving `members / groups` consecutive
+    /// members: key/value heads of query heads, key heads of value heads) that `members` reads.
+    fn grouped(members: &Share, member_units: usize, groups: usize, what: &str) -> Result<Share> {
+        if groups == 0 || !member_units.is_multiple_of(groups) {
+            return Err(ModelError::Invalid(format!("{what}: {groups} does not divide {member_units}")));
+        }
+        let per_group = member_units / groups;
+        // A rank's members fill whole groups or sit inside one, so its own layout keeps the
+        // model's: local member j reads local group j / (members / groups).
+        if !members.len.is_multiple_of(per_group) && !per_group.is_multiple_of(members.len) {
+            return Err(ModelError::Invalid(format!(
+                "{what}: {} of {member_units} heads per rank straddle groups of {per_group}",
+                members.len
+            )));
+        }
+        let start = members.start / per_group;
+        let end = (members.start + members.len - 1) / per_group + 1;
+        Ok(Share { start, len: end - start, owner: members.owner })
+    }
+
+    fn scaled(&self, width: usize) -> std::ops::Range<usize> {
+        self.start * width..(self.start + self.len) * width
+    }
+}
+
+fn split_error(what: &str, units: usize, size: usize) -> ModelError {
+    ModelError::Invalid(format!(
+        "--tensor-parallel-size {size} does not split the model's {units} {what}: it must divide them, or they it"
+    ))
+}
+
+/// A rank's place in a tensor-parallel group and the shares of a Qwen3.5 model it holds.
+pub struct TensorParallel {
+    pub group: Arc<dyn Collective>,
+    /// The config of this rank's share: its layers' loaders and state take these shapes.
+    pub local: Qwen35Config,
+    pub vocab: Share,
+    query_heads: Share,
+    kv_heads: Share,
+    value_heads: Share,
+    key_heads: Share,
+    /// The dense MLP's channels, or each routed expert's.
+    mlp: Share,
+    shared_expert: Option<Share>,
+}
+
+impl TensorParallel {
+    pub fn new(cfg: &Qwen35Config, group: Arc<dyn Collective>) -> Result<Self> {
+        let (rank, size) = (group.rank(), group.size());
+        let query_heads = Share::of(cfg.num_attention_heads, rank, size, "attention heads")?;
+        let value_heads = Share::of(cfg.linear_num_value_heads, rank, size, "DeltaNet value heads")?;
+        let (mlp, shared_expert) = match cfg.feed_forward {
+            FeedForward::Dense { intermediate_size } => (Share::of(intermediate_size, rank, size, "MLP channels")?, None),
+            FeedForward::Experts(e) => (
+                Share::of(e.moe_intermediate_size, rank, size, "channels of each expert")?,
+                Some(Share::of(e.shared_expert_intermediate_size, rank, size, "shared expert channels")?),
+            ),
+        };
+        let mut parallel = Self {
+            local: cfg.clone(),
+            vocab: Share::of(cfg.vocab_size, rank, size, "vocabulary rows")?,
+            kv_heads: Share::grouped(&query_heads, cfg.num_attention_heads, cfg.num_key_value_heads, "key/value heads")?,
+            key_heads: Share::grouped(&value_heads, cfg.linear_num_value_heads, cfg.linear_num_key_heads, "DeltaNet key heads")?,
+            query_heads,
+            value_heads,
+            mlp,
+            shared_expert,
+            group,
+        };
+        parallel.local = parallel.local_config(cfg);
+        Ok(parallel)
+    }
+
+    fn local_config(&self, cfg: &Qwen35Config) -> Qwen35Config {
+        let mut local = cfg.clone();
+        local.vocab_size = self.vocab.len;
+        local.num_attention_heads = self.query_heads.len;
+        local.num_key_value_heads = self.kv_heads.len;
+        local.linear_num_value_heads = self.value_heads.len;
+        local.linear_num_key_heads = self.key_heads.len;
+        local.feed_forward = match cfg.feed_forward {
+            FeedForward::Dense { .. } => FeedForward::Dense { intermediate_size: self.mlp.len },
+            FeedForward::Experts(mut e) => {
+                e.moe_intermediate_size = self.mlp.len;
+                e.shared_expert_intermediate_size = self.shared_expert.map_or(0, |s| s.len);
+                FeedForward::Experts(e)
+            }
+        };
+        local
+    }
+
+    /// The sum of every rank's `x` (a row-parallel projection's shares).
+    pub fn reduce(&self, x: &Tensor) -> Result<Tensor> {
+        self.group.all_reduce_sum(x)
+    }
+
+    /// `[.., T]` embeddings of token ids from this rank's vocabulary rows: each rank gives the
+    /// rows it holds and zeros for the rest, and the sum is every id's row.
+    pub fn embed(&self, ids: &[u32], rows_at: impl Fn(&Tensor) -> Result<Tensor>, device: &Device) -> Result<Tensor> {
+        let held = |id: u32| (self.vocab.start..self.vocab.start + self.vocab.len).contains(&(id as usize));
+        let local: Vec<u32> = ids.iter().map(|&id| if held(id) { id - self.vocab.start as u32 } else { 0 }).collect();
+        let mask: Vec<f32> = ids.iter().map(|&id| if held(id) { 1.0 } else { 0.0 }).collect();
+        let rows = rows_at(&Tensor::new(local, device)?)?;
+        let mask = Tensor::from_vec(mask, (ids.len(), 1), device)?.to_dtype(rows.dtype())?;
+        self.reduce(&rows.broadcast_mul(&mask)?)
+    }
+
+    /// Where `name`'s shard lies in the whole tensor, or `None` where every rank holds it all.
+    fn split(&self, name: &str, cfg: &Qwen35Config) -> Option<Split> {
+        let rows = |full: usize, ranges: Vec<std::ops::Range<usize>>| Some(Split { dim: 0, full, ranges, zero: false });
+        // A row-parallel matrix: its input columns; zeros on a replica that does not own them.
+        let columns = |dim: usize, full: usize, share: &Share, width: usize| {
+            Some(Split { dim, full, ranges: vec![share.scaled(width)], zero: !share.owner })
+        };
+        if name == "embed_tokens.weight" || name == "lm_head.weight" {
+            return rows(cfg.vocab_size, vec![self.vocab.scaled(1)]);
+        }
+        let rest = name.strip_prefix("layers.")?.split_once('.')?.1;
+        let (d, q, kv) = (cfg.head_dim, &self.query_heads, &self.kv_heads);
+        let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
+        let (hk, hv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
+        let (keys, values) = (&self.key_heads, &self.value_heads);
+        let qkv_channels = || {
+            let (k, v) = (keys.scaled(dk), values.scaled(dv));
+            let (q_end, k_end) = (hk * dk, 2 * hk * dk);
+            vec![k.clone(), q_end + k.start..q_end + k.end, k_end + v.start..k_end + v.end]
+        };
+        match rest {
+            "self_attn.q_proj.weight" | "self_attn.q_proj.bias" => rows(2 * cfg.num_attention_heads * d, vec![q.scaled(2 * d)]),
+            "self_attn.k_proj.weight" | "self_attn.k_proj.bias" | "self_attn.v_proj.weight" | "self_attn.v_proj.bias" => {
+                rows(cfg.num_key_value_heads * d, vec![kv.scaled(d)])
+            }
+            "self_attn.o_proj.weight" => columns(1, cfg.num_attention_heads * d, q, d),
+            // Added once to the sum: by the first rank.
+            "self_attn.o_proj.bias" => {
+                let whole = 0..cfg.hidden_size;
+                Some(Split { dim: 0, full: cfg.hidden_size, ranges: vec![whole], zero: self.group.rank() != 0 })
+            }
+            "linear_attn.in_proj_qkv.weight" | "linear_attn.conv1d.weight" => rows(cfg.linear_conv_dim(), qkv_channels()),
+            "linear_attn.in_proj_z.weight" => rows(hv * dv, vec![values.scaled(dv)]),
+            "linear_attn.in_proj_b.weight" | "linear_attn.in_proj_a.weight" | "linear_attn.A_log" | "linear_attn.dt_bias" => {
+                rows(hv, vec![values.scaled(1)])
+            }
+            "linear_attn.out_proj.weight" => columns(1, hv * dv, values, dv),
+            "mlp.experts.gate_up_proj" => {
+                let (inter, c) = (self.expert_width(cfg), self.mlp.scaled(1));
+                Some(Split { dim: 1, full: 2 * inter, ranges: vec![c.clone(), inter + c.start..inter + c.end], zero: false })
+            }
+            "mlp.experts.down_proj" => columns(2, self.expert_width(cfg), &self.mlp, 1),
+            _ => {
+                // A SwiGLU MLP: the dense one, the shared expert or a routed expert stored alone.
+                let (mlp, part) = rest.rsplit_once('.')?.0.rsplit_once('.')?;
+                let (share, width) = match mlp {
+                    "mlp" => (&self.mlp, self.dense_width(cfg)?),
+                    "mlp.shared_expert" => (self.shared_expert.as_ref()?, shared_width(cfg)?),
+                    m if m.starts_with("mlp.experts.") => (&self.mlp, self.expert_width(cfg)),
+                    _ => return None,
+                };
+                match part {
+                    "gate_proj" | "up_proj" => rows(width, vec![share.scaled(1)]),
+                    "down_proj" => columns(1, width, share, 1),
+                    _ => None,
+                }
+            }
+        }
+    }
+
+    fn dense_width(&self, cfg: &Qwen35Config) -> Option<usize> {
+        match cfg.feed_forward {
+            FeedForward::Dense { intermediate_size } => Some(intermediate_size),
+            FeedForward::Experts(_) => None,
+        }
+    }
+
+    fn expert_width(&self, cfg: &Qwen35Config) -> usize {
+        match cfg.feed_forward {
+            FeedForward::Experts(e) => e.moe_intermediate_size,
+            FeedForward::Dense { .. } => 0,
+        }
+    }
+}
+
+fn shared_width(cfg: &Qwen35Config) -> Option<usize> {
+    match cfg.feed_forward {
+        FeedForward::Experts(e) => Some(e.shared_expert_intermediate_size),
+        FeedForward::Dense { .. } => None,
+    }
+}
+
+/// A shard of a tensor: the ranges of dimension `dim` (of size `full` in the whole tensor) that
+/// it takes, joined in order; `zero`: held as zeros (see [`Share::owner`]).
+struct Split {
+    dim: usize,
+    full: usize,
+    ranges: Vec<std::ops::Range<usize>>,
+    zero: bool,
+}
+
+/// The weights of one rank: each tensor a shard of the whole one `inner` holds, asked for in the
+/// rank's shapes (its [`TensorParallel::local_config`]).
+pub struct ShardedSource<'a> {
+    pub inner: &'a dyn WeightSource,
+    pub parallel: &'a TensorParallel,
+    /// The whole model's config.
+    pub cfg: &'a Qwen35Config,
+}
+
+impl WeightSource for ShardedSource<'_> {
+    fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let Some(split) = self.parallel.split(name, self.cfg) else { return self.inner.get(name, shape, dtype) };
+        let taken: usize = split.ranges.iter().map(|r| r.len()).sum();
+        if shape.get(split.dim) != Some(&taken) {
+            return Err(ModelError::Invalid(format!(
+                "{name}: a shard of shape {shape:?} asked for, {taken} along dim {}",
+                split.dim
+            )));
+        }
+        if split.zero {
+            return Ok(Tensor::zeros(shape, dtype, self.inner.device())?);
+        }
+        let mut whole = shape.to_vec();
+        whole[split.dim] = split.full;
+        let t = self.inner.get(name, &whole, dtype)?;
+        let parts =
+            split.ranges.iter().map(|r| t.narrow(split.dim, r.start, r.len())).collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Tensor::cat(&parts, split.dim)?.contiguous()?)
+    }
+
+    fn device(&self) -> &Device {
+        self.inner.device()
+    }
+
+    fn contains(&self, name: &str) -> bool {
+        self.inner.contains(name)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn units_split_evenly_or_replicate_with_one_owner() {
+        let of = |units, size| (0..size).map(|r| Share::of(units, r, size, "heads").unwrap()).collect::<Vec<_>>();
+        assert_eq!(of(8, 2), vec![Share { start: 0, len: 4, owner: true }, Share { start: 4, len: 4, owner: true }]);
+        let replicated = of(2, 4);
+        assert_eq!(
+            replicated.iter().map(|s| (s.start, s.owner)).collect::<Vec<_>>(),
+            [(0, true), (0, false), (1, true), (1, false)]
+        );
+        assert!(Share::of(6, 0, 4, "heads").unwrap_err().to_string().contains("must divide them"));
+        assert!(Share::of(3, 0, 4, "heads").is_err());
+        // Query heads 4 of 8 per rank read 1 of 2 KV heads; 1 of 8 per rank sits inside one.
+        let q = Share::of(8, 1, 2, "q").unwrap();
+        assert_eq!(Share::grouped(&q, 8, 2, "kv").unwrap(), Share { start: 1, len: 1, owner: true });
+        let q = Share::of(8, 5, 8, "q").unwrap();
+        assert_eq!(Share::grouped(&q, 8, 2, "kv").unwrap(), Share { start: 1, len: 1, owner: true });
+        let q = Share::of(6, 1, 2, "q").unwrap(); // 3 heads per rank, groups of 2: straddles
+        assert!(Share::grouped(&q, 6, 3, "kv").is_err());
+    }
+
+    #[test]
+    fn a_local_group_sums_and_gathers_in_rank_order() {
+        let group = LocalGroup::new(3);
+        let results: Vec<(Vec<f32>, Vec<f32>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = group
+                .iter()
+                .map(|g| {
+                    s.spawn(move || {
+                        let x = Tensor::new(&[g.rank() as f32, 1.0], &Device::Cpu).unwrap();
+                        let sum = g.all_reduce_sum(&x).unwrap().to_vec1::<f32>().unwrap();
+                        let gathered = g.all_gather(&x, 0).unwrap().to_vec1::<f32>().unwrap();
+                        (sum, gathered)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (sum, gathered) in results {
+            assert_eq!(sum, [3.0, 3.0]);
+            assert_eq!(gathered, [0.0, 1.0, 1.0, 1.0, 2.0, 1.0]);
+        }
+    }
+}

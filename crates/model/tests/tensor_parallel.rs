@@ -1,0 +1,107 @@
+//! Tensor parallelism on CPU: every fixture split over 2 and 4 ranks (threads of a
+//! `LocalGroup`, which stands in for NCCL) gives the whole model's logits within 1e-5 (f32) and
+//! its greedy tokens, through a batched prompt, decode steps and a speculative round rolled
+//! back — on every fixture, where 4 ranks replicate heads the fixtures have only 2 of.
+
+use std::sync::Arc;
+
+use candle_core::{DType, Device, Tensor};
+use strata_model::parallel::LocalGroup;
+use strata_model::{Logits, Model, ModelFolder};
+
+mod common;
+use common::fixtures;
+
+/// What a model gives through the script: every forward's logits, and the greedy tokens.
+struct Run {
+    logits: Vec<Tensor>,
+    tokens: Vec<u32>,
+}
+
+fn argmax_rows(logits: &Tensor) -> Vec<u32> {
+    let rows = logits.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap();
+    rows.iter().map(|r| r.iter().enumerate().fold(0, |best, (i, x)| if *x > r[best] { i } else { best }) as u32).collect()
+}
+
+/// Two rows of different prompts together, greedy decode steps, then a round of three drafted
+/// positions per row of which the rows keep 1 and 3, and a step after it.
+fn script(model: &Model) -> Run {
+    let ids = |rows: Vec<Vec<u32>>| Tensor::new(rows, &Device::Cpu).unwrap();
+    let vocab = model.vocab_size() as u32;
+    let prompt = |seed: u32| (0..9u32).map(|i| (i * 7919 + seed) % vocab).collect::<Vec<_>>();
+    let mut state = model.new_state(2).unwrap();
+    let mut run = Run { logits: Vec::new(), tokens: Vec::new() };
+    let all = model.forward(&ids(vec![prompt(13), prompt(101)]), &mut state, Logits::All).unwrap();
+    let mut next = argmax_rows(&all.narrow(1, 8, 1).unwrap().squeeze(1).unwrap());
+    run.logits.push(all);
+    for _ in 0..5 {
+        let logits = model.forward(&ids(next.iter().map(|&t| vec![t]).collect()), &mut state, Logits::Last).unwrap();
+        next = argmax_rows(&logits);
+        run.tokens.extend(&next);
+        run.logits.push(logits);
+    }
+    let round = model.open_round(&mut state).unwrap();
+    let drafts: Vec<Vec<u32>> = next.iter().map(|&t| vec![t, (t + 1) % vocab, (t + 2) % vocab]).collect();
+    run.logits.push(model.forward(&ids(drafts.clone()), &mut state, Logits::All).unwrap());
+    model.close_round(&mut state, round, &[1, 3]).unwrap();
+    let after = vec![vec![drafts[0][1]], vec![(drafts[1][2] + 3) % vocab]];
+    let logits = model.forward(&ids(after), &mut state, Logits::Last).unwrap();
+    run.tokens.extend(argmax_rows(&logits));
+    run.logits.push(logits);
+    run
+}
+
+fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
+#[test]
+fn a_model_split_over_two_and_four_ranks_gives_the_whole_models_logits_and_tokens() {
+    for dir in fixtures() {
+        let folder = ModelFolder::open(&dir).unwrap();
+        let whole = script(&folder.load(DType::F32, &Device::Cpu).unwrap());
+        for ranks in [2, 4] {
+            let what = format!("{} over {ranks} ranks", dir.display());
+            let runs: Vec<Run> = std::thread::scope(|s| {
+                let handles: Vec<_> = LocalGroup::new(ranks)
+                    .into_iter()
+                    .map(|member| {
+                        let folder = &folder;
+                        s.spawn(move || script(&folder.load_sharded(DType::F32, &Device::Cpu, Arc::new(member)).unwrap()))
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, run) in runs.iter().enumerate() {
+                assert_eq!(run.tokens, whole.tokens, "{what}: rank {rank}'s greedy tokens");
+                for (step, (got, want)) in run.logits.iter().zip(&whole.logits).enumerate() {
+                    assert_eq!(got.dims(), want.dims(), "{what}: forward {step}");
+                    let diff = max_diff(got, want);
+                    assert!(diff <= 1e-5, "{what}: rank {rank}, forward {step}: logits differ by {diff}");
+                    // Every rank sums and gathers the same shares in the same order.
+                    assert_eq!(max_diff(got, &runs[0].logits[step]), 0.0, "{what}: rank {rank} against rank 0");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_split_the_model_does_not_divide_is_refused_by_name() {
+    let dir = &fixtures()[0];
+    let folder = ModelFolder::open(dir).unwrap();
+    // 3 ranks split neither 4 attention heads nor the 2 key/value heads they read.
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = LocalGroup::new(3)
+            .into_iter()
+            .map(|member| {
+                let folder = &folder;
+                s.spawn(move || folder.load_sharded(DType::F32, &Device::Cpu, Arc::new(member)).err().unwrap().to_string())
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(e.contains("--tensor-parallel-size 3 does not split the model's 4 attention heads"), "{e}");
+    }
+}
