@@ -8,14 +8,16 @@ use candle_core::{DType, Device};
 
 use crate::chat_template::ChatTemplate;
 use crate::config::Qwen35Config;
+use crate::dense::Dense;
 use crate::error::{ModelError, Result};
+use crate::gemma3::Gemma3;
 use crate::generation_config::GenerationConfig;
 use crate::gguf::GgufFile;
 use crate::images::ImageProcessor;
 use crate::model::{ArchConfig, Model, ModelConfig};
 use crate::parallel::Collective;
 use crate::qwen3_5::{MtpHead, Qwen35, VisionConfig, VisionTower};
-use crate::source::FileSource;
+use crate::source::{FileSource, WeightSource};
 use crate::tokenizer::Tokenizer;
 use crate::weights::Weights;
 
@@ -147,19 +149,20 @@ impl ModelFolder {
     }
 
     /// This rank's share of the model split over `group` (tensor parallelism, see
-    /// [`crate::parallel`]): Qwen3.5 models; GGUF matrices are dequantized to `dtype`.
+    /// [`crate::parallel`]); GGUF matrices are dequantized to `dtype`.
     pub fn load_sharded(&self, dtype: DType, device: &Device, group: Arc<dyn Collective>) -> Result<Model> {
-        let ArchConfig::Qwen35(cfg) = &self.config.arch else {
-            return Err(ModelError::file(
-                &self.path,
-                "holds a model tensor parallelism does not split yet (it splits Qwen3.5 models)",
-            ));
+        let load = |src: &dyn WeightSource| -> Result<Model> {
+            Ok(match &self.config.arch {
+                ArchConfig::Qwen35(cfg) => Model::Qwen35(Qwen35::load_sharded(cfg, src, dtype, group)?),
+                ArchConfig::Dense(cfg) => Model::Dense(Dense::load_sharded(cfg, src, dtype, group)?),
+                ArchConfig::Gemma3(cfg) => Model::Gemma3(Gemma3::load_sharded(cfg, src, dtype, group)?),
+            })
         };
-        let model = match &self.tensors {
-            Tensors::Safetensors(weights) => Qwen35::load_sharded(cfg, &self.source(weights, device), dtype, group),
-            Tensors::Gguf(file) => Qwen35::load_sharded(cfg, &file.source(device, true)?, dtype, group),
-        };
-        Ok(Model::Qwen35(model.map_err(|e| ModelError::file(&self.path, e))?))
+        match &self.tensors {
+            Tensors::Safetensors(weights) => load(&self.source(weights, device)),
+            Tensors::Gguf(file) => load(&file.source(device, true)?),
+        }
+        .map_err(|e| ModelError::file(&self.path, e))
     }
 
     /// [`ModelFolder::load`], with the vision tower attached where the folder has one.

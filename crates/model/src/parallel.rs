@@ -15,7 +15,9 @@ use std::sync::{Arc, Barrier, Mutex};
 use candle_core::{DType, Device, Tensor};
 
 use crate::config::{FeedForward, Qwen35Config};
+use crate::dense::DenseConfig;
 use crate::error::{ModelError, Result};
+use crate::gemma3::Gemma3Config;
 use crate::source::WeightSource;
 
 /// The collective operations the ranks of a tensor-parallel group run together: every rank
@@ -144,131 +146,146 @@ fn split_error(what: &str, units: usize, size: usize) -> ModelError {
     ))
 }
 
-/// A rank's place in a tensor-parallel group and the shares of a Qwen3.5 model it holds.
+/// The sizes tensor parallelism splits, as a model family's config gives them (the tensor
+/// names are transformers' in every family).
+#[derive(Clone, Copy, Debug)]
+pub struct SplitDims {
+    pub vocab: usize,
+    pub hidden: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Rows of `q_proj` per head and dim: 2 where each head's query carries its output gate.
+    pub query_parts: usize,
+    /// Gated DeltaNet layers, where the model has them.
+    pub linear: Option<LinearDims>,
+    pub feed_forward: FeedForwardDims,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct LinearDims {
+    pub key_heads: usize,
+    pub value_heads: usize,
+    pub key_dim: usize,
+    pub value_dim: usize,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub enum FeedForwardDims {
+    Dense {
+        intermediate: usize,
+    },
+    /// Each routed expert's width and the shared expert's.
+    Experts {
+        intermediate: usize,
+        shared: usize,
+    },
+}
+
+/// A rank's place in a tensor-parallel group and the shares of the model it holds.
 pub struct TensorParallel {
     pub group: Arc<dyn Collective>,
-    /// The config of this rank's share: its layers' loaders and state take these shapes.
-    pub local: Qwen35Config,
+    dims: SplitDims,
     pub vocab: Share,
-    query_heads: Share,
-    kv_heads: Share,
-    value_heads: Share,
-    key_heads: Share,
+    pub query_heads: Share,
+    pub kv_heads: Share,
+    /// DeltaNet value and key heads (empty without DeltaNet layers).
+    pub value_heads: Share,
+    pub key_heads: Share,
     /// The dense MLP's channels, or each routed expert's.
-    mlp: Share,
-    shared_expert: Option<Share>,
+    pub mlp: Share,
+    pub shared_expert: Share,
 }
 
 impl TensorParallel {
-    pub fn new(cfg: &Qwen35Config, group: Arc<dyn Collective>) -> Result<Self> {
+    pub fn new(dims: SplitDims, group: Arc<dyn Collective>) -> Result<Self> {
         let (rank, size) = (group.rank(), group.size());
-        let query_heads = Share::of(cfg.num_attention_heads, rank, size, "attention heads")?;
-        let value_heads = Share::of(cfg.linear_num_value_heads, rank, size, "DeltaNet value heads")?;
-        let (mlp, shared_expert) = match cfg.feed_forward {
-            FeedForward::Dense { intermediate_size } => (Share::of(intermediate_size, rank, size, "MLP channels")?, None),
-            FeedForward::Experts(e) => (
-                Share::of(e.moe_intermediate_size, rank, size, "channels of each expert")?,
-                Some(Share::of(e.shared_expert_intermediate_size, rank, size, "shared expert channels")?),
+        let query_heads = Share::of(dims.heads, rank, size, "attention heads")?;
+        let none = Share { start: 0, len: 0, owner: true };
+        let (value_heads, key_heads) = match dims.linear {
+            Some(l) => {
+                let values = Share::of(l.value_heads, rank, size, "DeltaNet value heads")?;
+                (values, Share::grouped(&values, l.value_heads, l.key_heads, "DeltaNet key heads")?)
+            }
+            None => (none, none),
+        };
+        let (mlp, shared_expert) = match dims.feed_forward {
+            FeedForwardDims::Dense { intermediate } => (Share::of(intermediate, rank, size, "MLP channels")?, none),
+            FeedForwardDims::Experts { intermediate, shared } => (
+                Share::of(intermediate, rank, size, "channels of each expert")?,
+                Share::of(shared, rank, size, "shared expert channels")?,
             ),
         };
-        let mut parallel = Self {
-            local: cfg.clone(),
-            vocab: Share::of(cfg.vocab_size, rank, size, "vocabulary rows")?,
-            kv_heads: Share::grouped(&query_heads, cfg.num_attention_heads, cfg.num_key_value_heads, "key/value heads")?,
-            key_heads: Share::grouped(&value_heads, cfg.linear_num_value_heads, cfg.linear_num_key_heads, "DeltaNet key heads")?,
+        Ok(Self {
+            vocab: Share::of(dims.vocab, rank, size, "vocabulary rows")?,
+            kv_heads: Share::grouped(&query_heads, dims.heads, dims.kv_heads, "key/value heads")?,
             query_heads,
             value_heads,
+            key_heads,
             mlp,
             shared_expert,
             group,
-        };
-        parallel.local = parallel.local_config(cfg);
-        Ok(parallel)
-    }
-
-    fn local_config(&self, cfg: &Qwen35Config) -> Qwen35Config {
-        let mut local = cfg.clone();
-        local.vocab_size = self.vocab.len;
-        local.num_attention_heads = self.query_heads.len;
-        local.num_key_value_heads = self.kv_heads.len;
-        local.linear_num_value_heads = self.value_heads.len;
-        local.linear_num_key_heads = self.key_heads.len;
-        local.feed_forward = match cfg.feed_forward {
-            FeedForward::Dense { .. } => FeedForward::Dense { intermediate_size: self.mlp.len },
-            FeedForward::Experts(mut e) => {
-                e.moe_intermediate_size = self.mlp.len;
-                e.shared_expert_intermediate_size = self.shared_expert.map_or(0, |s| s.len);
-                FeedForward::Experts(e)
-            }
-        };
-        local
-    }
-
-    /// The sum of every rank's `x` (a row-parallel projection's shares).
-    pub fn reduce(&self, x: &Tensor) -> Result<Tensor> {
-        self.group.all_reduce_sum(x)
-    }
-
-    /// `[.., T]` embeddings of token ids from this rank's vocabulary rows: each rank gives the
-    /// rows it holds and zeros for the rest, and the sum is every id's row.
-    pub fn embed(&self, ids: &[u32], rows_at: impl Fn(&Tensor) -> Result<Tensor>, device: &Device) -> Result<Tensor> {
-        let held = |id: u32| (self.vocab.start..self.vocab.start + self.vocab.len).contains(&(id as usize));
-        let local: Vec<u32> = ids.iter().map(|&id| if held(id) { id - self.vocab.start as u32 } else { 0 }).collect();
-        let mask: Vec<f32> = ids.iter().map(|&id| if held(id) { 1.0 } else { 0.0 }).collect();
-        let rows = rows_at(&Tensor::new(local, device)?)?;
-        let mask = Tensor::from_vec(mask, (ids.len(), 1), device)?.to_dtype(rows.dtype())?;
-        self.reduce(&rows.broadcast_mul(&mask)?)
+            dims,
+        })
     }
 
     /// Where `name`'s shard lies in the whole tensor, or `None` where every rank holds it all.
-    fn split(&self, name: &str, cfg: &Qwen35Config) -> Option<Split> {
+    fn split(&self, name: &str) -> Option<Split> {
+        let dims = &self.dims;
         let rows = |full: usize, ranges: Vec<std::ops::Range<usize>>| Some(Split { dim: 0, full, ranges, zero: false });
         // A row-parallel matrix: its input columns; zeros on a replica that does not own them.
         let columns = |dim: usize, full: usize, share: &Share, width: usize| {
             Some(Split { dim, full, ranges: vec![share.scaled(width)], zero: !share.owner })
         };
         if name == "embed_tokens.weight" || name == "lm_head.weight" {
-            return rows(cfg.vocab_size, vec![self.vocab.scaled(1)]);
+            return rows(dims.vocab, vec![self.vocab.scaled(1)]);
         }
         let rest = name.strip_prefix("layers.")?.split_once('.')?.1;
-        let (d, q, kv) = (cfg.head_dim, &self.query_heads, &self.kv_heads);
-        let (dk, dv) = (cfg.linear_key_head_dim, cfg.linear_value_head_dim);
-        let (hk, hv) = (cfg.linear_num_key_heads, cfg.linear_num_value_heads);
+        let (d, q, kv) = (dims.head_dim, &self.query_heads, &self.kv_heads);
+        let query_rows = dims.query_parts * d;
+        let linear = dims.linear.unwrap_or(LinearDims { key_heads: 0, value_heads: 0, key_dim: 0, value_dim: 0 });
+        let (dk, dv, hk, hv) = (linear.key_dim, linear.value_dim, linear.key_heads, linear.value_heads);
         let (keys, values) = (&self.key_heads, &self.value_heads);
+        // The DeltaNet conv's channels: q and k of the key heads, then v of the value heads.
         let qkv_channels = || {
             let (k, v) = (keys.scaled(dk), values.scaled(dv));
             let (q_end, k_end) = (hk * dk, 2 * hk * dk);
             vec![k.clone(), q_end + k.start..q_end + k.end, k_end + v.start..k_end + v.end]
         };
+        let (expert, shared) = match dims.feed_forward {
+            FeedForwardDims::Dense { intermediate } => (intermediate, 0),
+            FeedForwardDims::Experts { intermediate, shared } => (intermediate, shared),
+        };
         match rest {
-            "self_attn.q_proj.weight" | "self_attn.q_proj.bias" => rows(2 * cfg.num_attention_heads * d, vec![q.scaled(2 * d)]),
+            "self_attn.q_proj.weight" | "self_attn.q_proj.bias" => rows(dims.heads * query_rows, vec![q.scaled(query_rows)]),
             "self_attn.k_proj.weight" | "self_attn.k_proj.bias" | "self_attn.v_proj.weight" | "self_attn.v_proj.bias" => {
-                rows(cfg.num_key_value_heads * d, vec![kv.scaled(d)])
+                rows(dims.kv_heads * d, vec![kv.scaled(d)])
             }
-            "self_attn.o_proj.weight" => columns(1, cfg.num_attention_heads * d, q, d),
+            "self_attn.o_proj.weight" => columns(1, dims.heads * d, q, d),
             // Added once to the sum: by the first rank.
             "self_attn.o_proj.bias" => {
-                let whole = 0..cfg.hidden_size;
-                Some(Split { dim: 0, full: cfg.hidden_size, ranges: vec![whole], zero: self.group.rank() != 0 })
+                let whole = 0..dims.hidden;
+                Some(Split { dim: 0, full: dims.hidden, ranges: vec![whole], zero: self.group.rank() != 0 })
             }
-            "linear_attn.in_proj_qkv.weight" | "linear_attn.conv1d.weight" => rows(cfg.linear_conv_dim(), qkv_channels()),
+            "linear_attn.in_proj_qkv.weight" | "linear_attn.conv1d.weight" => rows(2 * hk * dk + hv * dv, qkv_channels()),
             "linear_attn.in_proj_z.weight" => rows(hv * dv, vec![values.scaled(dv)]),
             "linear_attn.in_proj_b.weight" | "linear_attn.in_proj_a.weight" | "linear_attn.A_log" | "linear_attn.dt_bias" => {
                 rows(hv, vec![values.scaled(1)])
             }
             "linear_attn.out_proj.weight" => columns(1, hv * dv, values, dv),
             "mlp.experts.gate_up_proj" => {
-                let (inter, c) = (self.expert_width(cfg), self.mlp.scaled(1));
-                Some(Split { dim: 1, full: 2 * inter, ranges: vec![c.clone(), inter + c.start..inter + c.end], zero: false })
+                let c = self.mlp.scaled(1);
+                Some(Split { dim: 1, full: 2 * expert, ranges: vec![c.clone(), expert + c.start..expert + c.end], zero: false })
             }
-            "mlp.experts.down_proj" => columns(2, self.expert_width(cfg), &self.mlp, 1),
+            "mlp.experts.down_proj" => columns(2, expert, &self.mlp, 1),
             _ => {
-                // A SwiGLU MLP: the dense one, the shared expert or a routed expert stored alone.
+                // A gated MLP: the dense one, the shared expert or a routed expert stored alone
+                // (a mixture's router, `mlp.gate`, and its shared expert's gate stay whole).
                 let (mlp, part) = rest.rsplit_once('.')?.0.rsplit_once('.')?;
-                let (share, width) = match mlp {
-                    "mlp" => (&self.mlp, self.dense_width(cfg)?),
-                    "mlp.shared_expert" => (self.shared_expert.as_ref()?, shared_width(cfg)?),
-                    m if m.starts_with("mlp.experts.") => (&self.mlp, self.expert_width(cfg)),
+                let (share, width) = match (mlp, dims.feed_forward) {
+                    ("mlp", FeedForwardDims::Dense { .. }) => (&self.mlp, expert),
+                    ("mlp.shared_expert", FeedForwardDims::Experts { .. }) => (&self.shared_expert, shared),
+                    (m, FeedForwardDims::Experts { .. }) if m.starts_with("mlp.experts.") => (&self.mlp, expert),
                     _ => return None,
                 };
                 match part {
@@ -279,26 +296,147 @@ impl TensorParallel {
             }
         }
     }
+}
 
-    fn dense_width(&self, cfg: &Qwen35Config) -> Option<usize> {
-        match cfg.feed_forward {
-            FeedForward::Dense { intermediate_size } => Some(intermediate_size),
-            FeedForward::Experts(_) => None,
+/// A model's tensor parallelism as its layers use it: nothing where the model is whole, else its
+/// rank's group and shares. Clones share them.
+#[derive(Clone, Default)]
+pub struct Parallel(Option<Arc<TensorParallel>>);
+
+impl Parallel {
+    pub fn new(parallel: Arc<TensorParallel>) -> Self {
+        Self(Some(parallel))
+    }
+
+    pub fn get(&self) -> Option<&TensorParallel> {
+        self.0.as_deref()
+    }
+
+    /// The sum over the group of a row-parallel output's shares (`x` itself for a whole model).
+    pub fn sum(&self, x: Tensor) -> Result<Tensor> {
+        match &self.0 {
+            Some(p) => p.group.all_reduce_sum(&x),
+            None => Ok(x),
         }
     }
 
-    fn expert_width(&self, cfg: &Qwen35Config) -> usize {
-        match cfg.feed_forward {
-            FeedForward::Experts(e) => e.moe_intermediate_size,
-            FeedForward::Dense { .. } => 0,
+    /// Every vocabulary row's logits from each rank's share of them `[.., vocab / ranks]`.
+    pub fn gather_vocab(&self, logits: Tensor) -> Result<Tensor> {
+        match &self.0 {
+            Some(p) => p.group.all_gather(&logits, logits.rank() - 1),
+            None => Ok(logits),
+        }
+    }
+
+    /// Embeddings `[N, hidden]` of token ids through `rows_at` (rows of the embedding matrix
+    /// this model holds): a split model's rank gives the rows of the ids it holds and zeros for
+    /// the rest, and the group's sum is every id's row.
+    pub fn embed(&self, ids: &Tensor, rows_at: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+        let Some(p) = &self.0 else { return rows_at(ids) };
+        let device = ids.device().clone();
+        let ids = ids.to_vec1::<u32>()?;
+        let held = |id: u32| (p.vocab.start..p.vocab.start + p.vocab.len).contains(&(id as usize));
+        let local: Vec<u32> = ids.iter().map(|&id| if held(id) { id - p.vocab.start as u32 } else { 0 }).collect();
+        let mask: Vec<f32> = ids.iter().map(|&id| if held(id) { 1.0 } else { 0.0 }).collect();
+        let rows = rows_at(&Tensor::new(local, &device)?)?;
+        let mask = Tensor::from_vec(mask, (ids.len(), 1), &device)?.to_dtype(rows.dtype())?;
+        self.sum(rows.broadcast_mul(&mask)?)
+    }
+}
+
+impl Qwen35Config {
+    pub fn split_dims(&self) -> SplitDims {
+        SplitDims {
+            vocab: self.vocab_size,
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            query_parts: 2,
+            linear: Some(LinearDims {
+                key_heads: self.linear_num_key_heads,
+                value_heads: self.linear_num_value_heads,
+                key_dim: self.linear_key_head_dim,
+                value_dim: self.linear_value_head_dim,
+            }),
+            feed_forward: match self.feed_forward {
+                FeedForward::Dense { intermediate_size } => FeedForwardDims::Dense { intermediate: intermediate_size },
+                FeedForward::Experts(e) => {
+                    FeedForwardDims::Experts { intermediate: e.moe_intermediate_size, shared: e.shared_expert_intermediate_size }
+                }
+            },
+        }
+    }
+
+    /// The shapes of a rank's share: its layers' loaders and state take these.
+    pub fn share(&self, p: &TensorParallel) -> Self {
+        let mut local = self.clone();
+        local.vocab_size = p.vocab.len;
+        local.num_attention_heads = p.query_heads.len;
+        local.num_key_value_heads = p.kv_heads.len;
+        local.linear_num_value_heads = p.value_heads.len;
+        local.linear_num_key_heads = p.key_heads.len;
+        local.feed_forward = match self.feed_forward {
+            FeedForward::Dense { .. } => FeedForward::Dense { intermediate_size: p.mlp.len },
+            FeedForward::Experts(mut e) => {
+                e.moe_intermediate_size = p.mlp.len;
+                e.shared_expert_intermediate_size = p.shared_expert.len;
+                FeedForward::Experts(e)
+            }
+        };
+        local
+    }
+}
+
+impl DenseConfig {
+    pub fn split_dims(&self) -> SplitDims {
+        SplitDims {
+            vocab: self.vocab_size,
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            query_parts: 1,
+            linear: None,
+            feed_forward: FeedForwardDims::Dense { intermediate: self.intermediate_size },
+        }
+    }
+
+    /// The shapes of a rank's share: its layers' loaders and state take these.
+    pub fn share(&self, p: &TensorParallel) -> Self {
+        Self {
+            vocab_size: p.vocab.len,
+            num_attention_heads: p.query_heads.len,
+            num_key_value_heads: p.kv_heads.len,
+            intermediate_size: p.mlp.len,
+            ..self.clone()
         }
     }
 }
 
-fn shared_width(cfg: &Qwen35Config) -> Option<usize> {
-    match cfg.feed_forward {
-        FeedForward::Experts(e) => Some(e.shared_expert_intermediate_size),
-        FeedForward::Dense { .. } => None,
+impl Gemma3Config {
+    pub fn split_dims(&self) -> SplitDims {
+        SplitDims {
+            vocab: self.vocab_size,
+            hidden: self.hidden_size,
+            heads: self.num_attention_heads,
+            kv_heads: self.num_key_value_heads,
+            head_dim: self.head_dim,
+            query_parts: 1,
+            linear: None,
+            feed_forward: FeedForwardDims::Dense { intermediate: self.intermediate_size },
+        }
+    }
+
+    /// The shapes of a rank's share: its layers' loaders and state take these.
+    pub fn share(&self, p: &TensorParallel) -> Self {
+        Self {
+            vocab_size: p.vocab.len,
+            num_attention_heads: p.query_heads.len,
+            num_key_value_heads: p.kv_heads.len,
+            intermediate_size: p.mlp.len,
+            ..self.clone()
+        }
     }
 }
 
@@ -316,13 +454,11 @@ struct Split {
 pub struct ShardedSource<'a> {
     pub inner: &'a dyn WeightSource,
     pub parallel: &'a TensorParallel,
-    /// The whole model's config.
-    pub cfg: &'a Qwen35Config,
 }
 
 impl WeightSource for ShardedSource<'_> {
     fn get(&self, name: &str, shape: &[usize], dtype: DType) -> Result<Tensor> {
-        let Some(split) = self.parallel.split(name, self.cfg) else { return self.inner.get(name, shape, dtype) };
+        let Some(split) = self.parallel.split(name) else { return self.inner.get(name, shape, dtype) };
         let taken: usize = split.ranges.iter().map(|r| r.len()).sum();
         if shape.get(split.dim) != Some(&taken) {
             return Err(ModelError::Invalid(format!(

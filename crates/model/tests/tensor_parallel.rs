@@ -1,7 +1,8 @@
-//! Tensor parallelism on CPU: every fixture split over 2 and 4 ranks (threads of a
-//! `LocalGroup`, which stands in for NCCL) gives the whole model's logits within 1e-5 (f32) and
-//! its greedy tokens, through a batched prompt, decode steps and a speculative round rolled
-//! back — on every fixture, where 4 ranks replicate heads the fixtures have only 2 of.
+//! Tensor parallelism on CPU: every fixture (Qwen3.5 dense and MoE, Qwen3, Qwen2, Llama, Gemma 3)
+//! split over 2 and 4 ranks (threads of a `LocalGroup`, which stands in for NCCL) gives the
+//! whole model's logits within 1e-5 (f32; relative where logits exceed 1) and its greedy tokens, through a batched prompt,
+//! decode steps and a speculative round rolled back; at 4 ranks the fixtures' 2 key/value (and
+//! some 2 DeltaNet value) heads are replicated.
 
 use std::sync::Arc;
 
@@ -51,13 +52,21 @@ fn script(model: &Model) -> Run {
     run
 }
 
+fn max_abs(t: &Tensor) -> f32 {
+    t.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+}
+
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
-    (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    max_abs(&(a - b).unwrap())
 }
 
 #[test]
 fn a_model_split_over_two_and_four_ranks_gives_the_whole_models_logits_and_tokens() {
-    for dir in fixtures() {
+    let dense = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/dense");
+    let mut dense: Vec<_> = std::fs::read_dir(dense).unwrap().map(|e| e.unwrap().path()).collect();
+    dense.sort();
+    assert!(dense.len() >= 4, "dense fixtures missing");
+    for dir in fixtures().into_iter().chain(dense) {
         let folder = ModelFolder::open(&dir).unwrap();
         let whole = script(&folder.load(DType::F32, &Device::Cpu).unwrap());
         for ranks in [2, 4] {
@@ -76,8 +85,10 @@ fn a_model_split_over_two_and_four_ranks_gives_the_whole_models_logits_and_token
                 assert_eq!(run.tokens, whole.tokens, "{what}: rank {rank}'s greedy tokens");
                 for (step, (got, want)) in run.logits.iter().zip(&whole.logits).enumerate() {
                     assert_eq!(got.dims(), want.dims(), "{what}: forward {step}");
-                    let diff = max_diff(got, want);
-                    assert!(diff <= 1e-5, "{what}: rank {rank}, forward {step}: logits differ by {diff}");
+                    // Shares summed in another order round differently: 1e-5, relative where
+                    // logits exceed 1 (Gemma 3's 4.5 at 4 ranks differ by up to 1.25e-5).
+                    let (diff, scale) = (max_diff(got, want), max_abs(want).max(1.0));
+                    assert!(diff <= 1e-5 * scale, "{what}: rank {rank}, forward {step}: logits differ by {diff}");
                     // Every rank sums and gathers the same shares in the same order.
                     assert_eq!(max_diff(got, &runs[0].logits[step]), 0.0, "{what}: rank {rank} against rank 0");
                 }

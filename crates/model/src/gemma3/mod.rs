@@ -6,11 +6,14 @@
 
 pub mod config;
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Tensor};
 use strata_kernels::attention::Scoring;
 use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, LayerState, StateSpec, WindowShape};
 
 use crate::error::{ModelError, Result};
+use crate::parallel::{Collective, Parallel, ShardedSource, TensorParallel};
 use crate::qwen3_5::layers::{Linear, Matrix, RmsNorm, Rotary};
 use crate::qwen3_5::Logits;
 use crate::source::WeightSource;
@@ -51,6 +54,9 @@ struct DecoderLayer {
 
 pub struct Gemma3 {
     cfg: Gemma3Config,
+    /// The shapes this model's layers hold: `cfg`'s, or a tensor-parallel rank's share of them.
+    local: Gemma3Config,
+    parallel: Parallel,
     embed: Matrix,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -76,9 +82,27 @@ impl Gemma3 {
     /// Builds the model from `src`, whose names are relative to the decoder (`embed_tokens.weight`,
     /// `layers.N.…`, `norm.weight`); the LM head is the embedding matrix.
     pub fn load(cfg: &Gemma3Config, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
+        Self::load_share(cfg, cfg, src, dtype, Parallel::default())
+    }
+
+    /// This rank's share of the model split over `group` (see [`crate::parallel`]).
+    pub fn load_sharded(cfg: &Gemma3Config, src: &dyn WeightSource, dtype: DType, group: Arc<dyn Collective>) -> Result<Self> {
+        let parallel = Arc::new(TensorParallel::new(cfg.split_dims(), group)?);
+        let src = ShardedSource { inner: src, parallel: &parallel };
+        Self::load_share(cfg, &cfg.share(&parallel), &src, dtype, Parallel::new(parallel.clone()))
+    }
+
+    /// Loads layers of `local`'s shapes from `src`, as a model of `cfg`.
+    fn load_share(
+        cfg: &Gemma3Config,
+        local: &Gemma3Config,
+        src: &dyn WeightSource,
+        dtype: DType,
+        parallel: Parallel,
+    ) -> Result<Self> {
         let (hidden, eps, d) = (cfg.hidden_size, cfg.rms_norm_eps, cfg.head_dim);
-        let (h, kv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        let embed = src.matrix("embed_tokens.weight", cfg.vocab_size, hidden, dtype)?;
+        let (h, kv, inter) = (local.num_attention_heads, local.num_key_value_heads, local.intermediate_size);
+        let embed = src.matrix("embed_tokens.weight", local.vocab_size, hidden, dtype)?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| {
                 let p = format!("layers.{i}");
@@ -99,9 +123,9 @@ impl Gemma3 {
                     post_attn_norm: norm("post_attention_layernorm", hidden)?,
                     pre_mlp_norm: norm("pre_feedforward_layernorm", hidden)?,
                     mlp: Mlp {
-                        gate: linear("mlp.gate_proj", cfg.intermediate_size, hidden)?,
-                        up: linear("mlp.up_proj", cfg.intermediate_size, hidden)?,
-                        down: linear("mlp.down_proj", hidden, cfg.intermediate_size)?,
+                        gate: linear("mlp.gate_proj", inter, hidden)?,
+                        up: linear("mlp.up_proj", inter, hidden)?,
+                        down: linear("mlp.down_proj", hidden, inter)?,
                     },
                     post_mlp_norm: norm("post_feedforward_layernorm", hidden)?,
                 })
@@ -109,6 +133,8 @@ impl Gemma3 {
             .collect::<Result<Vec<_>>>()?;
         Ok(Self {
             cfg: cfg.clone(),
+            local: local.clone(),
+            parallel,
             lm_head: Linear::from_weight(embed.clone()),
             embed,
             layers,
@@ -140,7 +166,7 @@ impl Gemma3 {
 
     /// Global layers hold every position's KV, local ones a sliding window's.
     pub fn state_spec(&self) -> StateSpec {
-        let kv = KvShape { kv_heads: self.cfg.num_key_value_heads, head_dim: self.cfg.head_dim };
+        let kv = KvShape { kv_heads: self.local.num_key_value_heads, head_dim: self.cfg.head_dim };
         let window = WindowShape { kv, window: self.cfg.sliding_window };
         let layers =
             self.layers.iter().map(|l| if l.sliding { LayerSpec::Window(window) } else { LayerSpec::Attention(kv) }).collect();
@@ -165,7 +191,8 @@ impl Gemma3 {
         }
         // transformers rounds √hidden to the model dtype before scaling.
         let normalizer = Tensor::new((self.cfg.hidden_size as f32).sqrt(), &self.device)?.to_dtype(self.dtype)?;
-        let mut x = self.embed.rows_at(&ids, self.dtype)?.reshape((b, t, self.cfg.hidden_size))?.broadcast_mul(&normalizer)?;
+        let embedded = self.parallel.embed(&ids, |ids| self.embed.rows_at(ids, self.dtype))?;
+        let mut x = embedded.reshape((b, t, self.cfg.hidden_size))?.broadcast_mul(&normalizer)?;
         let global_rope = self.global_rotary.tables(&state.positions, t, &self.device)?;
         let local_rope = self.local_rotary.tables(&state.positions, t, &self.device)?;
         for (layer, layer_state) in self.layers.iter().zip(state.layers.iter_mut()) {
@@ -181,8 +208,9 @@ impl Gemma3 {
                 };
                 self.attention(layer, &h, &global_rope, |q, k, v, scoring| kv.attend(q, k, v, scoring, None))?
             };
+            let h = self.parallel.sum(h)?;
             let (sum, h) = layer.pre_mlp_norm.forward_residual(&x, &layer.post_attn_norm.forward(&h)?)?;
-            let h = layer.mlp.forward(&h)?;
+            let h = self.parallel.sum(layer.mlp.forward(&h)?)?;
             x = (&sum + layer.post_mlp_norm.forward(&h)?)?;
         }
         for p in &mut state.positions {
@@ -192,7 +220,7 @@ impl Gemma3 {
             Logits::All => x,
             Logits::Last => x.narrow(1, t - 1, 1)?.squeeze(1)?,
         };
-        let out = self.lm_head.forward(&self.norm.forward(&x)?)?.to_dtype(DType::F32)?;
+        let out = self.parallel.gather_vocab(self.lm_head.forward(&self.norm.forward(&x)?)?)?.to_dtype(DType::F32)?;
         Ok(match self.cfg.final_logit_softcapping {
             Some(cap) => ((out / cap)?.tanh()? * cap)?,
             None => out,
@@ -209,7 +237,7 @@ impl Gemma3 {
         attend: impl FnOnce(&Tensor, &Tensor, &Tensor, Scoring) -> strata_state::Result<Tensor>,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let (h, kv, d) = (self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim);
+        let (h, kv, d) = (self.local.num_attention_heads, self.local.num_key_value_heads, self.cfg.head_dim);
         let a = &layer.attn;
         let [q, k, v] = Linear::forward_many([&a.q_proj, &a.k_proj, &a.v_proj], x)?;
         let q = a.q_norm.forward_rope(&q.reshape((b, t, h, d))?, rope)?;

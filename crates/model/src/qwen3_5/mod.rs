@@ -24,7 +24,7 @@ pub use self::mtp::MtpHead;
 pub use self::vision::{expand_image_tokens, image_cache_key, mrope_positions, ImagePrompt, VisionConfig, VisionTower};
 use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
-use crate::parallel::{Collective, ShardedSource, TensorParallel};
+use crate::parallel::{Collective, Parallel, ShardedSource, TensorParallel};
 use crate::source::WeightSource;
 
 enum Mixer {
@@ -61,9 +61,9 @@ struct DecoderLayer {
     mixer: Mixer,
     post_norm: RmsNorm,
     mlp: Mlps,
-    /// The group whose shares of the mixer's and the MLP's outputs this layer sums, when the
-    /// model is split (see [`crate::parallel`]).
-    parallel: Option<Arc<TensorParallel>>,
+    /// Sums the shares of the mixer's and the MLP's outputs where the model is split over
+    /// devices (see [`crate::parallel`]).
+    parallel: Parallel,
 }
 
 impl DecoderLayer {
@@ -73,7 +73,7 @@ impl DecoderLayer {
         kind: LayerKind,
         cfg: &Qwen35Config,
         dtype: DType,
-        parallel: Option<Arc<TensorParallel>>,
+        parallel: Parallel,
     ) -> Result<Self> {
         let (hidden, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         Ok(Self {
@@ -113,17 +113,9 @@ impl DecoderLayer {
         mix: impl FnOnce(&Mixer, &Tensor) -> Result<Tensor>,
     ) -> Result<Residual> {
         let (x, normed) = self.input_norm.forward_stream(x)?;
-        let h = self.summed(mix(&self.mixer, &normed)?)?;
+        let h = self.parallel.sum(mix(&self.mixer, &normed)?)?;
         let (x, h) = self.post_norm.forward_residual(&x, &h)?;
-        Ok(Residual::pending(x, segments.positionwise(&h, |h| self.summed(self.mlp.forward(h)?))?))
-    }
-
-    /// A row-parallel output summed over the group (the output itself when the model is whole).
-    fn summed(&self, x: Tensor) -> Result<Tensor> {
-        match &self.parallel {
-            Some(p) => p.reduce(&x),
-            None => Ok(x),
-        }
+        Ok(Residual::pending(x, segments.positionwise(&h, |h| self.parallel.sum(self.mlp.forward(h)?))?))
     }
 }
 
@@ -250,8 +242,9 @@ pub enum Logits {
 
 pub struct Qwen35 {
     cfg: Qwen35Config,
-    /// The rank's group and shares, when the model is split over several devices.
-    parallel: Option<Arc<TensorParallel>>,
+    /// The shapes this model's layers hold: `cfg`'s, or a tensor-parallel rank's share of them.
+    local: Qwen35Config,
+    parallel: Parallel,
     embed: Matrix,
     layers: Vec<DecoderLayer>,
     norm: RmsNorm,
@@ -277,16 +270,16 @@ impl Qwen35 {
     /// Builds the model from `src`, whose names are relative to the text model
     /// (`embed_tokens.weight`, `layers.N.…`, `norm.weight`), plus `lm_head.weight` when untied.
     pub fn load(cfg: &Qwen35Config, src: &dyn WeightSource, dtype: DType) -> Result<Self> {
-        Self::load_share(cfg, cfg, src, dtype, None)
+        Self::load_share(cfg, cfg, src, dtype, Parallel::default())
     }
 
     /// This rank's share of the model split over `group` (see [`crate::parallel`]): `src`
     /// holds the whole model's tensors, of which it loads the rank's slices. Every rank of the
     /// group runs each forward together, on its own state; each returns every logit.
     pub fn load_sharded(cfg: &Qwen35Config, src: &dyn WeightSource, dtype: DType, group: Arc<dyn Collective>) -> Result<Self> {
-        let parallel = Arc::new(TensorParallel::new(cfg, group)?);
-        let src = ShardedSource { inner: src, parallel: &parallel, cfg };
-        Self::load_share(cfg, &parallel.local, &src, dtype, Some(parallel.clone()))
+        let parallel = Arc::new(TensorParallel::new(cfg.split_dims(), group)?);
+        let src = ShardedSource { inner: src, parallel: &parallel };
+        Self::load_share(cfg, &cfg.share(&parallel), &src, dtype, Parallel::new(parallel.clone()))
     }
 
     /// Loads layers of `local`'s shapes from `src`, as a model of `cfg`.
@@ -295,7 +288,7 @@ impl Qwen35 {
         local: &Qwen35Config,
         src: &dyn WeightSource,
         dtype: DType,
-        parallel: Option<Arc<TensorParallel>>,
+        parallel: Parallel,
     ) -> Result<Self> {
         #[cfg(feature = "cuda")]
         let src = &PlainWatch { src, plain: std::cell::Cell::new(true) };
@@ -314,6 +307,7 @@ impl Qwen35 {
         };
         Ok(Self {
             cfg: cfg.clone(),
+            local: local.clone(),
             parallel,
             embed,
             layers,
@@ -401,8 +395,7 @@ impl Qwen35 {
     /// What each layer's state is: KV for full attention, a conv window and recurrent matrix
     /// for Gated DeltaNet.
     pub fn state_spec(&self) -> StateSpec {
-        // The shapes this model's layers hold: a split model's rank holds a share of them.
-        let cfg = self.parallel.as_ref().map_or(&self.cfg, |p| &p.local);
+        let cfg = &self.local;
         let kv = KvShape { kv_heads: cfg.num_key_value_heads, head_dim: cfg.head_dim };
         let layers = cfg
             .layer_types
@@ -461,7 +454,7 @@ impl Qwen35 {
     pub fn forward(&self, tokens: &Tensor, state: &mut BatchState, logits: Logits) -> Result<Tensor> {
         // A split model runs eagerly: its steps' collectives are not in the recorded graphs.
         #[cfg(feature = "cuda")]
-        if self.parallel.is_none() {
+        if self.parallel.get().is_none() {
             if let Some(logits) = self.graphs.decode(self, tokens, state, logits)? {
                 return Ok(logits);
             }
@@ -493,12 +486,7 @@ impl Qwen35 {
 
     /// f32 logits of final normed hidden states; a split model gathers its ranks' vocabulary rows.
     fn head(&self, x: &Tensor) -> Result<Tensor> {
-        let logits = self.lm_head.forward(x)?;
-        let logits = match &self.parallel {
-            Some(p) => p.group.all_gather(&logits, logits.rank() - 1)?,
-            None => logits,
-        };
-        Ok(logits.to_dtype(DType::F32)?)
+        Ok(self.parallel.gather_vocab(self.lm_head.forward(x)?)?.to_dtype(DType::F32)?)
     }
 
     /// [`Qwen35::forward`], also returning every position's final normed hidden state
@@ -607,7 +595,7 @@ impl Qwen35 {
     /// The multi-token-prediction head shipped beside the model (`mtp.*` in `src`), sharing
     /// its embedding and output head.
     pub fn mtp_head(&self, src: &dyn WeightSource) -> Result<MtpHead> {
-        if self.parallel.is_some() {
+        if self.parallel.get().is_some() {
             return Err(ModelError::Invalid("the multi-token-prediction head does not run split over devices yet".into()));
         }
         MtpHead::load(self, src)
@@ -702,11 +690,7 @@ impl Qwen35 {
     /// [`Qwen35::embed_tokens`] of ids already checked.
     fn embed_checked(&self, tokens: &Tensor) -> Result<Tensor> {
         let (b, t) = tokens.dims2()?;
-        let ids = tokens.flatten_all()?;
-        let rows = match &self.parallel {
-            Some(p) => p.embed(&ids.to_vec1::<u32>()?, |ids| self.embed.rows_at(ids, self.dtype), &self.device)?,
-            None => self.embed.rows_at(&ids, self.dtype)?,
-        };
+        let rows = self.parallel.embed(&tokens.flatten_all()?, |ids| self.embed.rows_at(ids, self.dtype))?;
         Ok(rows.reshape((b, t, self.cfg.hidden_size))?)
     }
 }

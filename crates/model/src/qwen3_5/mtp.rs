@@ -59,7 +59,7 @@ impl MtpHead {
             embed_norm: RmsNorm::load(src, "mtp.pre_fc_norm_embedding", hidden, eps)?,
             hidden_norm: RmsNorm::load(src, "mtp.pre_fc_norm_hidden", hidden, eps)?,
             fc: Linear::load(src, "mtp.fc", hidden, 2 * hidden, false, dtype)?,
-            layer: DecoderLayer::load(src, "mtp.layers.0", LayerKind::Full, cfg, dtype, None)?,
+            layer: DecoderLayer::load(src, "mtp.layers.0", LayerKind::Full, cfg, dtype, Default::default())?,
             norm: RmsNorm::load(src, "mtp.norm", hidden, eps)?,
             rotary: Rotary::new(cfg.rotary_dim(), cfg.rope_theta),
             hidden,
