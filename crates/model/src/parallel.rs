@@ -10,7 +10,7 @@
 //! state stays whole on each — and only one of them (the head's owner) multiplies it into the
 //! row-parallel sum: the others hold zeros there, so the sum counts it once.
 
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use candle_core::{DType, Device, Tensor};
 
@@ -32,8 +32,9 @@ pub trait Collective: Send + Sync {
 }
 
 /// A group of threads of one process exchanging tensors through shared memory: it stands in for
-/// NCCL in tests, where CPU ranks must agree with the unsplit model. Not a serving path (a rank
-/// that stops calling leaves the others waiting).
+/// NCCL in tests, where CPU ranks must agree with the unsplit model. Not a serving path. A rank
+/// that leaves the group (drops its member, as a failed or panicking rank does) breaks it: the
+/// others' collectives then fail instead of waiting for it forever.
 pub struct LocalGroup {
     rank: usize,
     shared: Arc<Exchange>,
@@ -41,26 +42,60 @@ pub struct LocalGroup {
 
 struct Exchange {
     size: usize,
-    slots: Mutex<Vec<Option<Tensor>>>,
-    barrier: Barrier,
+    round: Mutex<Round>,
+    turned: Condvar,
+}
+
+/// One exchange in progress: the tensors given so far; `generation` counts the exchanges done.
+struct Round {
+    slots: Vec<Option<Tensor>>,
+    given: usize,
+    generation: u64,
+    /// The tensors of the last exchange done, for the ranks still to read them.
+    done: Vec<Tensor>,
+    broken: bool,
 }
 
 impl LocalGroup {
     /// The `size` members of a new group, rank by rank.
     pub fn new(size: usize) -> Vec<LocalGroup> {
-        let shared = Arc::new(Exchange { size, slots: Mutex::new(vec![None; size]), barrier: Barrier::new(size) });
+        let round = Round { slots: vec![None; size], given: 0, generation: 0, done: Vec::new(), broken: false };
+        let shared = Arc::new(Exchange { size, round: Mutex::new(round), turned: Condvar::new() });
         (0..size).map(|rank| LocalGroup { rank, shared: shared.clone() }).collect()
     }
 
     /// Every rank's `x`, in rank order.
     fn exchange(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let lock = || self.shared.slots.lock().map_err(|_| ModelError::Invalid("a rank of the group panicked".into()));
-        lock()?[self.rank] = Some(x.clone());
-        self.shared.barrier.wait();
-        let all = lock()?.iter().map(|s| s.clone().expect("every rank wrote before the barrier")).collect();
-        // Nobody writes the next exchange's slot before everyone has read this one.
-        self.shared.barrier.wait();
-        Ok(all)
+        let broken = || ModelError::Invalid("a rank left the tensor-parallel group".into());
+        let mut round = self.shared.round.lock().map_err(|_| broken())?;
+        if round.broken {
+            return Err(broken());
+        }
+        round.slots[self.rank] = Some(x.clone());
+        round.given += 1;
+        let generation = round.generation;
+        if round.given == self.shared.size {
+            // The last to give completes the exchange and opens the next.
+            round.done = round.slots.iter_mut().map(|s| s.take().expect("every rank gave")).collect();
+            round.given = 0;
+            round.generation += 1;
+            self.shared.turned.notify_all();
+        }
+        let round = self.shared.turned.wait_while(round, |r| r.generation == generation && !r.broken).map_err(|_| broken())?;
+        if round.generation == generation {
+            return Err(broken());
+        }
+        // A rank reads the exchange it took part in: the next cannot complete without it.
+        Ok(round.done.clone())
+    }
+}
+
+impl Drop for LocalGroup {
+    fn drop(&mut self) {
+        if let Ok(mut round) = self.shared.round.lock() {
+            round.broken = true;
+        }
+        self.shared.turned.notify_all();
     }
 }
 
@@ -126,7 +161,7 @@ impl Share {
         // model's: local member j reads local group j / (members / groups).
         if !members.len.is_multiple_of(per_group) && !per_group.is_multiple_of(members.len) {
             return Err(ModelError::Invalid(format!(
-                "{what}: {} of {member_units} heads per rank straddle groups of {per_group}",
+                "{what}: {} of {member_units} heads per rank straddle the groups of {per_group} that share one",
                 members.len
             )));
         }
@@ -142,7 +177,7 @@ impl Share {
 
 fn split_error(what: &str, units: usize, size: usize) -> ModelError {
     ModelError::Invalid(format!(
-        "--tensor-parallel-size {size} does not split the model's {units} {what}: it must divide them, or they it"
+        "{size} tensor-parallel ranks do not split the model's {units} {what}: the ranks must divide them, or they the ranks"
     ))
 }
 
@@ -466,15 +501,21 @@ impl WeightSource for ShardedSource<'_> {
                 split.dim
             )));
         }
+        let mut whole = shape.to_vec();
+        whole[split.dim] = split.full;
+        // Every rank reads the tensor, a replica that holds zeros too: a missing or misshapen
+        // tensor fails on every rank alike, and a random source's seeds stay in step.
+        let t = self.inner.get(name, &whole, dtype)?;
         if split.zero {
             return Ok(Tensor::zeros(shape, dtype, self.inner.device())?);
         }
-        let mut whole = shape.to_vec();
-        whole[split.dim] = split.full;
-        let t = self.inner.get(name, &whole, dtype)?;
-        let parts =
+        let mut parts =
             split.ranges.iter().map(|r| t.narrow(split.dim, r.start, r.len())).collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Tensor::cat(&parts, split.dim)?.contiguous()?)
+        // A copy of its own: a view would keep the whole tensor's memory alive on every rank.
+        Ok(match parts.len() {
+            1 => parts.remove(0).force_contiguous()?,
+            _ => Tensor::cat(&parts, split.dim)?,
+        })
     }
 
     fn device(&self) -> &Device {
@@ -499,7 +540,7 @@ mod tests {
             replicated.iter().map(|s| (s.start, s.owner)).collect::<Vec<_>>(),
             [(0, true), (0, false), (1, true), (1, false)]
         );
-        assert!(Share::of(6, 0, 4, "heads").unwrap_err().to_string().contains("must divide them"));
+        assert!(Share::of(6, 0, 4, "heads").unwrap_err().to_string().contains("the ranks must divide them"));
         assert!(Share::of(3, 0, 4, "heads").is_err());
         // Query heads 4 of 8 per rank read 1 of 2 KV heads; 1 of 8 per rank sits inside one.
         let q = Share::of(8, 1, 2, "q").unwrap();
@@ -508,6 +549,57 @@ mod tests {
         assert_eq!(Share::grouped(&q, 8, 2, "kv").unwrap(), Share { start: 1, len: 1, owner: true });
         let q = Share::of(6, 1, 2, "q").unwrap(); // 3 heads per rank, groups of 2: straddles
         assert!(Share::grouped(&q, 6, 3, "kv").is_err());
+    }
+
+    #[test]
+    fn a_shard_owns_its_memory_and_a_replica_reads_the_tensor_too() {
+        struct Whole(Tensor);
+        impl WeightSource for Whole {
+            fn get(&self, name: &str, shape: &[usize], _: DType) -> Result<Tensor> {
+                if name == "missing" || shape != self.0.dims() {
+                    return Err(ModelError::Invalid(format!("no {name} of shape {shape:?}")));
+                }
+                Ok(self.0.clone())
+            }
+            fn device(&self) -> &Device {
+                &Device::Cpu
+            }
+        }
+        let dims = SplitDims {
+            vocab: 8,
+            hidden: 4,
+            heads: 2,
+            kv_heads: 1,
+            head_dim: 2,
+            query_parts: 1,
+            linear: None,
+            feed_forward: FeedForwardDims::Dense { intermediate: 4 },
+        };
+        let whole = Whole(Tensor::arange(0f32, 32., &Device::Cpu).unwrap().reshape((8, 4)).unwrap());
+        let group = LocalGroup::new(2).into_iter().nth(1).unwrap();
+        let parallel = TensorParallel::new(dims, Arc::new(group)).unwrap();
+        let source = ShardedSource { inner: &whole, parallel: &parallel };
+        let rows = source.get("embed_tokens.weight", &[4, 4], DType::F32).unwrap();
+        assert_eq!(rows.to_vec2::<f32>().unwrap()[0], [16., 17., 18., 19.]);
+        let (storage, _) = rows.storage_and_layout();
+        let held = match &*storage {
+            candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => v.len(),
+            _ => unreachable!("an f32 CPU tensor"),
+        };
+        assert_eq!(held, 16, "the shard holds its own 16 values, not a view of the whole 32");
+        // o_proj's bias is added by rank 0 alone; rank 1 holds zeros but still reads it.
+        let whole = Whole(Tensor::ones(4, DType::F32, &Device::Cpu).unwrap());
+        let source = ShardedSource { inner: &whole, parallel: &parallel };
+        assert_eq!(source.get("layers.0.self_attn.o_proj.bias", &[4], DType::F32).unwrap().to_vec1::<f32>().unwrap(), [0.; 4]);
+        assert!(source.get("layers.0.self_attn.o_proj.bias", &[3], DType::F32).is_err());
+    }
+
+    #[test]
+    fn a_rank_leaving_the_group_fails_the_others_collectives_instead_of_hanging() {
+        let mut group = LocalGroup::new(2);
+        drop(group.pop());
+        let x = Tensor::ones(2, DType::F32, &Device::Cpu).unwrap();
+        assert!(group[0].all_reduce_sum(&x).unwrap_err().to_string().contains("left the tensor-parallel group"));
     }
 
     #[test]

@@ -109,19 +109,23 @@ pub fn config(name: &str) -> Result<Qwen35Config> {
 /// its weights alone take more memory than the device has free.
 pub fn build(name: &str, dtype: DType, device: &Device) -> Result<Model> {
     let cfg = config(name)?;
-    let need = cfg.weight_count().bytes(dtype);
-    if let Some(free) = free_memory(device)? {
-        if need > free {
-            let where_ = if device.is_cuda() { "this GPU has" } else { "this machine has" };
-            return Err(ModelError::Invalid(format!(
-                "the synthetic model `{name}` does not fit: its weights take {} in {dtype:?}, and {where_} {} free \
-                 (a model this large needs several GPUs, or quantized weights)",
-                gigabytes(need),
-                gigabytes(free)
-            )));
-        }
-    }
+    fits(name, cfg.weight_count().bytes(dtype), dtype, free_memory(device), device.is_cuda())?;
     Ok(Model::Qwen35(Qwen35::load(&cfg, &RandomSource::new(device.clone(), 0x5EED), dtype)?))
+}
+
+/// Whether `need` bytes of weights fit the `free` bytes of a GPU or the CPU's (fits where
+/// unknown).
+fn fits(name: &str, need: u64, dtype: DType, free: Option<u64>, gpu: bool) -> Result<()> {
+    match free {
+        Some(free) if need > free => Err(ModelError::Invalid(format!(
+            "the synthetic model `{name}` does not fit: its weights take {} in {dtype:?}, and this {} has {} free \
+             (a model this large needs several GPUs, or quantized weights)",
+            gigabytes(need),
+            if gpu { "GPU" } else { "machine" },
+            gigabytes(free)
+        ))),
+        _ => Ok(()),
+    }
 }
 
 fn gigabytes(bytes: u64) -> String {
@@ -129,18 +133,24 @@ fn gigabytes(bytes: u64) -> String {
 }
 
 /// Free memory on `device`: the GPU's, or on the CPU what Linux says can be taken without
-/// swapping (`MemAvailable`); `None` where it cannot tell.
-fn free_memory(device: &Device) -> Result<Option<u64>> {
-    if let Some((free, _)) = strata_kernels::device_memory(device)? {
-        return Ok(Some(free as u64));
+/// swapping (`MemAvailable`), within the cgroup's limit where one is set; `None` where it cannot
+/// tell.
+fn free_memory(device: &Device) -> Option<u64> {
+    if device.is_cuda() {
+        return strata_kernels::device_memory(device).ok().flatten().map(|(free, _)| free as u64);
     }
-    let Ok(meminfo) = std::fs::read_to_string("/proc/meminfo") else { return Ok(None) };
-    Ok(meminfo
+    let read = |path: &str| std::fs::read_to_string(path).ok();
+    let available = read("/proc/meminfo")?
         .lines()
         .find_map(|line| line.strip_prefix("MemAvailable:"))
         .and_then(|rest| rest.trim().strip_suffix("kB"))
         .and_then(|kb| kb.trim().parse::<u64>().ok())
-        .map(|kb| kb * 1024))
+        .map(|kb| kb * 1024)?;
+    let number = |path: &str| read(path).and_then(|s| s.trim().parse::<u64>().ok());
+    let cgroup_room = number("/sys/fs/cgroup/memory.max")
+        .zip(number("/sys/fs/cgroup/memory.current"))
+        .map(|(max, current)| max.saturating_sub(current));
+    Some(cgroup_room.map_or(available, |room| room.min(available)))
 }
 
 /// The vision config of a named shape, and its release's image processor (patches of 16, 2×2
@@ -270,8 +280,16 @@ mod tests {
 
     #[test]
     fn a_shape_larger_than_free_memory_is_refused_before_any_allocation() {
-        let err = build("qwen3.5-122b-a10b", DType::F32, &Device::Cpu).err().expect("488 GB of f32 weights fit nowhere here");
-        let msg = err.to_string();
-        assert!(msg.contains("does not fit") && msg.contains("GB in F32"), "{msg}");
+        let need = config("qwen3.5-122b-a10b").unwrap().weight_count().bytes(DType::BF16);
+        let err = fits("qwen3.5-122b-a10b", need, DType::BF16, Some(141_000_000_000), true).unwrap_err().to_string();
+        assert!(err.contains("its weights take 244.2 GB in BF16, and this GPU has 141.0 GB free"), "{err}");
+        assert!(fits("qwen3.5-122b-a10b", need, DType::BF16, Some(300_000_000_000), true).is_ok());
+        assert!(fits("qwen3.5-122b-a10b", need, DType::BF16, None, false).is_ok());
+        // This machine's own free memory is read (a number, and it does not hold 488 GB of f32).
+        let free = free_memory(&Device::Cpu).expect("Linux tells MemAvailable");
+        assert!(free > 0);
+        if free < 400_000_000_000 {
+            assert!(build("qwen3.5-122b-a10b", DType::F32, &Device::Cpu).err().unwrap().to_string().contains("does not fit"));
+        }
     }
 }

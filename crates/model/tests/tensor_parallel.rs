@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use candle_core::{DType, Device, Tensor};
 use strata_model::parallel::LocalGroup;
-use strata_model::{Logits, Model, ModelFolder};
+use strata_model::{Logits, Model, ModelFolder, Segment};
 
 mod common;
 use common::fixtures;
@@ -25,7 +25,8 @@ fn argmax_rows(logits: &Tensor) -> Vec<u32> {
 }
 
 /// Two rows of different prompts together, greedy decode steps, then a round of three drafted
-/// positions per row of which the rows keep 1 and 3, and a step after it.
+/// positions per row of which the rows keep 1 and 3, a step after it, and a step of both rows
+/// beside a new prompt's chunk (a forward over segments).
 fn script(model: &Model) -> Run {
     let ids = |rows: Vec<Vec<u32>>| Tensor::new(rows, &Device::Cpu).unwrap();
     let vocab = model.vocab_size() as u32;
@@ -47,8 +48,19 @@ fn script(model: &Model) -> Run {
     model.close_round(&mut state, round, &[1, 3]).unwrap();
     let after = vec![vec![drafts[0][1]], vec![(drafts[1][2] + 3) % vocab]];
     let logits = model.forward(&ids(after), &mut state, Logits::Last).unwrap();
-    run.tokens.extend(argmax_rows(&logits));
+    let next = argmax_rows(&logits);
+    run.tokens.extend(&next);
     run.logits.push(logits);
+    // The engine's step: the rows' decode positions beside a new prompt, one forward.
+    let (decode, prompt) = (ids(next.iter().map(|&t| vec![t]).collect()), ids(vec![prompt(7)[..5].to_vec()]));
+    let mut fresh = model.new_state(1).unwrap();
+    let mut segments = [
+        Segment { tokens: &decode, state: &mut state, logits: Logits::Last, images: None },
+        Segment { tokens: &prompt, state: &mut fresh, logits: Logits::All, images: None },
+    ];
+    for out in model.forward_segments(&mut segments, false).unwrap() {
+        run.logits.push(out.logits);
+    }
     run
 }
 
@@ -113,6 +125,6 @@ fn a_split_the_model_does_not_divide_is_refused_by_name() {
         handles.into_iter().map(|h| h.join().unwrap()).collect()
     });
     for e in errors {
-        assert!(e.contains("--tensor-parallel-size 3 does not split the model's 4 attention heads"), "{e}");
+        assert!(e.contains("3 tensor-parallel ranks do not split the model's 4 attention heads"), "{e}");
     }
 }
