@@ -13,6 +13,8 @@ use image::{ImageFormat, ImageReader};
 pub use image::{Rgb, RgbImage};
 use serde_json::Value;
 
+use candle_core::{DType, Device, Tensor};
+
 use crate::config::{Fields, VisionConfig};
 use crate::error::{ModelError, Result};
 
@@ -36,9 +38,7 @@ pub struct ImageProcessor {
 /// An image ready for the vision tower: its patches and their grid.
 #[derive(Clone, Debug)]
 pub struct PreparedImage {
-    /// `[patches, channels · temporal_patch · patch · patch]`, row-major, patches in 2×2-merge
-    /// block order (every merged token's patches adjacent).
-    pub pixels: Vec<f32>,
+    pub pixels: Pixels,
     /// Patches along time (1 for an image), height and width.
     pub grid: [usize; 3],
     /// A digest of the decoded pixels and the processor's settings (which decide the values the
@@ -46,10 +46,65 @@ pub struct PreparedImage {
     pub digest: u128,
 }
 
+/// An image's patches, patches in 2×2-merge block order (every merged token's patches adjacent),
+/// each patch's values channel-major, then rows and columns of the patch.
+#[derive(Clone, Debug)]
+pub enum Pixels {
+    /// The resized image's 8-bit levels `[patches, channels · patch · patch]` (one frame) and
+    /// how they become values: normalized where the tower runs, so an image crosses to a GPU
+    /// in 3 bytes a pixel instead of the values' 4 × the temporal patch.
+    Levels { levels: Vec<u8>, normalization: Normalization },
+    /// Values as the tower reads them, `[patches, channels · temporal_patch · patch · patch]`
+    /// (the frame repeated): another processor's output.
+    Values(Vec<f32>),
+}
+
+/// How an 8-bit level `x` becomes a pixel value, in f32 as the processor computes it.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Normalization {
+    /// `(x - shift[c]) / divisor[c]` for channel `c` (the rescale folded in).
+    Standardize { shift: [f32; 3], divisor: [f32; 3] },
+    /// `x · factor`.
+    Scale(f32),
+}
+
 impl PreparedImage {
-    /// Values per patch.
-    pub fn patch_len(&self) -> usize {
-        self.pixels.len() / self.grid.iter().product::<usize>()
+    fn patches(&self) -> usize {
+        self.grid.iter().product()
+    }
+
+    /// Values per patch once each frame is repeated `temporal` times.
+    pub fn patch_len(&self, temporal: usize) -> usize {
+        match &self.pixels {
+            Pixels::Levels { levels, .. } => levels.len() / self.patches().max(1) * temporal,
+            Pixels::Values(values) => values.len() / self.patches().max(1),
+        }
+    }
+
+    /// The values `[patches, patch_len(temporal)]` on `device`, in `dtype`: levels are
+    /// normalized there in f32 (the processor's arithmetic, the same bits on any device) and
+    /// each frame repeated `temporal` times.
+    pub fn pixel_values(&self, temporal: usize, device: &Device, dtype: DType) -> Result<Tensor> {
+        let n = self.patches();
+        let values = match &self.pixels {
+            Pixels::Levels { levels, normalization } => {
+                let per_channel = levels.len() / n.max(1) / 3;
+                let x = Tensor::from_slice(levels, (n, 3, per_channel), device)?.to_dtype(DType::F32)?;
+                let x = match *normalization {
+                    Normalization::Standardize { shift, divisor } => {
+                        let channel = |v: [f32; 3]| Tensor::from_slice(&v, (1, 3, 1), device);
+                        x.broadcast_sub(&channel(shift)?)?.broadcast_div(&channel(divisor)?)?
+                    }
+                    Normalization::Scale(factor) => x.broadcast_mul(&Tensor::new(&[factor], device)?)?,
+                };
+                x.unsqueeze(2)?
+                    .broadcast_as((n, 3, temporal, per_channel))?
+                    .contiguous()?
+                    .reshape((n, 3 * temporal * per_channel))?
+            }
+            Pixels::Values(values) => Tensor::from_slice(values, (n, values.len() / n.max(1)), device)?,
+        };
+        Ok(values.to_dtype(dtype)?)
     }
 }
 
@@ -174,7 +229,7 @@ impl ImageProcessor {
         let digest = self.digest(&image);
         let image = self.resize(image)?;
         let (h, w) = (image.height() as usize, image.width() as usize);
-        let pixels = self.patchify(&self.normalized(&image), h, w);
+        let pixels = Pixels::Levels { levels: self.patchify(&image), normalization: self.normalization() };
         Ok(PreparedImage { pixels, grid: [1, h / self.patch_size, w / self.patch_size], digest })
     }
 
@@ -224,44 +279,34 @@ impl ImageProcessor {
         Ok((h as usize, w as usize))
     }
 
-    /// Channel-major f32 planes `[3, h, w]`, rescaled and normalized as the processor does (the
-    /// rescale folded into the mean and std, as its fast path folds it).
-    fn normalized(&self, image: &RgbImage) -> Vec<f32> {
-        let (w, h) = (image.width() as usize, image.height() as usize);
+    /// How levels become values: rescaled and normalized as the processor does (the rescale
+    /// folded into the mean and std, as its fast path folds it).
+    fn normalization(&self) -> Normalization {
         let rescale = self.rescale_factor.unwrap_or(1.0);
-        let (mean, std) = self.normalize.unwrap_or(([0.0; 3], [1.0; 3]));
-        let mut planes = vec![0f32; 3 * h * w];
-        for (i, px) in image.pixels().enumerate() {
-            for c in 0..3 {
-                let x = px.0[c] as f32;
-                planes[c * h * w + i] = match (self.rescale_factor, self.normalize) {
-                    (Some(_), Some(_)) => (x - mean[c] / rescale) / (std[c] / rescale),
-                    (_, Some(_)) => (x - mean[c]) / std[c],
-                    _ => x * rescale,
-                };
+        match (self.rescale_factor, self.normalize) {
+            (Some(_), Some((mean, std))) => {
+                Normalization::Standardize { shift: mean.map(|m| m / rescale), divisor: std.map(|s| s / rescale) }
             }
+            (None, Some((mean, std))) => Normalization::Standardize { shift: mean, divisor: std },
+            (_, None) => Normalization::Scale(rescale),
         }
-        planes
     }
 
-    /// Patches in the tower's order: merged blocks row-major, within a block its `merge ×
-    /// merge` patches row-major; each patch's values channel-major, the frame repeated
-    /// `temporal_patch_size` times, then rows and columns of the patch.
-    fn patchify(&self, planes: &[f32], h: usize, w: usize) -> Vec<f32> {
-        let (p, m, t) = (self.patch_size, self.merge_size, self.temporal_patch_size);
-        let (gh, gw) = (h / p, w / p);
-        let mut out = Vec::with_capacity(planes.len() * t);
+    /// The image's levels in patches, in the tower's order: merged blocks row-major, within a
+    /// block its `merge × merge` patches row-major; each patch channel-major, then rows and
+    /// columns of the patch (one frame; the tower repeats it `temporal_patch_size` times).
+    fn patchify(&self, image: &RgbImage) -> Vec<u8> {
+        let (p, m) = (self.patch_size, self.merge_size);
+        let (gh, gw) = (image.height() as usize / p, image.width() as usize / p);
+        let mut out = Vec::with_capacity(gh * gw * 3 * p * p);
         for bh in 0..gh / m {
             for bw in 0..gw / m {
                 for ih in 0..m {
                     for iw in 0..m {
                         let (y0, x0) = ((bh * m + ih) * p, (bw * m + iw) * p);
                         for c in 0..3 {
-                            for _ in 0..t {
-                                for y in y0..y0 + p {
-                                    let row = c * h * w + y * w;
-                                    out.extend_from_slice(&planes[row + x0..row + x0 + p]);
-                                }
+                            for y in y0..y0 + p {
+                                out.extend((x0..x0 + p).map(|x| image.get_pixel(x as u32, y as u32).0[c]));
                             }
                         }
                     }
@@ -392,7 +437,9 @@ mod tests {
         assert!(err.contains("300x300 pixels, more than the 65536 allowed"), "{err}");
         let prepared = p.prepare(&whole, limits).unwrap();
         assert_eq!(prepared.grid, [1, 4, 4]);
-        assert_eq!(prepared.pixels.len(), 16 * 3 * 2 * 16);
+        // 16 patches of 4x4, 3 channels, the frame twice.
+        assert_eq!(prepared.patch_len(2), 3 * 2 * 4 * 4);
+        assert_eq!(prepared.pixel_values(2, &Device::Cpu, DType::F32).unwrap().dims(), [16, 3 * 2 * 4 * 4]);
     }
 
     #[test]

@@ -28,7 +28,7 @@ pub use error::{ModelError, Result};
 pub use folder::ModelFolder;
 pub use gemma3::{Gemma3, Gemma3Config};
 pub use generation_config::GenerationConfig;
-pub use images::{ImageLimits, ImageProcessor, PreparedImage};
+pub use images::{ImageLimits, ImageProcessor, Normalization, Pixels, PreparedImage};
 pub use model::{ArchConfig, GraphStats, Model, ModelConfig};
 pub use qwen3_5::{
     expand_image_tokens, image_cache_key, mrope_positions, ImageInputs, ImagePrompt, Logits, MtpHead, Qwen35, Round, Segment,

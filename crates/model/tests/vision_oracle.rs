@@ -48,7 +48,7 @@ fn pixels_match_the_processor() {
         let prepared = processor.prepare(&image(name), ImageLimits::default()).unwrap();
         let grid: Vec<i64> = want[&format!("grid_{key}")].flatten_all().unwrap().to_vec1().unwrap();
         assert_eq!(prepared.grid.map(|g| g as i64).to_vec(), grid, "{name}: grid");
-        let pixels = Tensor::from_slice(&prepared.pixels, want[&format!("pixels_{key}")].dims(), &Device::Cpu).unwrap();
+        let pixels = prepared.pixel_values(processor.temporal_patch_size, &Device::Cpu, DType::F32).unwrap();
         let d = max_diff(&pixels, &want[&format!("pixels_{key}")]);
         // No resize: only the arithmetic of rescale and normalize differs. Resized: what the
         // resize allows (below), through the normalization's std of 0.5.
@@ -81,7 +81,7 @@ fn merged_tokens_match(folder: &ModelFolder, tower: &strata_model::VisionTower) 
         let prepared = processor.prepare(&image(name), ImageLimits::default()).unwrap();
         // Fed the processor's own pixels, so only the tower is compared.
         let theirs: Vec<f32> = want[&format!("pixels_{key}")].flatten_all().unwrap().to_vec1().unwrap();
-        let prepared = strata_model::PreparedImage { pixels: theirs, ..prepared };
+        let prepared = strata_model::PreparedImage { pixels: strata_model::Pixels::Values(theirs), ..prepared };
         let got = tower.forward(&prepared).unwrap();
         let d = max_diff(&got, &want[&format!("features_{key}")]);
         assert!(d < 1e-4, "{name}: merged tokens differ by {d}");
@@ -108,7 +108,10 @@ fn run_prompt(
         .map(|(name, key)| {
             let ours = processor.prepare(&image(name), ImageLimits::default()).unwrap();
             match their_pixels {
-                true => strata_model::PreparedImage { pixels: want[*key].flatten_all().unwrap().to_vec1().unwrap(), ..ours },
+                true => strata_model::PreparedImage {
+                    pixels: strata_model::Pixels::Values(want[*key].flatten_all().unwrap().to_vec1().unwrap()),
+                    ..ours
+                },
                 false => ours,
             }
         })

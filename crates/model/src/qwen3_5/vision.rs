@@ -250,15 +250,15 @@ impl VisionTower {
     pub fn forward(&self, image: &PreparedImage) -> Result<Tensor> {
         let [t, gh, gw] = image.grid;
         let m = self.cfg.spatial_merge_size;
-        if t != 1 || gh % m != 0 || gw % m != 0 || image.patch_len() != self.cfg.patch_len() {
+        let per_patch = image.patch_len(self.cfg.temporal_patch_size);
+        if t != 1 || gh % m != 0 || gw % m != 0 || per_patch != self.cfg.patch_len() {
             return Err(ModelError::Invalid(format!(
-                "an image of {gh}x{gw} patches of {} values does not fit the vision tower ({} values a patch, sides multiples of {m})",
-                image.patch_len(),
+                "an image of {gh}x{gw} patches of {per_patch} values does not fit the vision tower ({} values a patch, sides multiples of {m})",
                 self.cfg.patch_len()
             )));
         }
         let n = gh * gw;
-        let pixels = Tensor::from_slice(&image.pixels, (n, self.cfg.patch_len()), &self.device)?.to_dtype(self.dtype)?;
+        let pixels = image.pixel_values(self.cfg.temporal_patch_size, &self.device, self.dtype)?;
         let coords = self.patch_coords(gh, gw);
         let x = (self.patch_embed.forward(&pixels)? + self.position_embeddings(&coords, gh, gw)?.to_dtype(self.dtype)?)?;
         let (cos, sin) = self.rotary(&coords)?;
