@@ -53,9 +53,9 @@ pub struct Args {
     /// step's budget).
     #[arg(long)]
     prefill_chunk: Option<usize>,
-    /// A step's token budget (vLLM's name; default: the prefill chunk): the running requests'
-    /// decode positions, then prompts' whole chunks, oldest first, while they fit (the oldest
-    /// prompt's chunk always runs). Smaller bounds the pause a joining prompt makes in running
+    /// A step's token budget (vLLM's name; default: the prefill chunk plus --max-num-seqs): the
+    /// running requests' decode positions, then prompts' whole chunks, oldest first, while they
+    /// fit (the oldest prompt's chunk always runs). Smaller bounds the pause a joining prompt makes in running
     /// streams; larger prefills a burst of prompts in fewer forwards.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_num_batched_tokens: Option<u64>,

@@ -107,11 +107,18 @@ impl Model {
     /// One forward over several segments of rows of different lengths, each continuing its
     /// own state (see [`Qwen35::forward_segments`]); with `hidden`, also every position's final
     /// normed hidden state. A single segment is a plain forward (a decode step may replay a
-    /// CUDA graph); dense and Gemma 3 models run one forward per segment. A segment with images
-    /// gives no hidden states (an MTP head does not read image prompts).
+    /// CUDA graph), and so is a first segment of decode rows a graph may run (see
+    /// [`Qwen35::replays_decode`]), the others following in a forward of their own; dense and
+    /// Gemma 3 models run one forward per segment. A segment with images gives no hidden
+    /// states (an MTP head does not read image prompts).
     pub fn forward_segments(&self, segments: &mut [Segment<'_>], hidden: bool) -> Result<Vec<SegmentOutput>> {
         match (self, segments) {
             (_, [one]) => Ok(vec![self.forward_segment(one, hidden)?]),
+            (Model::Qwen35(m), [decode, prompts @ ..]) if m.replays_decode(decode, hidden) => {
+                let mut outputs = vec![self.forward_segment(decode, hidden)?];
+                outputs.extend(self.forward_segments(prompts, hidden)?);
+                Ok(outputs)
+            }
             (Model::Qwen35(m), segments) => m.forward_segments(segments, hidden),
             (Model::Dense(_) | Model::Gemma3(_), segments) => {
                 segments.iter_mut().map(|s| self.forward_segment(s, hidden)).collect()
