@@ -346,6 +346,18 @@ mod tests {
         assert_eq!(policy(8).cohort(200, &[10, 8]), vec![0]);
     }
 
+    /// By default a step's budget holds a whole chunk's worth of prompts beside a full batch's
+    /// decode positions (with the chunk alone, 64 running rows left two half-chunk prompts a
+    /// forward each on a GPU).
+    #[test]
+    fn the_default_budget_fits_a_chunk_beside_a_full_batch() {
+        let config = EngineConfig::for_device(&candle_core::Device::Cpu);
+        let (p, half) = (Policy::new(&config), config.prefill_chunk / 2);
+        assert_eq!(p.cohort(config.max_batch, &[half, half, 1]), vec![0, 1], "two halves, not a third prompt");
+        let long = Prompt { fed: 0, len: 10 * config.prefill_chunk, cache_points: &[], snapshots: None };
+        assert_eq!(p.chunk(&long).end, config.prefill_chunk, "a chunk is still the prefill chunk");
+    }
+
     /// Chunks are at most the prefill chunk and the step's budget, whatever else runs.
     #[test]
     fn a_chunk_is_at_most_the_prefill_chunk_and_the_budget() {
