@@ -2,7 +2,6 @@
 //! or with `--request-rate`, a serving benchmark over HTTP (see [`crate::serving`]).
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
@@ -10,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::Device;
 use strata_engine::cache::{Identity, SsdOptions};
 use strata_engine::{
-    CacheConfig, EngineConfig, Event, EventSink, GenerationOptions, Grammar, Grammars, Job, SamplingParams, Speculation,
-    SsdConfig, Structure, Worker,
+    CacheConfig, Counters, EngineConfig, Event, EventSink, GenerationOptions, Grammar, Grammars, Job, SamplingParams,
+    Speculation, SsdConfig, Structure, Worker,
 };
 use strata_model::config::FeedForward;
 use strata_model::images::{Rgb, RgbImage};
@@ -135,29 +134,8 @@ struct Measured {
     ttft_ms_p50: f64,
     itl_ms_p50: f64,
     itl_ms_p99: f64,
-    /// Share of drafted tokens accepted (speculative runs).
-    acceptance: Option<f64>,
-    /// Decode steps recorded as CUDA graphs and replayed from one during the run.
-    graph_recordings: usize,
-    graph_replays: usize,
-    /// Mean wall time of a decode step over the run, and of its forward (to the logits on the
-    /// host): the difference is the scheduler's own work between forwards.
-    decode_step_ms: f64,
-    decode_forward_ms: f64,
-    /// Mean per replayed step: host time before the replay, and the replay's GPU time (their
-    /// sum falls short of the forward by the logits' reduction and read-back).
-    graph_prepare_ms: f64,
-    graph_replay_gpu_ms: f64,
-    /// Structured output: mean host time to compute one position's mask (on another thread
-    /// than the forward's).
-    mask_us: Option<f64>,
-    /// Prefill forwards the run took (prompts arriving together share them), and their mean
-    /// wall time (a draft model's reading of the prompt included; a forward that also carried
-    /// running rows counts whole); none without a prefill.
-    prefill_forwards: u64,
-    prefill_forward_ms: Option<f64>,
-    /// Of the steps, those whose forward also carried prompts' chunks.
-    mixed_steps: u64,
+    /// The engine's counters over the run: its steps, prefill forwards, graph replays, drafts.
+    run: Counters,
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -170,26 +148,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 /// Submits `concurrency` requests at once (held to `grammar`, where given) and times every token.
 fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>, concurrency: usize) -> Result<Measured> {
     let (tx, rx) = mpsc::channel();
-    let stats = worker.stats();
-    let drafted_before = stats.drafted_tokens.load(Ordering::Relaxed);
-    let accepted_before = stats.accepted_tokens.load(Ordering::Relaxed);
-    let graphs_before = (
-        stats.graph_recordings.load(Ordering::Relaxed),
-        stats.graph_replays.load(Ordering::Relaxed),
-        stats.graph_prepare_ns.load(Ordering::Relaxed),
-        stats.graph_replay_gpu_ns.load(Ordering::Relaxed),
-    );
-    let steps_before = (
-        stats.decode_steps.load(Ordering::Relaxed),
-        stats.decode_ns.load(Ordering::Relaxed),
-        stats.decode_forward_ns.load(Ordering::Relaxed),
-    );
-    let masks_before = (stats.structured_masks.load(Ordering::Relaxed), stats.structured_mask_ns.load(Ordering::Relaxed));
-    let prefills_before = (
-        stats.prefill_forwards.load(Ordering::Relaxed),
-        stats.prefill_ns.load(Ordering::Relaxed),
-        stats.mixed_steps.load(Ordering::Relaxed),
-    );
+    let before = worker.stats().counters();
     let start = Instant::now();
     for i in 0..concurrency {
         // Distinct fixed pseudo-random prompts: the same workload on every run.
@@ -242,35 +201,13 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
         (times.iter().map(|t| t.len() - 1).sum(), last - first)
     };
     let window = window.max(Duration::from_nanos(1)).as_secs_f64();
-    let steps = (stats.decode_steps.load(Ordering::Relaxed) - steps_before.0).max(1);
-    let per_step = |ns: u64| ns as f64 / steps as f64 / 1e6;
-    let replays = (stats.graph_replays.load(Ordering::Relaxed) - graphs_before.1).max(1);
-    let prefills = stats.prefill_forwards.load(Ordering::Relaxed) - prefills_before.0;
-    let per_replay = |ns: u64| ns as f64 / replays as f64 / 1e6;
     Ok(Measured {
         prefill_tok_s: (a.prompt_len * concurrency) as f64 / (all_first - start).as_secs_f64().max(1e-9),
         aggregate_decode_tok_s: decode_tokens as f64 / window,
         ttft_ms_p50: percentile(&ttft, 0.5),
         itl_ms_p50: percentile(&itl, 0.5),
         itl_ms_p99: percentile(&itl, 0.99),
-        acceptance: match stats.drafted_tokens.load(Ordering::Relaxed) - drafted_before {
-            0 => None,
-            drafted => Some((stats.accepted_tokens.load(Ordering::Relaxed) - accepted_before) as f64 / drafted as f64),
-        },
-        graph_recordings: stats.graph_recordings.load(Ordering::Relaxed) - graphs_before.0,
-        graph_replays: stats.graph_replays.load(Ordering::Relaxed) - graphs_before.1,
-        decode_step_ms: per_step(stats.decode_ns.load(Ordering::Relaxed) - steps_before.1),
-        decode_forward_ms: per_step(stats.decode_forward_ns.load(Ordering::Relaxed) - steps_before.2),
-        graph_prepare_ms: per_replay(stats.graph_prepare_ns.load(Ordering::Relaxed) - graphs_before.2),
-        graph_replay_gpu_ms: per_replay(stats.graph_replay_gpu_ns.load(Ordering::Relaxed) - graphs_before.3),
-        mask_us: match stats.structured_masks.load(Ordering::Relaxed) - masks_before.0 {
-            0 => None,
-            masks => Some((stats.structured_mask_ns.load(Ordering::Relaxed) - masks_before.1) as f64 / masks as f64 / 1e3),
-        },
-        prefill_forwards: prefills,
-        prefill_forward_ms: (prefills > 0)
-            .then(|| (stats.prefill_ns.load(Ordering::Relaxed) - prefills_before.1) as f64 / prefills as f64 / 1e6),
-        mixed_steps: stats.mixed_steps.load(Ordering::Relaxed) - prefills_before.2,
+        run: worker.stats().counters().since(&before),
     })
 }
 
@@ -381,15 +318,15 @@ pub fn run(mut a: Args) -> Result<()> {
                         "concurrency": c, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
                         "prefill_tok_s": m.prefill_tok_s, "aggregate_decode_tok_s": m.aggregate_decode_tok_s,
                         "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,
-                        "draft": a.draft.describe().trim_start_matches(", "), "acceptance": m.acceptance,
+                        "draft": a.draft.describe().trim_start_matches(", "), "acceptance": m.run.acceptance(),
                         "cuda_graphs": !a.no_cuda_graphs && device.is_cuda(),
                         "gen_len_min": a.gen_len_min.unwrap_or(a.gen_len),
-                        "cuda_graph_recordings": m.graph_recordings, "cuda_graph_replays": m.graph_replays,
-                        "decode_step_ms": m.decode_step_ms, "decode_forward_ms": m.decode_forward_ms,
-                        "graph_prepare_ms": m.graph_prepare_ms, "graph_replay_gpu_ms": m.graph_replay_gpu_ms,
+                        "cuda_graph_recordings": m.run.graph_recordings, "cuda_graph_replays": m.run.graph_replays,
+                        "decode_step_ms": m.run.decode_step_ms(), "decode_forward_ms": m.run.decode_forward_ms(),
+                        "graph_prepare_ms": m.run.graph_prepare_ms(), "graph_replay_gpu_ms": m.run.graph_replay_gpu_ms(),
                         "max_num_seqs": worker.config().max_batch, "max_num_batched_tokens": worker.config().step_tokens(), "pool": worker.pool_stats(),
-                        "json_schema": a.json_schema, "mask_us_per_token": m.mask_us,
-                        "prefill_forwards": m.prefill_forwards, "prefill_forward_ms": m.prefill_forward_ms, "mixed_steps": m.mixed_steps,
+                        "json_schema": a.json_schema, "mask_us_per_token": m.run.mask_us(),
+                        "prefill_forwards": m.run.prefill_forwards, "prefill_forward_ms": m.run.prefill_forward_ms(), "mixed_steps": m.run.mixed_steps,
                         "temperature": a.temperature, "top_k": a.top_k, "top_p": a.top_p,
                     })
                 );
@@ -405,8 +342,8 @@ pub fn run(mut a: Args) -> Result<()> {
                     m.ttft_ms_p50,
                     m.itl_ms_p50,
                     m.itl_ms_p99,
-                    m.acceptance.map_or("-".into(), |x| format!("{:.0}%", 100.0 * x)),
-                    m.mask_us.map_or(String::new(), |us| format!("  (masks: {us:.0} µs per token)")),
+                    m.run.acceptance().map_or("-".into(), |x| format!("{:.0}%", 100.0 * x)),
+                    m.run.mask_us().map_or(String::new(), |us| format!("  (masks: {us:.0} µs per token)")),
                 );
             }
         }
@@ -605,6 +542,7 @@ fn serve_and_measure(a: &Args, name: &str, source: &Source, device: &Device, mac
         )?;
         let vocab_size = a.serving.prompt_vocab(state.vocab_size);
         let max_num_seqs = state.worker.config().max_batch;
+        let engine = state.worker.clone();
         let server = LocalServer::start(state)?;
         let target = Target {
             endpoint: crate::serving::Endpoint::new(server.url(), None)?,
@@ -615,6 +553,7 @@ fn serve_and_measure(a: &Args, name: &str, source: &Source, device: &Device, mac
             facts: serde_json::json!({
                 "model": name, "device": a.device, "machine": machine, "dtype": dtype.name(), "max_num_seqs": max_num_seqs,
             }),
+            engine: Some(engine),
         };
         sweeps.push(a.serving.sweep(&target, (a.prompt_len, a.gen_len), a.json)?);
     }

@@ -88,6 +88,14 @@ fn in_process_runs_measure_every_request_at_each_rate() {
         assert!((ms("output_tok_s") * ms("duration_s") - 64.0).abs() < 1e-6, "{run}");
         assert!((ms("total_tok_s") * ms("duration_s") - 192.0).abs() < 1e-6, "{run}");
         assert!(ms("e2el_ms_p99") <= ms("duration_s") * 1e3);
+        // The engine's own counters over the run: each 16-token prompt one chunk, and every
+        // request's 7 tokens after its first from steps with running rows.
+        let engine = &run["engine"];
+        assert_eq!(engine["prefill_chunks"].as_u64(), Some(8), "{engine}");
+        let (forwards, mixed) = (engine["prefill_forwards"].as_u64().unwrap(), engine["mixed_steps"].as_u64().unwrap());
+        assert!((1..=8).contains(&forwards) && mixed <= forwards, "{engine}");
+        assert!(engine["decode_steps"].as_u64().is_some_and(|steps| (7..=56).contains(&steps)), "{engine}");
+        assert!(engine["decode_step_ms"].as_f64().is_some_and(|ms| ms > 0.0), "{engine}");
     }
     let png = std::fs::read(&plot).unwrap();
     assert!(png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 10_000, "{} bytes", png.len());
@@ -120,6 +128,7 @@ fn a_server_at_a_url_is_measured_and_its_refusals_are_counted_or_reported() {
     assert_eq!(row("request rate (req/s)"), Some(vec!["inf"]));
     assert_eq!((row("successful requests"), row("failed requests")), (Some(vec!["4"]), Some(vec!["0"])));
     assert!(row("TPOT p99 (ms)").is_some());
+    assert!(row("decode steps").is_none(), "another server's engine is not counted: {stdout}");
 
     // Lengths drawn around 16 and 8: those past the context are refused, counted as failures
     // (with seed 5, the first request, which is sent alone first and must succeed, fits).

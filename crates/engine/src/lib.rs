@@ -18,5 +18,5 @@ pub use sampler::{Sampler, SamplingChoice, SamplingParams};
 pub use speculative::{DraftSource, Speculation};
 pub use structured::{Grammar, Grammars, Structure};
 pub use worker::{
-    CacheConfig, EngineConfig, Event, EventSink, Job, SpawnError, SsdConfig, Worker, WorkerStats, DEFAULT_KV_BLOCK_SIZE,
+    CacheConfig, Counters, EngineConfig, Event, EventSink, Job, SpawnError, SsdConfig, Worker, WorkerStats, DEFAULT_KV_BLOCK_SIZE,
 };

@@ -153,6 +153,91 @@ pub struct WorkerStats {
     pub preemptions: AtomicU64,
 }
 
+/// The engine's step counters at one moment ([`WorkerStats::counters`]): a benchmark reads them
+/// before and after a run and reports the run's own steps from the difference
+/// ([`Counters::since`]).
+macro_rules! counters {
+    ($($field:ident),* $(,)?) => {
+        #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+        pub struct Counters {
+            $(pub $field: u64,)*
+        }
+
+        impl WorkerStats {
+            pub fn counters(&self) -> Counters {
+                Counters { $($field: self.$field.load(Ordering::Relaxed) as u64,)* }
+            }
+        }
+
+        impl Counters {
+            /// What was counted between `before` and these.
+            pub fn since(&self, before: &Counters) -> Counters {
+                Counters { $($field: self.$field.saturating_sub(before.$field),)* }
+            }
+        }
+    };
+}
+
+counters!(
+    decode_steps,
+    decode_ns,
+    decode_forward_ns,
+    prefill_forwards,
+    prefill_chunks,
+    prefill_ns,
+    mixed_steps,
+    graph_recordings,
+    graph_replays,
+    graph_prepare_ns,
+    graph_replay_gpu_ns,
+    draft_rounds,
+    drafted_tokens,
+    accepted_tokens,
+    structured_masks,
+    structured_mask_ns,
+    preemptions,
+);
+
+impl Counters {
+    /// Mean wall time of a step with running rows, and of its forward (to the logits on the
+    /// host): the difference is the scheduler's own work between forwards.
+    pub fn decode_step_ms(&self) -> Option<f64> {
+        mean_ms(self.decode_ns, self.decode_steps)
+    }
+
+    pub fn decode_forward_ms(&self) -> Option<f64> {
+        mean_ms(self.decode_forward_ns, self.decode_steps)
+    }
+
+    /// Mean wall time of a forward that fed prompts' chunks (a mixed step's counts whole).
+    pub fn prefill_forward_ms(&self) -> Option<f64> {
+        mean_ms(self.prefill_ns, self.prefill_forwards)
+    }
+
+    /// Mean per replayed step: host time before the replay, and the replay's GPU time.
+    pub fn graph_prepare_ms(&self) -> Option<f64> {
+        mean_ms(self.graph_prepare_ns, self.graph_replays)
+    }
+
+    pub fn graph_replay_gpu_ms(&self) -> Option<f64> {
+        mean_ms(self.graph_replay_gpu_ns, self.graph_replays)
+    }
+
+    /// Share of drafted tokens accepted, where any were drafted.
+    pub fn acceptance(&self) -> Option<f64> {
+        (self.drafted_tokens > 0).then(|| self.accepted_tokens as f64 / self.drafted_tokens as f64)
+    }
+
+    /// Mean host time to compute one structured-output mask, in µs.
+    pub fn mask_us(&self) -> Option<f64> {
+        mean_ms(self.structured_mask_ns, self.structured_masks).map(|ms| ms * 1e3)
+    }
+}
+
+fn mean_ms(ns: u64, events: u64) -> Option<f64> {
+    (events > 0).then(|| ns as f64 / events as f64 / 1e6)
+}
+
 /// The cache parts shared by the handle, the prefetch thread and the engine thread.
 pub(crate) struct SharedCache {
     pub config: CacheConfig,

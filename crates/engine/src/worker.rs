@@ -23,7 +23,7 @@ pub use crate::job::{Event, EventSink, Job};
 use crate::job::{Fetch, Queued};
 use crate::shared::SharedCache;
 pub use crate::shared::{
-    CacheConfig, EngineConfig, SsdConfig, WorkerStats, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_BLOCK_SIZE,
+    CacheConfig, Counters, EngineConfig, SsdConfig, WorkerStats, DEFAULT_GPU_MEMORY_UTILIZATION, DEFAULT_KV_BLOCK_SIZE,
 };
 
 impl EngineConfig {

@@ -66,6 +66,8 @@ pub struct Summary {
     pub e2el: Spread,
     /// Why the first failed request failed.
     pub first_error: Option<String>,
+    /// What strata's engine counted during the run, where it runs in this process.
+    pub engine: Option<strata_engine::Counters>,
 }
 
 impl Summary {
@@ -96,6 +98,7 @@ impl Summary {
             itl: Spread::of(done.iter().flat_map(|c| c.itl.iter().map(|&gap| ms(gap))).collect()),
             e2el: Spread::of(done.iter().map(|c| ms(c.latency)).collect()),
             first_error: results.iter().find_map(|r| r.as_ref().err().cloned()),
+            engine: None,
         }
     }
 }

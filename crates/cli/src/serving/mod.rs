@@ -83,6 +83,10 @@ pub struct Target {
     pub label: String,
     /// The fields every JSON line about it starts with (model, device, dtype…): an object.
     pub facts: Value,
+    /// strata's engine, where the server runs in this process: its counters are read around
+    /// each run, so the report tells how the steps went (prefill forwards, mixed steps, decode
+    /// step time, CUDA graph replays).
+    pub engine: Option<strata_engine::Worker>,
 }
 
 /// A target's runs, rate by rate.
@@ -118,6 +122,7 @@ impl ServingArgs {
             endpoint,
             model,
             facts,
+            engine: None,
         })
     }
 
@@ -134,7 +139,9 @@ impl ServingArgs {
             .map_err(|e| anyhow!("the first request, sent alone before measuring, failed: {e}"))?;
         let mut runs = Vec::new();
         for &rate in &self.request_rate {
-            let summary = self.run(target, &requests, rate);
+            let before = target.engine.as_ref().map(|w| w.stats().counters());
+            let mut summary = self.run(target, &requests, rate);
+            summary.engine = target.engine.as_ref().zip(before).map(|(w, before)| w.stats().counters().since(&before));
             if let Some(e) = &summary.first_error {
                 eprintln!(
                     "warning: at {rate} requests/s, {} of {} requests failed; the first: {e}",
@@ -222,6 +229,16 @@ impl ServingArgs {
             line[format!("{name}_ms_p99")] = spread.p99.into();
         }
         line["first_error"] = s.first_error.clone().into();
+        if let Some(run) = &s.engine {
+            line["engine"] = json!({
+                "prefill_forwards": run.prefill_forwards, "prefill_chunks": run.prefill_chunks,
+                "prefill_forward_ms": run.prefill_forward_ms(), "mixed_steps": run.mixed_steps,
+                "decode_steps": run.decode_steps, "decode_step_ms": run.decode_step_ms(),
+                "decode_forward_ms": run.decode_forward_ms(),
+                "cuda_graph_recordings": run.graph_recordings, "cuda_graph_replays": run.graph_replays,
+                "preemptions": run.preemptions, "acceptance": run.acceptance(),
+            });
+        }
         line
     }
 
@@ -250,6 +267,16 @@ impl ServingArgs {
             row(&format!("{name} mean (ms)"), &|s| format!("{:.1}", pick(s).mean));
             row(&format!("{name} p50 (ms)"), &|s| format!("{:.1}", pick(s).p50));
             row(&format!("{name} p99 (ms)"), &|s| format!("{:.1}", pick(s).p99));
+        }
+        if runs.iter().all(|(_, s)| s.engine.is_some()) {
+            let engine = |s: &Summary| s.engine.unwrap_or_default();
+            let ms = |v: Option<f64>| v.map_or("-".into(), |ms| format!("{ms:.1}"));
+            row("prefill forwards (mixed)", &|s| format!("{} ({})", engine(s).prefill_forwards, engine(s).mixed_steps));
+            row("prefill forward (ms)", &|s| ms(engine(s).prefill_forward_ms()));
+            row("decode steps", &|s| engine(s).decode_steps.to_string());
+            row("decode step (ms)", &|s| ms(engine(s).decode_step_ms()));
+            row("CUDA graph replays", &|s| engine(s).graph_replays.to_string());
+            row("preemptions", &|s| engine(s).preemptions.to_string());
         }
     }
 
