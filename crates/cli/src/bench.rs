@@ -207,7 +207,7 @@ fn measure(worker: &Worker, vocab: u64, a: &Args, grammar: Option<&Arc<Grammar>>
         ttft_ms_p50: percentile(&ttft, 0.5),
         itl_ms_p50: percentile(&itl, 0.5),
         itl_ms_p99: percentile(&itl, 0.99),
-        run: worker.stats().counters().since(&before),
+        run: worker.settled_counters(Duration::from_secs(5)).since(&before),
     })
 }
 

@@ -2,10 +2,11 @@
 //!
 //! Each step it admits waiting jobs (first come, first admitted, while the batch has room, the
 //! pool has free KV blocks for the prompt, and a `--state-budget-bytes` cap, where set, covers
-//! the job's whole prompt + output), then runs one forward that carries every running row's
-//! decode positions — each row at its own position — and, beside them, the prefilling jobs'
-//! next chunks (the joiners: several prompts that arrived together feed their chunks as
-//! segments of the same forward) in the room the step's token budget
+//! the job's whole prompt + output), then runs one forward over segments that carries every
+//! running row's decode positions — each row at its own position — and, beside them, the
+//! prefilling jobs' next chunks (the joiners: several prompts that arrived together feed their
+//! chunks as segments of the same forward; on a GPU the rows' segment may replay its CUDA graph
+//! on its own, see `Model::forward_segments`) in the room the step's token budget
 //! (`--max-num-batched-tokens`) leaves, oldest first; then samples each row with its own
 //! parameters. A prompt therefore holds the running streams up by at most its share of one
 //! step's budget. (A prompt with images is a segment of its own: its embeddings and positions
@@ -151,14 +152,16 @@ impl<'a> Engine<'a> {
         self.admit()?;
         self.drop_gone_joiners();
         self.forward_step()?;
-        let active = self.rows.len() + self.preempted.len() + self.joiners.len();
-        self.stats.active.store(active, Ordering::Relaxed);
         self.stats.state_bytes_reserved.store(self.reserved(), Ordering::Relaxed);
         let graphs = self.runner.graph_stats();
         self.stats.graph_recordings.store(graphs.recordings, Ordering::Relaxed);
         self.stats.graph_replays.store(graphs.replays, Ordering::Relaxed);
         self.stats.graph_prepare_ns.store(graphs.prepare_ns, Ordering::Relaxed);
         self.stats.graph_replay_gpu_ns.store(graphs.replay_gpu_ns, Ordering::Relaxed);
+        // Last, and released: whoever sees the engine idle sees the step's counters too
+        // (`Worker::settled_counters`).
+        let active = self.rows.len() + self.preempted.len() + self.joiners.len();
+        self.stats.active.store(active, Ordering::Release);
         Ok(())
     }
 

@@ -65,7 +65,7 @@ impl EngineConfig {
     /// prompt a step where two fit before they ran, and a burst of such prompts prefilled
     /// ~30% slower on an H100).
     pub fn step_tokens(&self) -> usize {
-        self.max_batched_tokens.unwrap_or(self.prefill_chunk + self.max_batch).max(1)
+        self.max_batched_tokens.unwrap_or(self.prefill_chunk.saturating_add(self.max_batch)).max(1)
     }
 }
 
@@ -127,8 +127,8 @@ pub struct WorkerStats {
     /// Time in forwards that fed prompts' chunks, the device's work included (a mixed step's
     /// whole forward).
     pub prefill_ns: AtomicU64,
-    /// Steps whose one forward carried running rows' decode positions and prompts' chunks
-    /// together (their time counts in both the prefill and the decode forward times).
+    /// Steps that carried running rows' decode positions and prompts' chunks together (their
+    /// time counts in both the prefill and the decode forward times).
     pub mixed_steps: AtomicU64,
     /// Structured output: token masks computed, and the time computing them took.
     pub structured_masks: AtomicU64,

@@ -8,7 +8,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use strata_model::{image_cache_key, mrope_positions, Model, VisionConfig};
 use strata_state::{PoolSize, PoolStats, StateCost, StatePool};
@@ -260,6 +260,19 @@ impl Worker {
 
     pub fn stats(&self) -> &WorkerStats {
         &self.stats
+    }
+
+    /// The engine's counters once it has no request left (waiting at most `within`): read
+    /// after a benchmark's requests ended, they include the step that ended them, whose
+    /// counters are published after its last events went out.
+    pub fn settled_counters(&self, within: Duration) -> Counters {
+        let deadline = Instant::now() + within;
+        while (self.stats.active.load(Ordering::Acquire) > 0 || self.stats.queued.load(Ordering::Relaxed) > 0)
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.stats.counters()
     }
 
     pub fn cache_stats(&self) -> &CacheStats {

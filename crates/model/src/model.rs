@@ -116,7 +116,10 @@ impl Model {
             (_, [one]) => Ok(vec![self.forward_segment(one, hidden)?]),
             (Model::Qwen35(m), [decode, prompts @ ..]) if m.replays_decode(decode, hidden) => {
                 let mut outputs = vec![self.forward_segment(decode, hidden)?];
-                outputs.extend(self.forward_segments(prompts, hidden)?);
+                match prompts {
+                    [one] => outputs.push(self.forward_segment(one, hidden)?),
+                    _ => outputs.extend(m.forward_segments(prompts, hidden)?),
+                }
                 Ok(outputs)
             }
             (Model::Qwen35(m), segments) => m.forward_segments(segments, hidden),

@@ -191,7 +191,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         (
             "strata_mixed_steps_total",
             "counter",
-            "Steps whose forward carried running requests' decode positions and prompt chunks together.",
+            "Steps that carried running requests' decode positions and prompt chunks together.",
             n(&w.mixed_steps),
         ),
         (

@@ -141,7 +141,8 @@ impl ServingArgs {
         for &rate in &self.request_rate {
             let before = target.engine.as_ref().map(|w| w.stats().counters());
             let mut summary = self.run(target, &requests, rate);
-            summary.engine = target.engine.as_ref().zip(before).map(|(w, before)| w.stats().counters().since(&before));
+            let after = |w: &strata_engine::Worker| w.settled_counters(Duration::from_secs(5));
+            summary.engine = target.engine.as_ref().zip(before).map(|(w, before)| after(w).since(&before));
             if let Some(e) = &summary.first_error {
                 eprintln!(
                     "warning: at {rate} requests/s, {} of {} requests failed; the first: {e}",

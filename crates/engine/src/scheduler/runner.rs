@@ -249,7 +249,8 @@ impl Runner {
     /// One step's forward: every running row's decode positions — its last token, and with
     /// speculation its drafts (`[last, d1..dk]`; a structured row's only as far as its
     /// structure allows them) — and prompts' prefill chunks, job `i` of `feeds` feeding
-    /// `lens[i]` more tokens, as segments of one forward (jobs feeding equally many tokens
+    /// `lens[i]` more tokens, as segments of one forward (`Model::forward_segments`, which on a
+    /// GPU may run the rows' segment through its CUDA graph on its own; jobs feeding equally many tokens
     /// merged into one segment, their attention one batch, and split back after it, each
     /// keeping its own blocks and slot; no padding enters any state). Either side may be empty.
     /// The structured rows' masks are computed on other threads while the forward runs.

@@ -237,7 +237,29 @@ impl StepInputs {
 }
 
 impl DecodeGraphs {
-    /// Runs a decode step through a recorded graph where one applies: CUDA, one token per row,
+    /// Whether a step of `tokens` over `state` may run through a recorded graph: CUDA, graphs
+    /// on, one token per row, last-position logits, no speculative round open, plain weights, a
+    /// dense feed-forward, the state in a pool with every attention layer's KV length at the
+    /// row's position.
+    pub(super) fn apply(&self, model: &Qwen35, tokens: &Tensor, state: &BatchState, logits: Logits) -> bool {
+        let rows = state.rows();
+        let eligible = |layer: &LayerState| match layer {
+            LayerState::Recurrent(s) => s.round.is_none(),
+            LayerState::Attention(kv) => (0..rows).all(|r| kv.len(r) == state.positions[r]),
+            LayerState::Window(_) => false,
+        };
+        self.enabled.load(Ordering::Relaxed)
+            && StepGraph::can_capture(&model.device)
+            && logits == Logits::Last
+            && tokens.dims() == [rows, 1]
+            && model.plain_weights
+            // A mixture of experts routes on the host (each layer reads its router's logits).
+            && !matches!(model.cfg.feed_forward, crate::config::FeedForward::Experts(_))
+            && state.is_pooled()
+            && state.layers.iter().all(eligible)
+    }
+
+    /// Runs a decode step through a recorded graph where one applies ([`Self::apply`]): CUDA, one token per row,
     /// last-position logits, no speculative round open, plain weights, the state in a pool with
     /// every attention layer's KV length at the row's position. `None` leaves the step to the
     /// eager forward.
@@ -250,26 +272,8 @@ impl DecodeGraphs {
     ) -> Result<Option<Tensor>> {
         let started = std::time::Instant::now();
         let rows = state.rows();
-        if !self.enabled.load(Ordering::Relaxed)
-            || !StepGraph::can_capture(&model.device)
-            || logits != Logits::Last
-            || tokens.dims() != [rows, 1]
-            || !model.plain_weights
-            // A mixture of experts routes on the host (each layer reads its router's logits).
-            || matches!(model.cfg.feed_forward, crate::config::FeedForward::Experts(_))
-            || !state.is_pooled()
-        {
+        if !self.apply(model, tokens, state, logits) {
             return Ok(None);
-        }
-        for layer in &state.layers {
-            let eligible = match layer {
-                LayerState::Recurrent(s) => s.round.is_none(),
-                LayerState::Attention(kv) => (0..rows).all(|r| kv.len(r) == state.positions[r]),
-                LayerState::Window(_) => false,
-            };
-            if !eligible {
-                return Ok(None);
-            }
         }
         let ids = tokens.flatten_all()?.to_vec1::<u32>()?;
         model.check_tokens(&ids)?;

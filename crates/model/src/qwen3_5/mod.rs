@@ -360,21 +360,19 @@ impl Qwen35 {
         let _ = on;
     }
 
-    /// Whether `segment` is a decode step a recorded CUDA graph may run (one token a row, the
-    /// last logits, no hidden states, graphs on, the model whole). Beside prompts' chunks such a
-    /// step runs on its own: on a GPU, launched eagerly inside their forward it cost more in
-    /// launches than sharing their weights' reads saved (an H100, 64 rows beside a 1,024-token
-    /// chunk: a 33.7 ms forward, where a replayed step takes ~9 ms and the chunk ~20 ms).
+    /// Whether `segment` is a decode step a recorded CUDA graph may run (see the graphs'
+    /// conditions; besides them no hidden states, no images, the model whole). Beside prompts'
+    /// chunks such a step runs on its own: on a GPU, launched eagerly inside their forward it
+    /// cost more in launches than sharing their weights' reads saved (an H100, 64 rows beside a
+    /// 1,024-token chunk: a 33.7 ms forward, where a replayed step takes ~9 ms and the chunk
+    /// ~20 ms). Where no graph can run it (quantized weights, experts), the shared forward stays.
     pub fn replays_decode(&self, segment: &Segment<'_>, hidden: bool) -> bool {
         #[cfg(feature = "cuda")]
         {
             !hidden
                 && segment.images.is_none()
-                && segment.logits == Logits::Last
-                && segment.tokens.dim(1).is_ok_and(|t| t == 1)
                 && self.parallel.get().is_none()
-                && self.graphs.enabled.load(std::sync::atomic::Ordering::Relaxed)
-                && strata_kernels::StepGraph::can_capture(&self.device)
+                && self.graphs.apply(self, segment.tokens, segment.state, segment.logits)
         }
         #[cfg(not(feature = "cuda"))]
         {
