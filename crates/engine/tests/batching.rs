@@ -265,6 +265,61 @@ fn prompts_arriving_together_prefill_together_and_match_solo_runs() {
     }
 }
 
+/// Two prompts arriving together prefill in the same steps, their chunks (128 positions, past
+/// the batch-invariant kernels' rows) side by side: on CPU each keeps every log-probability it
+/// gets with the engine to itself, as each is a segment of its own — greedy and seeded, on
+/// every fixture.
+#[test]
+fn prompts_prefilled_together_get_their_bits_alone() {
+    for dir in fixtures() {
+        let tokens = load(&dir).1;
+        let prompts: Vec<Vec<u32>> =
+            (0..2).map(|k| tokens.iter().cycle().skip(3 + 11 * k).take(300).copied().collect()).collect();
+        let engine = || {
+            let config = EngineConfig {
+                max_batch: 8,
+                prefill_chunk: 128,
+                max_batched_tokens: Some(512),
+                ..EngineConfig::for_device(&Device::Cpu)
+            };
+            Worker::spawn(load(&dir).0, config, CacheConfig::off(), None).unwrap()
+        };
+        let seen = |r: &Recorder| -> Vec<(u32, Vec<(u32, f32)>)> {
+            let events = r.0.lock().unwrap();
+            events
+                .iter()
+                .filter_map(|(_, e)| if let Event::Token(s) = e { Some((s.id, s.top_logprobs.clone())) } else { None })
+                .collect()
+        };
+        for sampling in [SamplingParams::greedy(), SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::greedy() }]
+        {
+            let options = GenerationOptions { logprobs: Some(64), ..opts(6, sampling.clone()) };
+            let alone: Vec<Recorder> = prompts
+                .iter()
+                .map(|prompt| {
+                    let r = Recorder::default();
+                    engine().submit(Job::new(prompt.clone(), options.clone(), Box::new(r.clone()))).unwrap();
+                    r.wait(Recorder::finished);
+                    r
+                })
+                .collect();
+            let worker = engine();
+            let together: Vec<Recorder> = (0..2).map(|_| Recorder::default()).collect();
+            for (prompt, r) in prompts.iter().zip(&together) {
+                worker.submit(Job::new(prompt.clone(), options.clone(), Box::new(r.clone()))).unwrap();
+            }
+            together.iter().for_each(|r| r.wait(Recorder::finished));
+            for (k, (got, want)) in together.iter().zip(&alone).enumerate() {
+                assert_eq!(seen(got), seen(want), "{} prompt {k}: {sampling:?}", dir.display());
+            }
+            let stats = worker.stats();
+            let (forwards, chunks) =
+                (stats.prefill_forwards.load(Ordering::Relaxed), stats.prefill_chunks.load(Ordering::Relaxed));
+            assert!(chunks > forwards, "{}: the prompts never shared a forward ({chunks} chunks in {forwards})", dir.display());
+        }
+    }
+}
+
 /// A prompt fed in chunks longer than the batch-invariant kernels' rows (128 positions, whose
 /// bits depend on where a chunk starts and ends) joins rows that are decoding, its chunks in
 /// their steps: its every log-probability is the one it gets with the engine to itself, since

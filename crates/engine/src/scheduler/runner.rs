@@ -250,8 +250,9 @@ impl Runner {
     /// speculation its drafts (`[last, d1..dk]`; a structured row's only as far as its
     /// structure allows them) — and prompts' prefill chunks, job `i` of `feeds` feeding
     /// `lens[i]` more tokens, as segments of one forward (`Model::forward_segments`, which on a
-    /// GPU may run the rows' segment through its CUDA graph on its own; jobs feeding equally many tokens
-    /// merged into one segment, their attention one batch, and split back after it, each
+    /// GPU may run the rows' segment through its CUDA graph on its own; on a GPU jobs feeding
+    /// equally many tokens merged into one segment, their attention one batch, and split back
+    /// after it, each
     /// keeping its own blocks and slot; no padding enters any state). Either side may be empty.
     /// The structured rows' masks are computed on other threads while the forward runs.
     pub fn step(
@@ -267,10 +268,15 @@ impl Runner {
         };
         // Prompts' segments: text jobs feeding equally many tokens together, in the order their
         // first job comes; a job with images alone (its embeddings and positions are its own).
+        // On CPU every job is a segment of its own: a segment's matmuls take the kernels they
+        // take alone, so a prompt keeps its bits whatever prefills beside it (rows of a shared
+        // segment past the batch-invariant kernels' 64 round differently), at the cost of no
+        // batched attention, which gains little there.
+        let cpu = self.model.device().is_cpu();
         let mut groups: Vec<(usize, Vec<usize>)> = Vec::new();
         for (i, &len) in lens.iter().enumerate() {
             // A state outside the pool is never merged: the merge would copy it into the pool.
-            let mergeable = |f: &Feed| f.images.is_none() && f.state.is_pooled();
+            let mergeable = |f: &Feed| !cpu && f.images.is_none() && f.state.is_pooled();
             let joins = mergeable(&feeds[i]);
             let shared = |(l, members): &&mut (usize, Vec<usize>)| *l == len && joins && mergeable(&feeds[members[0]]);
             match groups.iter_mut().find(shared) {
