@@ -55,8 +55,8 @@ pub struct Args {
     prefill_chunk: Option<usize>,
     /// A step's token budget (vLLM's name; default: the prefill chunk plus --max-num-seqs): the
     /// running requests' decode positions, then prompts' whole chunks, oldest first, while they
-    /// fit (the oldest prompt's chunk always runs). Smaller bounds the pause a joining prompt makes in running
-    /// streams; larger prefills a burst of prompts in fewer forwards.
+    /// fit (the oldest prompt's chunk always runs). Smaller bounds the pause a joining prompt
+    /// makes in running streams; larger prefills a burst of prompts in fewer forwards.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     max_num_batched_tokens: Option<u64>,
     /// Run every decode step launch by launch instead of replaying a captured CUDA graph.

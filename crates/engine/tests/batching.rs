@@ -38,6 +38,14 @@ impl Recorder {
     fn tokens(&self) -> Vec<u32> {
         self.0.lock().unwrap().iter().filter_map(|(_, e)| if let Event::Token(s) = e { Some(s.id) } else { None }).collect()
     }
+    /// Each token with its top log-probabilities.
+    fn tokens_with_logprobs(&self) -> Vec<(u32, Vec<(u32, f32)>)> {
+        let events = self.0.lock().unwrap();
+        events
+            .iter()
+            .filter_map(|(_, e)| if let Event::Token(s) = e { Some((s.id, s.top_logprobs.clone())) } else { None })
+            .collect()
+    }
     fn token_times(&self) -> Vec<Instant> {
         self.0.lock().unwrap().iter().filter_map(|(t, e)| matches!(e, Event::Token(_)).then_some(*t)).collect()
     }
@@ -51,6 +59,13 @@ impl Recorder {
             std::thread::sleep(Duration::from_millis(1));
         }
     }
+}
+
+/// An engine of up to 8 rows taking prompts in 128-token chunks (past the batch-invariant
+/// kernels' rows), with the step budget given or the default.
+fn long_prompt_engine(dir: &PathBuf, max_batched_tokens: Option<usize>) -> Worker {
+    let config = EngineConfig { max_batch: 8, prefill_chunk: 128, max_batched_tokens, ..EngineConfig::for_device(&Device::Cpu) };
+    Worker::spawn(load(dir).0, config, CacheConfig::off(), None).unwrap()
 }
 
 fn opts(max_tokens: usize, sampling: SamplingParams) -> GenerationOptions {
@@ -275,22 +290,7 @@ fn prompts_prefilled_together_get_their_bits_alone() {
         let tokens = load(&dir).1;
         let prompts: Vec<Vec<u32>> =
             (0..2).map(|k| tokens.iter().cycle().skip(3 + 11 * k).take(300).copied().collect()).collect();
-        let engine = || {
-            let config = EngineConfig {
-                max_batch: 8,
-                prefill_chunk: 128,
-                max_batched_tokens: Some(512),
-                ..EngineConfig::for_device(&Device::Cpu)
-            };
-            Worker::spawn(load(&dir).0, config, CacheConfig::off(), None).unwrap()
-        };
-        let seen = |r: &Recorder| -> Vec<(u32, Vec<(u32, f32)>)> {
-            let events = r.0.lock().unwrap();
-            events
-                .iter()
-                .filter_map(|(_, e)| if let Event::Token(s) = e { Some((s.id, s.top_logprobs.clone())) } else { None })
-                .collect()
-        };
+        let engine = || long_prompt_engine(&dir, Some(512));
         for sampling in [SamplingParams::greedy(), SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::greedy() }]
         {
             let options = GenerationOptions { logprobs: Some(64), ..opts(6, sampling.clone()) };
@@ -310,7 +310,7 @@ fn prompts_prefilled_together_get_their_bits_alone() {
             }
             together.iter().for_each(|r| r.wait(Recorder::finished));
             for (k, (got, want)) in together.iter().zip(&alone).enumerate() {
-                assert_eq!(seen(got), seen(want), "{} prompt {k}: {sampling:?}", dir.display());
+                assert_eq!(got.tokens_with_logprobs(), want.tokens_with_logprobs(), "{} prompt {k}: {sampling:?}", dir.display());
             }
             let stats = worker.stats();
             let (forwards, chunks) =
@@ -329,18 +329,8 @@ fn a_long_prompt_joining_running_rows_gets_its_bits_alone() {
     for dir in fixtures() {
         let tokens = load(&dir).1;
         let long: Vec<u32> = tokens.iter().cycle().skip(3).take(300).copied().collect();
-        let engine = || {
-            let config = EngineConfig { max_batch: 8, prefill_chunk: 128, ..EngineConfig::for_device(&Device::Cpu) };
-            Worker::spawn(load(&dir).0, config, CacheConfig::off(), None).unwrap()
-        };
+        let engine = || long_prompt_engine(&dir, None);
         // Each token with its log-probabilities.
-        let seen = |r: &Recorder| -> Vec<(u32, Vec<(u32, f32)>)> {
-            let events = r.0.lock().unwrap();
-            events
-                .iter()
-                .filter_map(|(_, e)| if let Event::Token(s) = e { Some((s.id, s.top_logprobs.clone())) } else { None })
-                .collect()
-        };
         for sampling in [SamplingParams::greedy(), SamplingParams { temperature: 0.8, seed: Some(7), ..SamplingParams::greedy() }]
         {
             let joiner_opts = GenerationOptions { logprobs: Some(64), ..opts(6, sampling.clone()) };
@@ -357,7 +347,7 @@ fn a_long_prompt_joining_running_rows_gets_its_bits_alone() {
             let joiner = Recorder::default();
             worker.submit(Job::new(long.clone(), joiner_opts, Box::new(joiner.clone()))).unwrap();
             joiner.wait(Recorder::finished);
-            assert_eq!(seen(&joiner), seen(&alone), "{}: {sampling:?}", dir.display());
+            assert_eq!(joiner.tokens_with_logprobs(), alone.tokens_with_logprobs(), "{}: {sampling:?}", dir.display());
             assert!(
                 worker.stats().mixed_steps.load(Ordering::Relaxed) > 0,
                 "{}: the prompt never rode in a decode step",

@@ -252,8 +252,8 @@ impl Runner {
     /// `lens[i]` more tokens, as segments of one forward (`Model::forward_segments`, which on a
     /// GPU may run the rows' segment through its CUDA graph on its own; on a GPU jobs feeding
     /// equally many tokens merged into one segment, their attention one batch, and split back
-    /// after it, each
-    /// keeping its own blocks and slot; no padding enters any state). Either side may be empty.
+    /// after it, each keeping its own blocks and slot; no padding enters any state). Either
+    /// side may be empty.
     /// The structured rows' masks are computed on other threads while the forward runs.
     pub fn step(
         &mut self,

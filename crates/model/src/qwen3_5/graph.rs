@@ -259,10 +259,8 @@ impl DecodeGraphs {
             && state.layers.iter().all(eligible)
     }
 
-    /// Runs a decode step through a recorded graph where one applies ([`Self::apply`]): CUDA, one token per row,
-    /// last-position logits, no speculative round open, plain weights, the state in a pool with
-    /// every attention layer's KV length at the row's position. `None` leaves the step to the
-    /// eager forward.
+    /// Runs a decode step through a recorded graph where one applies ([`Self::apply`]); `None`
+    /// leaves the step to the eager forward.
     pub(super) fn decode(
         &self,
         model: &Qwen35,

@@ -364,8 +364,9 @@ impl Qwen35 {
     /// conditions; besides them no hidden states, no images, the model whole). Beside prompts'
     /// chunks such a step runs on its own: on a GPU, launched eagerly inside their forward it
     /// cost more in launches than sharing their weights' reads saved (an H100, 64 rows beside a
-    /// 1,024-token chunk: a 33.7 ms forward, where a replayed step takes ~9 ms and the chunk
-    /// ~20 ms). Where no graph can run it (quantized weights, experts), the shared forward stays.
+    /// 1,024-token chunk: a 33.7 ms forward, where a replayed 64-row step took 9.1 ms of GPU
+    /// time; docs/benchmarks.md). Where no graph can run it (quantized weights, experts), the
+    /// shared forward stays.
     pub fn replays_decode(&self, segment: &Segment<'_>, hidden: bool) -> bool {
         #[cfg(feature = "cuda")]
         {
