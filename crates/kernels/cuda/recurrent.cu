@@ -125,21 +125,32 @@ __device__ void causal_conv1d_silu_step(const T* x, long long x_stride, T* state
 // of a state pool, updated in place), else [b]; a row whose slot is negative (a padding row of a
 // recorded batch) is skipped, its outputs not written. The state is stored in S (f32, or bf16) and
 // held in f32, rounded to S after every token.
+// Each lane holds PER_LANE of a row's Dk columns (Dk <= 32 · PER_LANE): a kernel is compiled for
+// 32, 128 and 256 columns, so a 128-wide head does not hold (and stage) twice its registers. The
+// q / k tile in shared memory is as long as the call's tokens (up to TOKEN_TILE): a decode step's
+// block takes 1 KB, not 32, and registers and shared memory let several times more blocks run on
+// a multiprocessor, whose state loads are what keeps the memory busy. Neither choice changes a
+// row's arithmetic (the columns past Dk add exact zeros).
 constexpr int DELTA_WARPS = 4;
 constexpr int ROWS_PER_WARP = 2;
 constexpr int BLOCK_ROWS = DELTA_WARPS * ROWS_PER_WARP;
-constexpr int MAX_PER_LANE = 8;  // Dk <= 256
 constexpr int TOKEN_TILE = 16;
-constexpr int MAX_DK = 32 * MAX_PER_LANE;
+// Blocks a multiprocessor is to hold at once (registers capped to fit them): a wide decode step
+// is paced by how many state loads are in flight. 12 took a 64-row step of the 4B shape from
+// 110 to 108 µs (f32 state) and 134 to 112 µs (bf16) on an H100, 256 rows from 520 to 474 and
+// 536 to 441 µs, against 8 blocks with the registers free (scripts/cuda/delta-step-bench.cu).
+constexpr int STEPS_MIN_BLOCKS = 12;
 
-template <typename T, typename S>
+template <typename T, typename S, int PER_LANE>
 __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long q_stride, long long k_stride,
                                   long long v_stride, const T* a, const T* beta_logits, long long gate_stride,
                                   const float* a_log,
                                   const float* dt_bias, const S* s_in, S* s_out, const int* slots, float* o,
                                   int B, int Tn, int Hk, int Hv, int Dk, int Dv) {
-    __shared__ float q_tile[TOKEN_TILE][MAX_DK];
-    __shared__ float k_tile[TOKEN_TILE][MAX_DK];
+    // q and k of the tile's tokens, normalised: [min(Tn, TOKEN_TILE)][Dk] each.
+    extern __shared__ __align__(128) unsigned char shared[];
+    float* q_tile = reinterpret_cast<float*>(shared);
+    float* k_tile = q_tile + min(Tn, TOKEN_TILE) * Dk;
     __shared__ float v_tile[TOKEN_TILE][BLOCK_ROWS];
     __shared__ float o_tile[TOKEN_TILE][BLOCK_ROWS];
     __shared__ float decay_tile[TOKEN_TILE];
@@ -154,12 +165,12 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
     const float q_scale = rsqrtf((float)Dk);
     const float neg_a = -expf(a_log[h]);
 
-    float s[ROWS_PER_WARP][MAX_PER_LANE];
+    float s[ROWS_PER_WARP][PER_LANE];
 #pragma unroll
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
         const int row = block_row + warp_row + r;
 #pragma unroll
-        for (int i = 0; i < MAX_PER_LANE; ++i) {
+        for (int i = 0; i < PER_LANE; ++i) {
             const int d = lane + 32 * i;
             s[r][i] = (row < Dv && d < Dk) ? to_f32(s_in[(head * Dv + row) * Dk + d]) : 0.0f;
         }
@@ -171,9 +182,9 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
             const long long tok = (long long)b * Tn + t0 + tt;
             const T* qt = q + tok * q_stride + (long long)hk * Dk;
             const T* kt = k + tok * k_stride + (long long)hk * Dk;
-            float qv[MAX_PER_LANE], kv[MAX_PER_LANE], qq = 0.0f, kk = 0.0f;
+            float qv[PER_LANE], kv[PER_LANE], qq = 0.0f, kk = 0.0f;
 #pragma unroll
-            for (int i = 0; i < MAX_PER_LANE; ++i) {
+            for (int i = 0; i < PER_LANE; ++i) {
                 const int d = lane + 32 * i;
                 qv[i] = d < Dk ? to_f32(qt[d]) : 0.0f;
                 kv[i] = d < Dk ? to_f32(kt[d]) : 0.0f;
@@ -182,11 +193,11 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
             }
             const float q_inv = rsqrtf(warp_sum(qq) + 1e-6f) * q_scale, k_inv = rsqrtf(warp_sum(kk) + 1e-6f);
 #pragma unroll
-            for (int i = 0; i < MAX_PER_LANE; ++i) {
+            for (int i = 0; i < PER_LANE; ++i) {
                 const int d = lane + 32 * i;
                 if (d < Dk) {
-                    q_tile[tt][d] = qv[i] * q_inv;
-                    k_tile[tt][d] = kv[i] * k_inv;
+                    q_tile[tt * Dk + d] = qv[i] * q_inv;
+                    k_tile[tt * Dk + d] = kv[i] * k_inv;
                 }
             }
             if (lane < BLOCK_ROWS) {
@@ -202,18 +213,18 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
         __syncthreads();
         for (int tt = 0; tt < tile; ++tt) {
             const float decay = decay_tile[tt], beta = beta_tile[tt];
-            float kv[MAX_PER_LANE], qv[MAX_PER_LANE];
+            float kv[PER_LANE], qv[PER_LANE];
 #pragma unroll
-            for (int i = 0; i < MAX_PER_LANE; ++i) {
+            for (int i = 0; i < PER_LANE; ++i) {
                 const int d = lane + 32 * i;
-                kv[i] = d < Dk ? k_tile[tt][d] : 0.0f;
-                qv[i] = d < Dk ? q_tile[tt][d] : 0.0f;
+                kv[i] = d < Dk ? k_tile[tt * Dk + d] : 0.0f;
+                qv[i] = d < Dk ? q_tile[tt * Dk + d] : 0.0f;
             }
 #pragma unroll
             for (int r = 0; r < ROWS_PER_WARP; ++r) {
                 float remembered = 0.0f;
 #pragma unroll
-                for (int i = 0; i < MAX_PER_LANE; ++i) {
+                for (int i = 0; i < PER_LANE; ++i) {
                     s[r][i] *= decay;
                     remembered += s[r][i] * kv[i];
                 }
@@ -221,7 +232,7 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
                 const float delta = beta * (v_tile[tt][warp_row + r] - remembered);
                 float out = 0.0f;
 #pragma unroll
-                for (int i = 0; i < MAX_PER_LANE; ++i) {
+                for (int i = 0; i < PER_LANE; ++i) {
                     s[r][i] += delta * kv[i];
                     out += s[r][i] * qv[i];
                 }
@@ -230,7 +241,7 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
                 // The state as stored between tokens (a no-op for f32): a verify block leaves
                 // each position what decoding it alone would.
 #pragma unroll
-                for (int i = 0; i < MAX_PER_LANE; ++i) s[r][i] = round_to<S>(s[r][i]);
+                for (int i = 0; i < PER_LANE; ++i) s[r][i] = round_to<S>(s[r][i]);
             }
         }
         __syncthreads();
@@ -243,7 +254,7 @@ __device__ void gated_delta_steps(const T* q, const T* k, const T* v, long long 
     for (int r = 0; r < ROWS_PER_WARP; ++r) {
         const int row = block_row + warp_row + r;
 #pragma unroll
-        for (int i = 0; i < MAX_PER_LANE; ++i) {
+        for (int i = 0; i < PER_LANE; ++i) {
             const int d = lane + 32 * i;
             if (row < Dv && d < Dk) s_out[(head * Dv + row) * Dk + d] = from_f32<S>(s[r][i]);
         }
@@ -695,17 +706,22 @@ __device__ void scatter_rows(const T* src, T* dst, const int* rows, long long ro
         await_previous_kernel();                                                                               \
         scatter_rows<T>(src, dst, rows, row_len, n);                                                            \
     }                                                                                                            \
-    INSTANTIATE_STEPS(T, float, NAME)                                                                            \
-    INSTANTIATE_STEPS(T, __nv_bfloat16, bf16_state_##NAME)
-// The step kernel for a state stored in S (f32, or bf16 with --mamba-ssm-cache-dtype).
-#define INSTANTIATE_STEPS(T, S, NAME)                                                                            \
-    extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32) gated_delta_steps_##NAME(                     \
+    INSTANTIATE_STEPS(T, float, , NAME)                                                                          \
+    INSTANTIATE_STEPS(T, __nv_bfloat16, _bf16_state, NAME)
+// The step kernels for a state stored in S (f32, or bf16 with --mamba-ssm-cache-dtype), one per
+// head width: gated_delta_steps[_bf16_state]_k{32,128,256}_NAME.
+#define INSTANTIATE_STEPS(T, S, STATE, NAME)                                                                     \
+    STEPS_KERNEL(T, S, 1, gated_delta_steps##STATE##_k32_##NAME)                                                 \
+    STEPS_KERNEL(T, S, 4, gated_delta_steps##STATE##_k128_##NAME)                                                \
+    STEPS_KERNEL(T, S, 8, gated_delta_steps##STATE##_k256_##NAME)
+#define STEPS_KERNEL(T, S, PER_LANE, KERNEL)                                                                     \
+    extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32, STEPS_MIN_BLOCKS) KERNEL(                                       \
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
         const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias,      \
         const S* s_in, S* s_out, const int* slots, float* o, int B, int Tn, int Hk, int Hv, int Dk, int Dv) {   \
         await_previous_kernel();                                                                                \
-        gated_delta_steps<T, S>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride, a_log,      \
-                                dt_bias, s_in, s_out, slots, o, B, Tn, Hk, Hv, Dk, Dv);                         \
+        gated_delta_steps<T, S, PER_LANE>(q, k, v, q_stride, k_stride, v_stride, a, beta_logits, gate_stride,   \
+                                          a_log, dt_bias, s_in, s_out, slots, o, B, Tn, Hk, Hv, Dk, Dv);        \
     }
 STRATA_FOR_DTYPES(INSTANTIATE)
 

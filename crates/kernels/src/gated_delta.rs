@@ -259,11 +259,19 @@ mod gpu {
     use crate::cuda::{self, Arg};
     use crate::Result;
 
-    /// The kernel's tiling (cuda/recurrent.cu): warps per block, state rows per warp, and the
-    /// widest key head its registers hold.
+    /// The kernel's tiling (cuda/recurrent.cu): warps per block, state rows per warp, tokens
+    /// staged at once, and the key head widths it is compiled for (each lane holds a 32nd of a
+    /// row), the widest last.
     const WARPS: usize = 4;
     const ROWS_PER_WARP: usize = 2;
-    const MAX_KEY_DIM: usize = 256;
+    const TOKEN_TILE: usize = 16;
+    const KEY_WIDTHS: [usize; 3] = [32, 128, 256];
+    const MAX_KEY_DIM: usize = KEY_WIDTHS[2];
+    /// The step kernels by state dtype (f32, bf16) and key width.
+    const STEPS: [[&str; 3]; 2] = [
+        ["gated_delta_steps_k32", "gated_delta_steps_k128", "gated_delta_steps_k256"],
+        ["gated_delta_steps_bf16_state_k32", "gated_delta_steps_bf16_state_k128", "gated_delta_steps_bf16_state_k256"],
+    ];
 
     pub(super) fn takes(inputs: &Inputs) -> Result<bool> {
         let Inputs { q, k, v, a, b } = *inputs;
@@ -427,10 +435,11 @@ mod gpu {
         let f32 = |t: &Tensor| t.to_dtype(DType::F32)?.contiguous();
         let (a_log, dt_bias) = (f32(gating.a_log)?, f32(gating.dt_bias)?);
         // The state is read and written in its own dtype (f32, or bf16 stored), held in f32.
-        let (state, kernel) = match state.dtype() {
-            DType::BF16 => (state.contiguous()?, "gated_delta_steps_bf16_state"),
-            _ => (f32(state)?, "gated_delta_steps"),
+        let (state, kernels) = match state.dtype() {
+            DType::BF16 => (state.contiguous()?, STEPS[1]),
+            _ => (f32(state)?, STEPS[0]),
         };
+        let kernel = kernels[KEY_WIDTHS.iter().position(|&w| dk <= w).expect("takes() checked the key width")];
         let dev = q.device();
         let out = cuda::output((bsz, t_len, hv, dv), DType::F32, dev)?;
         let (new_state, slots) = match in_place {
@@ -441,7 +450,8 @@ mod gpu {
         let cfg = LaunchConfig {
             grid_dim: ((bsz * hv) as u32, dv.div_ceil(rows_per_block) as u32, 1),
             block_dim: ((WARPS * 32) as u32, 1, 1),
-            shared_mem_bytes: 0,
+            // Normalised q and k of the tokens staged at once.
+            shared_mem_bytes: (2 * t_len.min(TOKEN_TILE) * dk * 4) as u32,
         };
         let args = [
             Arg::at(&q)?,
