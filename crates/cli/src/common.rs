@@ -120,7 +120,9 @@ impl KvCacheArgs {
         let policy = self.policy()?;
         let mut name = match policy.format {
             KvFormat::Auto => dtype.name().to_string(),
-            _ => format!("{}+kv-{policy}", dtype.name()),
+            // Codes hold smoothed keys where the model smooths them (strata_model::smoothing):
+            // entries written before that are never read as theirs.
+            _ => format!("{}+kv-{policy}+smoothed", dtype.name()),
         };
         if self.mamba_ssm_cache_dtype.dtype() == DType::BF16 {
             name.push_str("+ssm-bf16");

@@ -16,6 +16,7 @@ pub mod literal;
 pub mod model;
 pub mod parallel;
 pub mod qwen3_5;
+pub mod smoothing;
 pub mod source;
 pub mod synthetic;
 pub mod tokenizer;

@@ -207,7 +207,7 @@ impl Model {
         match self {
             Model::Qwen35(m) => m.set_kv_format(kv),
             Model::Dense(m) => m.set_kv_format(kv),
-            Model::Gemma3(m) => m.set_kv_format(kv),
+            Model::Gemma3(m) => m.set_kv_format(kv)?,
         }
         Ok(())
     }

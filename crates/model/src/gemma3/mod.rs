@@ -16,6 +16,7 @@ use crate::error::{ModelError, Result};
 use crate::parallel::{Collective, Parallel, ShardedSource, TensorParallel};
 use crate::qwen3_5::layers::{Linear, Matrix, RmsNorm, Rotary};
 use crate::qwen3_5::Logits;
+use crate::smoothing::{self, AttentionWeights, Side};
 use crate::source::WeightSource;
 
 pub use self::config::{Gemma3Config, RopeSettings};
@@ -27,6 +28,9 @@ struct Attention {
     o_proj: Linear,
     q_norm: RmsNorm,
     k_norm: RmsNorm,
+    /// The query and key norms with the keys smoothed, where the layer's KV is quantized
+    /// ([`smoothing`]).
+    smoothed: Option<(RmsNorm, RmsNorm)>,
 }
 
 struct Mlp {
@@ -119,6 +123,7 @@ impl Gemma3 {
                         o_proj: linear("self_attn.o_proj", hidden, h * d)?,
                         q_norm: norm("self_attn.q_norm", d)?,
                         k_norm: norm("self_attn.k_norm", d)?,
+                        smoothed: None,
                     },
                     post_attn_norm: norm("post_attention_layernorm", hidden)?,
                     pre_mlp_norm: norm("pre_feedforward_layernorm", hidden)?,
@@ -160,8 +165,25 @@ impl Gemma3 {
     }
 
     /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]).
-    pub fn set_kv_format(&mut self, kv: KvPolicy) {
+    pub fn set_kv_format(&mut self, kv: KvPolicy) -> Result<()> {
+        let (layers, rotary_half) = (self.layers.len(), self.cfg.head_dim / 2);
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            let a = &mut layer.attn;
+            a.smoothed = None;
+            if kv.format_at(i, layers)?.is_quantized() {
+                let weights = AttentionWeights {
+                    query: Side { proj: a.q_proj.weight(), norm_scale: a.q_norm.scale() },
+                    key: Side { proj: a.k_proj.weight(), norm_scale: a.k_norm.scale() },
+                    input_scale: layer.input_norm.scale(),
+                    rotary_half,
+                };
+                if let Some(f) = smoothing::key_factors(&weights)? {
+                    a.smoothed = Some((a.q_norm.rescaled(&f)?, a.k_norm.rescaled(&f.recip()?)?));
+                }
+            }
+        }
         self.kv = kv;
+        Ok(())
     }
 
     /// Global layers hold every position's KV, local ones a sliding window's.
@@ -240,8 +262,9 @@ impl Gemma3 {
         let (h, kv, d) = (self.local.num_attention_heads, self.local.num_key_value_heads, self.cfg.head_dim);
         let a = &layer.attn;
         let [q, k, v] = Linear::forward_many([&a.q_proj, &a.k_proj, &a.v_proj], x)?;
-        let q = a.q_norm.forward_rope(&q.reshape((b, t, h, d))?, rope)?;
-        let k = a.k_norm.forward_rope(&k.reshape((b, t, kv, d))?, rope)?;
+        let (q_norm, k_norm) = a.smoothed.as_ref().map_or((&a.q_norm, &a.k_norm), |(q, k)| (q, k));
+        let q = q_norm.forward_rope(&q.reshape((b, t, h, d))?, rope)?;
+        let k = k_norm.forward_rope(&k.reshape((b, t, kv, d))?, rope)?;
         let v = v.reshape((b, t, kv, d))?.transpose(1, 2)?;
         let scoring = Scoring {
             scale: 1.0 / self.cfg.query_pre_attn_scalar.sqrt(),

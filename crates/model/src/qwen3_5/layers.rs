@@ -69,6 +69,10 @@ impl Linear {
         Ok(Self { weight, bias })
     }
 
+    pub fn weight(&self) -> &Matrix {
+        &self.weight
+    }
+
     pub fn from_weight(weight: Matrix) -> Self {
         Self { weight, bias: None }
     }
@@ -199,6 +203,16 @@ impl RmsNorm {
 
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         Ok(norm::rms_norm(x, &self.scale, self.eps as f32)?)
+    }
+
+    /// `1 + w`, f32.
+    pub fn scale(&self) -> &Tensor {
+        &self.scale
+    }
+
+    /// This norm with its output channels multiplied by `factors` `[D]` (f32).
+    pub fn rescaled(&self, factors: &Tensor) -> Result<RmsNorm> {
+        Ok(Self { scale: (&self.scale * factors)?, eps: self.eps })
     }
 
     /// This norm per head of `x` `[B, T, H, D]`, then the rotary embedding with the `rope`
