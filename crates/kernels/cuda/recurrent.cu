@@ -135,10 +135,12 @@ constexpr int DELTA_WARPS = 4;
 constexpr int ROWS_PER_WARP = 2;
 constexpr int BLOCK_ROWS = DELTA_WARPS * ROWS_PER_WARP;
 constexpr int TOKEN_TILE = 16;
-// Blocks a multiprocessor is to hold at once (registers capped to fit them): a wide decode step
-// is paced by how many state loads are in flight. 12 took a 64-row step of the 4B shape from
-// 110 to 108 µs (f32 state) and 134 to 112 µs (bf16) on an H100, 256 rows from 520 to 474 and
-// 536 to 441 µs, against 8 blocks with the registers free (scripts/cuda/delta-step-bench.cu).
+// Blocks a multiprocessor is to hold at once for 128-wide heads (registers capped to fit them,
+// spilling 12 bytes): a wide decode step is paced by how many state loads are in flight. 12
+// took a 64-row step of the 4B shape from 110 to 108 µs (f32 state) and 134 to 112 µs (bf16) on
+// an H100, 256 rows from 520 to 474 and 536 to 441 µs, against 8 blocks with the registers free
+// (scripts/cuda/delta-step-bench.cu). Other widths are not capped (256-wide heads would spill
+// over 100 bytes; neither is measured).
 constexpr int STEPS_MIN_BLOCKS = 12;
 
 template <typename T, typename S, int PER_LANE>
@@ -711,11 +713,11 @@ __device__ void scatter_rows(const T* src, T* dst, const int* rows, long long ro
 // The step kernels for a state stored in S (f32, or bf16 with --mamba-ssm-cache-dtype), one per
 // head width: gated_delta_steps[_bf16_state]_k{32,128,256}_NAME.
 #define INSTANTIATE_STEPS(T, S, STATE, NAME)                                                                     \
-    STEPS_KERNEL(T, S, 1, gated_delta_steps##STATE##_k32_##NAME)                                                 \
-    STEPS_KERNEL(T, S, 4, gated_delta_steps##STATE##_k128_##NAME)                                                \
-    STEPS_KERNEL(T, S, 8, gated_delta_steps##STATE##_k256_##NAME)
-#define STEPS_KERNEL(T, S, PER_LANE, KERNEL)                                                                     \
-    extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32, STEPS_MIN_BLOCKS) KERNEL(                                       \
+    STEPS_KERNEL(T, S, 1, 1, gated_delta_steps##STATE##_k32_##NAME)                                              \
+    STEPS_KERNEL(T, S, 4, STEPS_MIN_BLOCKS, gated_delta_steps##STATE##_k128_##NAME)                              \
+    STEPS_KERNEL(T, S, 8, 1, gated_delta_steps##STATE##_k256_##NAME)
+#define STEPS_KERNEL(T, S, PER_LANE, MIN_BLOCKS, KERNEL)                                                         \
+    extern "C" __global__ void __launch_bounds__(DELTA_WARPS * 32, MIN_BLOCKS) KERNEL(                           \
         const T* q, const T* k, const T* v, long long q_stride, long long k_stride, long long v_stride,         \
         const T* a, const T* beta_logits, long long gate_stride, const float* a_log, const float* dt_bias,      \
         const S* s_in, S* s_out, const int* slots, float* o, int B, int Tn, int Hk, int Hv, int Dk, int Dv) {   \
