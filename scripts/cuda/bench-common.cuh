@@ -33,12 +33,14 @@ __global__ void fill(bf16* p, long long n, unsigned seed, float range = 0.1f) {
 }
 
 // `kernel` launched as a programmatic dependent of the launch before it, as strata launches its
-// kernels (crates/kernels/src/cuda.rs).
+// kernels (crates/kernels/src/cuda.rs), with `shared` bytes of dynamic shared memory.
 template <typename... Params, typename... Args>
-static void dependent(cudaStream_t stream, dim3 grid, dim3 block, void (*kernel)(Params...), Args... args) {
+static void dependent_shared(cudaStream_t stream, dim3 grid, dim3 block, size_t shared, void (*kernel)(Params...),
+                             Args... args) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = grid;
     cfg.blockDim = block;
+    cfg.dynamicSmemBytes = shared;
     cfg.stream = stream;
     cudaLaunchAttribute attr;
     attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -46,6 +48,12 @@ static void dependent(cudaStream_t stream, dim3 grid, dim3 block, void (*kernel)
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
     CHECK(cudaLaunchKernelEx(&cfg, kernel, args...));
+}
+
+// `dependent_shared` without dynamic shared memory.
+template <typename... Params, typename... Args>
+static void dependent(cudaStream_t stream, dim3 grid, dim3 block, void (*kernel)(Params...), Args... args) {
+    dependent_shared(stream, grid, block, 0, kernel, args...);
 }
 
 // Microseconds per run of `body`'s launches on `stream`, over `replays` runs after 3 warm-ups.

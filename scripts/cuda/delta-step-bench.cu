@@ -70,21 +70,11 @@ static void run(cudaStream_t stream, Steps<S> kernel, const char* name) {
             const size_t shared = 2 * std::min(tokens, TOKEN_TILE) * D * sizeof(float);
             const double us = graph_us(stream, 20, [&] {
                 for (S* pool : pools) {
-                    cudaLaunchConfig_t cfg = {};
-                    cfg.gridDim = grid;
-                    cfg.blockDim = block;
-                    cfg.dynamicSmemBytes = shared;
-                    cfg.stream = stream;
-                    cudaLaunchAttribute attr;
-                    attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-                    attr.val.programmaticStreamSerializationAllowed = 1;
-                    cfg.attrs = &attr;
-                    cfg.numAttrs = 1;
-                    CHECK(cudaLaunchKernelEx(&cfg, kernel, (const bf16*)mixed, (const bf16*)(mixed + HK * D),
-                                             (const bf16*)(mixed + 2 * HK * D), stride, stride, stride, (const bf16*)gates,
-                                             (const bf16*)(gates + HV), (long long)(2 * HV), (const float*)a_log,
-                                             (const float*)dt_bias, (const S*)pool, pool, (const int*)slots, out, rows,
-                                             tokens, HK, HV, D, D));
+                    dependent_shared(stream, grid, block, shared, kernel, (const bf16*)mixed, (const bf16*)(mixed + HK * D),
+                                     (const bf16*)(mixed + 2 * HK * D), stride, stride, stride, (const bf16*)gates,
+                                     (const bf16*)(gates + HV), (long long)(2 * HV), (const float*)a_log,
+                                     (const float*)dt_bias, (const S*)pool, pool, (const int*)slots, out, rows, tokens,
+                                     HK, HV, D, D);
                 }
             }) / LAYERS;
             const double bytes = 2.0 * rows * per_row * sizeof(S);
@@ -100,6 +90,9 @@ static void run(cudaStream_t stream, Steps<S> kernel, const char* name) {
     CHECK(cudaFree(mixed));
     CHECK(cudaFree(gates));
     CHECK(cudaFree(out));
+    CHECK(cudaFree(a_log));
+    CHECK(cudaFree(dt_bias));
+    CHECK(cudaFree(slots));
 }
 
 int main() {
