@@ -121,8 +121,9 @@ impl KvCacheArgs {
         let mut name = match policy.format {
             KvFormat::Auto => dtype.name().to_string(),
             // Codes hold smoothed keys where the model smooths them (strata_model::smoothing):
-            // entries written before that are never read as theirs.
-            _ => format!("{}+kv-{policy}+smoothed", dtype.name()),
+            // entries written before that are never read as theirs. Revision 2: Qwen3 and
+            // Qwen3.5 smoothed too (revision 1, `+smoothed`, was Gemma 3 alone).
+            _ => format!("{}+kv-{policy}+smoothing2", dtype.name()),
         };
         if self.mamba_ssm_cache_dtype.dtype() == DType::BF16 {
             name.push_str("+ssm-bf16");

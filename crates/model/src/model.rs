@@ -205,8 +205,8 @@ impl Model {
         }
         self.state_spec().with_kv(kv.clone())?;
         match self {
-            Model::Qwen35(m) => m.set_kv_format(kv),
-            Model::Dense(m) => m.set_kv_format(kv),
+            Model::Qwen35(m) => m.set_kv_format(kv)?,
+            Model::Dense(m) => m.set_kv_format(kv)?,
             Model::Gemma3(m) => m.set_kv_format(kv)?,
         }
         Ok(())

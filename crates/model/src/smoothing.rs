@@ -20,8 +20,10 @@ use crate::qwen3_5::layers::Matrix;
 
 /// One side (queries or keys) of an attention layer: the weights that set its channels' sizes.
 pub struct Side<'a> {
-    /// The projection `[heads · D, hidden]`.
+    /// The projection `[rows, hidden]` that makes this side's channels (possibly with others').
     pub proj: &'a Matrix,
+    /// The projection's rows that are this side's channels, head after head (`heads · D`).
+    pub rows: Vec<u32>,
     /// The per-head norm's per-channel scale `[D]`.
     pub norm_scale: &'a Tensor,
 }
@@ -70,11 +72,10 @@ pub fn key_factors(layer: &AttentionWeights) -> Result<Option<Tensor>> {
 fn channel_sizes(side: &Side, layer: &AttentionWeights) -> Result<Vec<f32>> {
     let norm_scale: Vec<f32> = side.norm_scale.to_dtype(DType::F32)?.to_vec1()?;
     let d = norm_scale.len();
-    let rows = side.proj.rows()?;
-    let ids = Tensor::arange(0u32, rows as u32, layer.input_scale.device())?;
+    let ids = Tensor::new(side.rows.as_slice(), layer.input_scale.device())?;
     let weighted = side.proj.rows_at(&ids, DType::F32)?.broadcast_mul(&layer.input_scale.to_dtype(DType::F32)?)?;
     // [heads, D]: each row's squared norm, then the mean over heads.
-    let row_sq = weighted.sqr()?.sum(1)?.reshape((rows / d, d))?.mean(0)?.to_vec1::<f32>()?;
+    let row_sq = weighted.sqr()?.sum(1)?.reshape((side.rows.len() / d, d))?.mean(0)?.to_vec1::<f32>()?;
     Ok(row_sq.iter().zip(&norm_scale).map(|(sq, s)| sq.sqrt() * s.abs()).collect())
 }
 
@@ -95,8 +96,8 @@ mod tests {
         let ones = Tensor::ones(4, DType::F32, &Device::Cpu).unwrap();
         let layer = |k_rows: &Matrix, q_rows: &Matrix| {
             let weights = AttentionWeights {
-                query: Side { proj: q_rows, norm_scale: &ones },
-                key: Side { proj: k_rows, norm_scale: &ones },
+                query: Side { proj: q_rows, rows: (0..4).collect(), norm_scale: &ones },
+                key: Side { proj: k_rows, rows: (0..4).collect(), norm_scale: &ones },
                 input_scale: &ones,
                 rotary_half: 1,
             };

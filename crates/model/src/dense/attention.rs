@@ -9,6 +9,7 @@ use super::config::DenseConfig;
 use super::norm::RmsNorm;
 use crate::error::Result;
 use crate::qwen3_5::layers::Linear;
+use crate::smoothing::{self, AttentionWeights, Side};
 use crate::source::WeightSource;
 
 pub struct Attention {
@@ -17,6 +18,9 @@ pub struct Attention {
     v_proj: Linear,
     o_proj: Linear,
     qk_norm: Option<(RmsNorm, RmsNorm)>,
+    /// The q/k norms with the keys smoothed, where the layer's KV is quantized
+    /// ([`crate::smoothing`]; models with q/k norms only).
+    smoothed: Option<(RmsNorm, RmsNorm)>,
     heads: usize,
     kv_heads: usize,
     head_dim: usize,
@@ -34,10 +38,32 @@ impl Attention {
             v_proj: linear("v_proj", kv * d, hidden, cfg.qkv_bias)?,
             o_proj: linear("o_proj", hidden, h * d, cfg.o_bias)?,
             qk_norm: if cfg.qk_norm() { Some((norm("q_norm")?, norm("k_norm")?)) } else { None },
+            smoothed: None,
             heads: h,
             kv_heads: kv,
             head_dim: d,
         })
+    }
+
+    /// Smooths the keys ([`crate::smoothing`]) where `quantized` (the layer's KV is stored in
+    /// codes) and the layer normalises its queries and keys, or stops: `input_scale` is the
+    /// layer's input norm's weight. The rotary embedding turns channel pairs half a head apart.
+    pub fn smooth_keys(&mut self, quantized: bool, input_scale: &Tensor) -> Result<()> {
+        self.smoothed = None;
+        let Some((q_norm, k_norm)) = self.qk_norm.as_ref().filter(|_| quantized) else {
+            return Ok(());
+        };
+        let (h, kv, d) = (self.heads as u32, self.kv_heads as u32, self.head_dim as u32);
+        let weights = AttentionWeights {
+            query: Side { proj: self.q_proj.weight(), rows: (0..h * d).collect(), norm_scale: q_norm.scale() },
+            key: Side { proj: self.k_proj.weight(), rows: (0..kv * d).collect(), norm_scale: k_norm.scale() },
+            input_scale,
+            rotary_half: self.head_dim / 2,
+        };
+        if let Some(f) = smoothing::key_factors(&weights)? {
+            self.smoothed = Some((q_norm.rescaled(&f)?, k_norm.rescaled(&f.recip()?)?));
+        }
+        Ok(())
     }
 
     /// `x` `[B, T, hidden]`; `rope_tables` holds the per-row cos/sin tables for these positions.
@@ -47,7 +73,7 @@ impl Attention {
         let mut q = self.q_proj.forward(x)?.reshape((b, t, h, d))?;
         let mut k = self.k_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?;
         let v = self.v_proj.forward(x)?.reshape((b, t, self.kv_heads, d))?.transpose(1, 2)?;
-        if let Some((q_norm, k_norm)) = &self.qk_norm {
+        if let Some((q_norm, k_norm)) = self.smoothed.as_ref().or(self.qk_norm.as_ref()) {
             q = q_norm.forward(&q)?;
             k = k_norm.forward(&k)?;
         }

@@ -115,9 +115,15 @@ impl Dense {
         &self.device
     }
 
-    /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]).
-    pub fn set_kv_format(&mut self, kv: KvPolicy) {
+    /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]),
+    /// with the keys of layers whose KV is quantized smoothed ([`crate::smoothing`]).
+    pub fn set_kv_format(&mut self, kv: KvPolicy) -> Result<()> {
+        let layers = self.layers.len();
+        for (i, layer) in self.layers.iter_mut().enumerate() {
+            layer.attn.smooth_keys(kv.format_at(i, layers)?.is_quantized(), layer.input_norm.scale())?;
+        }
         self.kv = kv;
+        Ok(())
     }
 
     /// Every layer holds full-attention KV.

@@ -166,14 +166,23 @@ impl Gemma3 {
 
     /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]).
     pub fn set_kv_format(&mut self, kv: KvPolicy) -> Result<()> {
-        let (layers, rotary_half) = (self.layers.len(), self.cfg.head_dim / 2);
+        let (layers, rotary_half, d) = (self.layers.len(), self.cfg.head_dim / 2, self.cfg.head_dim);
+        let (heads, kv_heads) = (self.local.num_attention_heads, self.local.num_key_value_heads);
         for (i, layer) in self.layers.iter_mut().enumerate() {
             let a = &mut layer.attn;
             a.smoothed = None;
             if kv.format_at(i, layers)?.is_quantized() {
                 let weights = AttentionWeights {
-                    query: Side { proj: a.q_proj.weight(), norm_scale: a.q_norm.scale() },
-                    key: Side { proj: a.k_proj.weight(), norm_scale: a.k_norm.scale() },
+                    query: Side {
+                        proj: a.q_proj.weight(),
+                        rows: (0..(heads * d) as u32).collect(),
+                        norm_scale: a.q_norm.scale(),
+                    },
+                    key: Side {
+                        proj: a.k_proj.weight(),
+                        rows: (0..(kv_heads * d) as u32).collect(),
+                        norm_scale: a.k_norm.scale(),
+                    },
                     input_scale: layer.input_norm.scale(),
                     rotary_half,
                 };

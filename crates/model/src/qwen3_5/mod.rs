@@ -403,9 +403,21 @@ impl Qwen35 {
         &self.device
     }
 
-    /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]).
-    pub fn set_kv_format(&mut self, kv: KvPolicy) {
+    /// Stores attention KV in `kv` in states built from now on (see [`crate::Model::set_kv_format`]),
+    /// with the keys of layers whose KV is quantized smoothed ([`crate::smoothing`]).
+    pub fn set_kv_format(&mut self, kv: KvPolicy) -> Result<()> {
+        let attention_layers = self.layers.iter().filter(|l| matches!(l.mixer, Mixer::Full(_))).count();
+        let rotary_half = self.cfg.rotary_dim() / 2;
+        let mut index = 0;
+        for layer in &mut self.layers {
+            if let Mixer::Full(attention) = &mut layer.mixer {
+                let quantized = kv.format_at(index, attention_layers)?.is_quantized();
+                attention.smooth_keys(quantized, layer.input_norm.scale(), rotary_half)?;
+                index += 1;
+            }
+        }
         self.kv = kv;
+        Ok(())
     }
 
     /// Stores DeltaNet layers' recurrent matrices in `dtype` (f32 or bf16) in states built from
