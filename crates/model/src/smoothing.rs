@@ -2,9 +2,9 @@
 //! largest value: where a few channels are far larger than the rest, the rest are rounded away
 //! (Gemma 3 270M with 4-bit groups of 64: +48% perplexity); TurboQuant's rotation spreads such
 //! channels over all of them, but a vector's error still grows with their size (+17%). In a
-//! model that normalises queries and keys per head (Gemma 3), a channel's size is set by
-//! weights: the projection's row for it (over inputs scaled by the input norm) and the per-head
-//! norm's weight. So, as SmoothQuant moves a matmul's outliers between its operands, the key
+//! model that normalises queries and keys per head (Gemma 3, Qwen3, Qwen3.5), a channel's size
+//! is set by weights: the projection's row for it (over inputs scaled by the input norm) and the
+//! per-head norm's weight. So, as SmoothQuant moves a matmul's outliers between its operands, the key
 //! norm's output is divided per channel by a factor and the query norm's multiplied by the
 //! same, the factor `sqrt(key size / query size)` relative to the head's median channel: every
 //! score `q·k` is the same number, while the stored keys' channels are nearer one size. The two
