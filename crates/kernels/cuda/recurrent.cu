@@ -139,7 +139,8 @@ constexpr int TOKEN_TILE = 16;
 // spilling 12 bytes): a wide decode step is paced by how many state loads are in flight. 12
 // took a 64-row step of the 4B shape from 110 to 108 µs (f32 state) and 134 to 112 µs (bf16) on
 // an H100, 256 rows from 520 to 474 and 536 to 441 µs, against 8 blocks with the registers free
-// (scripts/cuda/delta-step-bench.cu). Other widths are not capped (256-wide heads would spill
+// (scripts/cuda/delta-step-bench.cu); end to end, 64-row decode +5% (f32) and +15% (bf16),
+// 256 rows +13% (docs/benchmarks.md). Other widths are not capped (256-wide heads would spill
 // over 100 bytes; neither is measured).
 constexpr int STEPS_MIN_BLOCKS = 12;
 

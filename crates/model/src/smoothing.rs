@@ -66,6 +66,21 @@ pub fn key_factors(layer: &AttentionWeights) -> Result<Option<Tensor>> {
     Ok(Some(Tensor::new(factors, layer.input_scale.device())?))
 }
 
+/// A per-head norm whose output channels smoothing rescales (Qwen3.5 / Gemma 3's `1 + w` norm,
+/// the dense decoders' `w` norm).
+pub trait ChannelNorm: Sized {
+    /// Its per-channel scale `[D]`.
+    fn scale(&self) -> &Tensor;
+    /// This norm with its output channels multiplied by `factors` `[D]` (f32 powers of two).
+    fn rescaled(&self, factors: &Tensor) -> Result<Self>;
+}
+
+/// The layer's query and key norms rescaled by [`key_factors`] (queries multiplied, keys
+/// divided); `None` where every factor is 1. `layer`'s sides read these norms' scales.
+pub fn smoothed_norms<N: ChannelNorm>(layer: &AttentionWeights, q_norm: &N, k_norm: &N) -> Result<Option<(N, N)>> {
+    key_factors(layer)?.map(|f| Ok((q_norm.rescaled(&f)?, k_norm.rescaled(&f.recip()?)?))).transpose()
+}
+
 /// Each channel's size `[D]` on one side: over the heads, the RMS of the norm of the projection's
 /// row for it weighted by the input norm's scale (the size it gives inputs of unit channels),
 /// times the per-head norm's scale.

@@ -9,7 +9,7 @@ use super::config::DenseConfig;
 use super::norm::RmsNorm;
 use crate::error::Result;
 use crate::qwen3_5::layers::Linear;
-use crate::smoothing::{self, AttentionWeights, Side};
+use crate::smoothing::{self, AttentionWeights, ChannelNorm, Side};
 use crate::source::WeightSource;
 
 pub struct Attention {
@@ -60,9 +60,7 @@ impl Attention {
             input_scale,
             rotary_half: self.head_dim / 2,
         };
-        if let Some(f) = smoothing::key_factors(&weights)? {
-            self.smoothed = Some((q_norm.rescaled(&f)?, k_norm.rescaled(&f.recip()?)?));
-        }
+        self.smoothed = smoothing::smoothed_norms(&weights, q_norm, k_norm)?;
         Ok(())
     }
 

@@ -17,6 +17,7 @@ use crate::error::{ModelError, Result};
 use crate::parallel::{Collective, Parallel, ShardedSource, TensorParallel};
 use crate::qwen3_5::layers::{Linear, Matrix, Mlp, Rotary};
 use crate::qwen3_5::Logits;
+use crate::smoothing::ChannelNorm;
 use crate::source::WeightSource;
 
 pub use self::config::{DenseConfig, DenseFamily, Llama3Scaling};

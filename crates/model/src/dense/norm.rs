@@ -20,22 +20,22 @@ impl RmsNorm {
         Ok(Self { weight, ones, eps: eps as f32 })
     }
 
-    /// The per-channel weight `[dim]`, in the model dtype.
-    pub fn scale(&self) -> &Tensor {
-        &self.weight
-    }
-
-    /// This norm with its output channels multiplied by `factors` `[dim]` (f32; powers of two,
-    /// so the product in the model dtype is exact).
-    pub fn rescaled(&self, factors: &Tensor) -> Result<RmsNorm> {
-        let weight = (self.weight.to_dtype(DType::F32)? * factors)?.to_dtype(self.weight.dtype())?;
-        Ok(Self { weight, ones: self.ones.clone(), eps: self.eps })
-    }
-
     /// Normalises in f32, rounds to `x`'s dtype, then scales: transformers' order, so half
     /// precision rounds where it does.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let normed = candle_nn::ops::rms_norm(&x.to_dtype(DType::F32)?.contiguous()?, &self.ones, self.eps)?;
         Ok(normed.to_dtype(x.dtype())?.broadcast_mul(&self.weight)?)
+    }
+}
+
+/// The weight, in the model dtype, is the scale: rescaled by powers of two it stays exact.
+impl crate::smoothing::ChannelNorm for RmsNorm {
+    fn scale(&self) -> &Tensor {
+        &self.weight
+    }
+
+    fn rescaled(&self, factors: &Tensor) -> Result<RmsNorm> {
+        let weight = (self.weight.to_dtype(DType::F32)? * factors)?.to_dtype(self.weight.dtype())?;
+        Ok(Self { weight, ones: self.ones.clone(), eps: self.eps })
     }
 }

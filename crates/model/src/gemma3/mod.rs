@@ -16,7 +16,7 @@ use crate::error::{ModelError, Result};
 use crate::parallel::{Collective, Parallel, ShardedSource, TensorParallel};
 use crate::qwen3_5::layers::{Linear, Matrix, RmsNorm, Rotary};
 use crate::qwen3_5::Logits;
-use crate::smoothing::{self, AttentionWeights, Side};
+use crate::smoothing::{self, AttentionWeights, ChannelNorm, Side};
 use crate::source::WeightSource;
 
 pub use self::config::{Gemma3Config, RopeSettings};
@@ -186,9 +186,7 @@ impl Gemma3 {
                     input_scale: layer.input_norm.scale(),
                     rotary_half,
                 };
-                if let Some(f) = smoothing::key_factors(&weights)? {
-                    a.smoothed = Some((a.q_norm.rescaled(&f)?, a.k_norm.rescaled(&f.recip()?)?));
-                }
+                a.smoothed = smoothing::smoothed_norms(&weights, &a.q_norm, &a.k_norm)?;
             }
         }
         self.kv = kv;

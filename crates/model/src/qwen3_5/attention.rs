@@ -8,7 +8,7 @@ use strata_state::KvStore;
 use super::layers::{Linear, Projections, RmsNorm};
 use crate::config::Qwen35Config;
 use crate::error::Result;
-use crate::smoothing::{self, AttentionWeights, Side};
+use crate::smoothing::{self, AttentionWeights, ChannelNorm, Side};
 use crate::source::WeightSource;
 
 pub struct Attention {
@@ -71,9 +71,7 @@ impl Attention {
             input_scale,
             rotary_half,
         };
-        if let Some(f) = smoothing::key_factors(&weights)? {
-            self.smoothed = Some((self.q_norm.rescaled(&f)?, self.k_norm.rescaled(&f.recip()?)?));
-        }
+        self.smoothed = smoothing::smoothed_norms(&weights, &self.q_norm, &self.k_norm)?;
         Ok(())
     }
 

@@ -205,16 +205,6 @@ impl RmsNorm {
         Ok(norm::rms_norm(x, &self.scale, self.eps as f32)?)
     }
 
-    /// `1 + w`, f32.
-    pub fn scale(&self) -> &Tensor {
-        &self.scale
-    }
-
-    /// This norm with its output channels multiplied by `factors` `[D]` (f32).
-    pub fn rescaled(&self, factors: &Tensor) -> Result<RmsNorm> {
-        Ok(Self { scale: (&self.scale * factors)?, eps: self.eps })
-    }
-
     /// This norm per head of `x` `[B, T, H, D]`, then the rotary embedding with the `rope`
     /// tables: `[B, H, T, D]`.
     pub fn forward_rope(&self, x: &Tensor, rope: &(Tensor, Tensor)) -> Result<Tensor> {
@@ -364,5 +354,16 @@ impl Rotary {
             }
         }
         (cos, sin)
+    }
+}
+
+/// The scale is `1 + w`, f32.
+impl crate::smoothing::ChannelNorm for RmsNorm {
+    fn scale(&self) -> &Tensor {
+        &self.scale
+    }
+
+    fn rescaled(&self, factors: &Tensor) -> Result<RmsNorm> {
+        Ok(Self { scale: (&self.scale * factors)?, eps: self.eps })
     }
 }

@@ -25,6 +25,7 @@ pub use self::vision::{expand_image_tokens, image_cache_key, mrope_positions, Im
 use crate::config::{FeedForward, LayerKind, Qwen35Config};
 use crate::error::{ModelError, Result};
 use crate::parallel::{Collective, Parallel, ShardedSource, TensorParallel};
+use crate::smoothing::ChannelNorm;
 use crate::source::WeightSource;
 
 enum Mixer {
