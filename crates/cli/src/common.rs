@@ -60,7 +60,8 @@ impl SsmCacheDtype {
 pub struct KvCacheArgs {
     /// How attention keys and values are stored: auto (as computed, in --dtype);
     /// affine2..affine8 (that many bits a coordinate, a bf16 scale and bias per group of
-    /// --kv-group-size); turbo1..turbo8 or turbo-k<bits>[ip]v<bits> (TurboQuant, keys and values
+    /// --kv-group-size), or affine-k<bits>v<bits> with keys and values at their own bits (e.g.
+    /// affine-k8v4); turbo1..turbo8 or turbo-k<bits>[ip]v<bits> (TurboQuant, keys and values
     /// at their own bits, `ip` for unbiased inner-product keys), e.g. turbo4, turbo-k4v3.
     #[arg(long, default_value = "auto", value_parser = clap::value_parser!(KvFormat))]
     pub kv_cache_dtype: KvFormat,
@@ -89,9 +90,11 @@ impl KvCacheArgs {
     pub fn policy(&self) -> Result<KvPolicy> {
         let format = match (self.kv_cache_dtype, self.kv_group_size) {
             (format, None) => format,
-            (KvFormat::Affine { bits, .. }, Some(group)) => {
-                format!("affine{bits}-g{group}").parse().map_err(|e: String| anyhow::anyhow!("--kv-group-size {group}: {e}"))?
-            }
+            (format @ KvFormat::Affine { .. }, Some(group)) => format
+                .with_group(group)
+                .to_string()
+                .parse()
+                .map_err(|e: String| anyhow::anyhow!("--kv-group-size {group}: {e}"))?,
             (format, Some(_)) => bail!("--kv-group-size applies to affine formats, not --kv-cache-dtype {format}"),
         };
         if !format.is_quantized() && (!self.kv_unquantized_layers.is_empty() || self.quantized_kv_start > 0) {

@@ -24,7 +24,7 @@ use common::{assert_same, fixtures, greedy, prompt_tokens, run, run_with, small_
 /// The formats under test, each run on every fixture whose head dimension it codes: alone, and
 /// then delayed to position 20 (within the fixtures' prompts) and with the last KV layer left
 /// unquantized.
-const FORMATS: [&str; 5] = ["turbo3", "turbo-k4ipv2", "affine4-g32", "affine8-g128", "affine3-g64"];
+const FORMATS: [&str; 5] = ["turbo3", "turbo-k4ipv2", "affine4-g32", "affine-k8v4-g128", "affine3-g64"];
 
 /// How a run stores its state: attention KV, and the recurrent layers' matrices.
 #[derive(Clone, Default)]

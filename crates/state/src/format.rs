@@ -35,9 +35,9 @@ pub enum KvFormat {
     /// Keys and values as the model computes them, in its dtype.
     #[default]
     Auto,
-    /// `bits` per coordinate in groups of `group` along the head dimension, with a bf16 scale and
-    /// bias per group.
-    Affine { bits: u32, group: usize },
+    /// `key_bits` per key coordinate and `value_bits` per value coordinate, in groups of `group`
+    /// along the head dimension, with a bf16 scale and bias per group.
+    Affine { key_bits: u32, value_bits: u32, group: usize },
     /// TurboQuant: keys and values each at their own bits; keys optionally in the
     /// inner-product variant (unbiased scores).
     Turbo { key_bits: u32, key_inner_product: bool, value_bits: u32 },
@@ -113,7 +113,7 @@ impl KvFormat {
     /// This format with affine groups of `group` coordinates (other formats have no groups).
     pub fn with_group(self, group: usize) -> KvFormat {
         match self {
-            KvFormat::Affine { bits, .. } => KvFormat::Affine { bits, group },
+            KvFormat::Affine { key_bits, value_bits, .. } => KvFormat::Affine { key_bits, value_bits, group },
             other => other,
         }
     }
@@ -133,7 +133,10 @@ impl KvFormat {
     fn vector_bytes(&self, head_dim: usize, dtype: DType, part: KvPart) -> usize {
         match *self {
             KvFormat::Auto => head_dim * dtype.size_in_bytes(),
-            KvFormat::Affine { bits, group } => head_dim * bits as usize / 8 + 4 * (head_dim / group),
+            KvFormat::Affine { key_bits, value_bits, group } => {
+                let bits = if part == KvPart::Keys { key_bits } else { value_bits };
+                head_dim * bits as usize / 8 + 4 * (head_dim / group)
+            }
             KvFormat::Turbo { key_bits, key_inner_product, value_bits } => match part {
                 // The inner-product variant keeps the residual's norm next to the vector's.
                 KvPart::Keys => head_dim * key_bits as usize / 8 + 2 + 2 * usize::from(key_inner_product),
@@ -147,7 +150,10 @@ impl KvFormat {
         let bad = |e: strata_kernels::kv_quant::CodecError| StateError::Format(format!("--kv-cache-dtype {self}: {e}"));
         match *self {
             KvFormat::Auto => Err(StateError::Format("unquantized KV has no codec".into())),
-            KvFormat::Affine { bits, group } => Ok(HeadCodec::Affine(Affine::new(head_dim, bits, group).map_err(bad)?)),
+            KvFormat::Affine { key_bits, value_bits, group } => {
+                let bits = if part == KvPart::Keys { key_bits } else { value_bits };
+                Ok(HeadCodec::Affine(Affine::new(head_dim, bits, group).map_err(bad)?))
+            }
             KvFormat::Turbo { key_bits, key_inner_product, value_bits } => {
                 let (bits, variant) = match part {
                     KvPart::Keys if key_inner_product => (key_bits, TurboVariant::InnerProduct),
@@ -178,7 +184,8 @@ impl fmt::Display for KvFormat {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match *self {
             KvFormat::Auto => f.write_str("auto"),
-            KvFormat::Affine { bits, group } => write!(f, "affine{bits}-g{group}"),
+            KvFormat::Affine { key_bits, value_bits, group } if key_bits == value_bits => write!(f, "affine{key_bits}-g{group}"),
+            KvFormat::Affine { key_bits, value_bits, group } => write!(f, "affine-k{key_bits}v{value_bits}-g{group}"),
             KvFormat::Turbo { key_bits, key_inner_product: false, value_bits } if key_bits == value_bits => {
                 write!(f, "turbo{key_bits}")
             }
@@ -198,10 +205,12 @@ impl From<KvFormat> for String {
 impl FromStr for KvFormat {
     type Err = String;
 
-    /// `auto`, `affine<bits>[-g<group>]`, `turbo<bits>` or `turbo-k<bits>[ip]v<bits>`.
+    /// `auto`, `affine<bits>[-g<group>]`, `affine-k<bits>v<bits>[-g<group>]`, `turbo<bits>` or
+    /// `turbo-k<bits>[ip]v<bits>`.
     fn from_str(s: &str) -> std::result::Result<Self, String> {
-        let expected = "expected auto, affine2..affine8 (e.g. affine4, affine4-g32), turbo1..turbo8 \
-                        or turbo-k<bits>[ip]v<bits> (e.g. turbo-k4v3, turbo-k4ipv4)";
+        let expected = "expected auto, affine2..affine8 (e.g. affine4, affine4-g32), affine-k<bits>v<bits> \
+                        (e.g. affine-k8v4, affine-k8v4-g32), turbo1..turbo8 or turbo-k<bits>[ip]v<bits> \
+                        (e.g. turbo-k4v3, turbo-k4ipv4)";
         let bits = |b: &str| b.parse::<u32>().map_err(|_| format!("`{s}`: {expected}"));
         let format = if s == "auto" {
             KvFormat::Auto
@@ -210,7 +219,10 @@ impl FromStr for KvFormat {
                 Some((b, g)) => (b, g.parse::<usize>().map_err(|_| format!("`{s}`: {expected}"))?),
                 None => (rest, KvFormat::DEFAULT_GROUP),
             };
-            KvFormat::Affine { bits: bits(b)?, group }
+            match b.strip_prefix("-k").and_then(|kv| kv.split_once('v')) {
+                Some((k, v)) => KvFormat::Affine { key_bits: bits(k)?, value_bits: bits(v)?, group },
+                None => KvFormat::Affine { key_bits: bits(b)?, value_bits: bits(b)?, group },
+            }
         } else if let Some(rest) = s.strip_prefix("turbo-k") {
             let (k, v) = rest.split_once('v').ok_or_else(|| format!("`{s}`: {expected}"))?;
             let (k, ip) = k.strip_suffix("ip").map_or((k, false), |k| (k, true));
@@ -225,7 +237,9 @@ impl FromStr for KvFormat {
         };
         // Codec limits that do not depend on the model (its head dimension is checked on load).
         match format {
-            KvFormat::Affine { bits, group } if !Affine::BITS.contains(&bits) || !Affine::GROUPS.contains(&group) => {
+            KvFormat::Affine { key_bits, value_bits, group }
+                if ![key_bits, value_bits].iter().all(|b| Affine::BITS.contains(b)) || !Affine::GROUPS.contains(&group) =>
+            {
                 Err(format!("`{s}`: affine KV takes 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or 128"))
             }
             KvFormat::Turbo { key_bits, key_inner_product, value_bits }
@@ -635,13 +649,39 @@ mod tests {
 
     #[test]
     fn names_parse_back_to_their_format() {
-        for name in ["auto", "affine8-g64", "affine4-g32", "affine2-g128", "turbo4", "turbo1", "turbo-k4v3", "turbo-k4ipv4"] {
+        for name in [
+            "auto",
+            "affine8-g64",
+            "affine4-g32",
+            "affine2-g128",
+            "affine-k8v4-g64",
+            "affine-k4v8-g32",
+            "turbo4",
+            "turbo1",
+            "turbo-k4v3",
+            "turbo-k4ipv4",
+        ] {
             let format: KvFormat = name.parse().unwrap();
             assert_eq!(format.to_string(), name);
         }
-        assert_eq!("affine4".parse::<KvFormat>().unwrap(), KvFormat::Affine { bits: 4, group: 64 });
-        assert_eq!("affine4".parse::<KvFormat>().unwrap().with_group(32), KvFormat::Affine { bits: 4, group: 32 });
-        for bad in ["affine7", "affine4-g48", "turbo9", "turbo-k1ipv4", "turbo-k4", "fp8", "", "affine"] {
+        assert_eq!("affine4".parse::<KvFormat>().unwrap(), KvFormat::Affine { key_bits: 4, value_bits: 4, group: 64 });
+        assert_eq!(
+            "affine4".parse::<KvFormat>().unwrap().with_group(32),
+            KvFormat::Affine { key_bits: 4, value_bits: 4, group: 32 }
+        );
+        for bad in [
+            "affine7",
+            "affine4-g48",
+            "affine-k7v4",
+            "affine-k8",
+            "affine-k8v4-g48",
+            "turbo9",
+            "turbo-k1ipv4",
+            "turbo-k4",
+            "fp8",
+            "",
+            "affine",
+        ] {
             assert!(bad.parse::<KvFormat>().is_err(), "{bad} parsed");
         }
         assert!("bf16".parse::<KvFormat>().unwrap_err().contains("--dtype"));
@@ -652,12 +692,14 @@ mod tests {
     #[test]
     fn bytes_per_token_follow_the_formulas_and_the_codecs() {
         let shape = KvShape { kv_heads: 4, head_dim: 128 };
-        let formats: [(&str, usize); 6] = [
+        let formats: [(&str, usize); 7] = [
             ("auto", 2 * 4 * 128 * 2),
             // (bits + 32 / group) in 64ths.
             ("affine4-g64", 2 * 4 * 128 * (4 * 64 + 32) / 8 / 64),
             ("affine8-g32", 2 * 4 * 128 * (8 * 64 + 64) / 8 / 64),
             ("affine3-g128", 2 * 4 * (128 * 3 / 8 + 4)),
+            // Keys and values each at their own bits, with their groups' scale and bias.
+            ("affine-k8v4-g64", 4 * (128 * 8 / 8 + 2 * 4) + 4 * (128 * 4 / 8 + 2 * 4)),
             ("turbo4", 2 * 4 * (128 * 4 / 8 + 2)),
             ("turbo-k4v3", 4 * (128 * 4 / 8 + 2) + 4 * (128 * 3 / 8 + 2)),
         ];
