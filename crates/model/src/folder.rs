@@ -143,7 +143,7 @@ impl ModelFolder {
     /// quantized (activations in `dtype`).
     pub fn load(&self, dtype: DType, device: &Device) -> Result<Model> {
         match &self.tensors {
-            Tensors::Safetensors(weights) => Model::load(&self.config.arch, &self.source(weights, device), dtype),
+            Tensors::Safetensors(weights) => Model::load(&self.config.arch, &FileSource::text_model(weights, device), dtype),
             Tensors::Gguf(file) => Model::load(&self.config.arch, &file.source(device, false)?, dtype),
         }
     }
@@ -159,7 +159,7 @@ impl ModelFolder {
             })
         };
         match &self.tensors {
-            Tensors::Safetensors(weights) => load(&self.source(weights, device)),
+            Tensors::Safetensors(weights) => load(&FileSource::text_model(weights, device)),
             Tensors::Gguf(file) => load(&file.source(device, true)?),
         }
         .map_err(|e| ModelError::file(&self.path, e))
@@ -203,7 +203,7 @@ impl ModelFolder {
     pub fn load_mtp(&self, target: &Model) -> Result<MtpHead> {
         match &self.tensors {
             Tensors::Safetensors(weights) if weights.contains("mtp.fc.weight") || !matches!(target, Model::Qwen35(_)) => {
-                target.mtp_head(&self.source(weights, target.device())).map_err(|e| ModelError::file(&self.path, e))
+                target.mtp_head(&FileSource::text_model(weights, target.device())).map_err(|e| ModelError::file(&self.path, e))
             }
             Tensors::Safetensors(_) => Err(ModelError::file(
                 &self.path,
@@ -244,15 +244,6 @@ impl ModelFolder {
                 Err(ModelError::file(&self.path, "is a GGUF file; strata reads a vision tower only from safetensors"))
             }
         }
-    }
-
-    /// Where the text model's tensors are. Qwen3.5 releases name them `model.language_model.*`
-    /// (with `model.visual.*` and `mtp.*` beside them, not used by the text model); flat text
-    /// checkpoints and dense models name them `model.*`.
-    fn source<'a>(&self, weights: &'a Weights, device: &Device) -> FileSource<'a> {
-        let prefix =
-            if weights.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
-        FileSource { weights, prefix: prefix.into(), device: device.clone() }
     }
 }
 

@@ -38,7 +38,16 @@ pub struct FileSource<'a> {
     pub device: Device,
 }
 
-impl FileSource<'_> {
+impl<'a> FileSource<'a> {
+    /// The text model's tensors of a checkpoint. Qwen3.5 releases name them
+    /// `model.language_model.*` (with `model.visual.*` and `mtp.*` beside them, not used by the
+    /// text model); flat text checkpoints and dense models name them `model.*`.
+    pub fn text_model(weights: &'a Weights, device: &Device) -> Self {
+        let prefix =
+            if weights.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
+        FileSource { weights, prefix: prefix.into(), device: device.clone() }
+    }
+
     /// The checkpoint's name for `name`: under the text model's prefix, except the output head
     /// and the multi-token-prediction head, which sit beside the text model.
     fn stored_name(&self, name: &str) -> String {

@@ -66,8 +66,7 @@ fn fixture(name: &str) -> PathBuf {
 fn original_and_rewritten(dir: &Path, channels: &[usize], zero_centred: bool) -> (Model, Model) {
     let cfg = ArchConfig::from_file(&dir.join("config.json")).unwrap();
     let weights = Weights::open(dir).unwrap();
-    let prefix = if weights.contains("model.language_model.embed_tokens.weight") { "model.language_model." } else { "model." };
-    let src = FileSource { weights: &weights, prefix: prefix.into(), device: Device::Cpu };
+    let src = FileSource::text_model(&weights, &Device::Cpu);
     let original = Model::load(&cfg, &src, DType::F32).unwrap();
     let rewritten = Model::load(&cfg, &Outliers { inner: &src, channels, zero_centred }, DType::F32).unwrap();
     (original, rewritten)
