@@ -24,14 +24,6 @@
 constexpr int LAYERS = 8, HQ = 16, HKV = 4, D = 256, GROUP_HEADS = 4, BLOCK = 16, SHIFT = 4;
 constexpr int MAX_ROWS = 32, MAX_CONTEXT = 32768;
 
-__global__ void fill_bytes(uint8_t* p, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u;
-        h ^= h >> 15;
-        p[i] = (uint8_t)(h * 0x5bd1e995u >> 24);
-    }
-}
-
 // One KV format: bytes per stored vector (keys and values alike) and how to launch its kernel.
 struct Format {
     const char* name;
@@ -93,8 +85,8 @@ int main() {
         CHECK(cudaMalloc(&k, pool_bytes));
         CHECK(cudaMalloc(&v, pool_bytes));
         CHECK(cudaMalloc(&copy, pool_bytes));
-        fill_bytes<<<1024, 256, 0, stream>>>(k, (long long)pool_bytes);
-        fill_bytes<<<1024, 256, 0, stream>>>(v, (long long)pool_bytes);
+        fill_bytes<<<1024, 256, 0, stream>>>(k, (long long)pool_bytes, 5);
+        fill_bytes<<<1024, 256, 0, stream>>>(v, (long long)pool_bytes, 7);
         if (f.width == D * 2) {  // bf16 values, not hashed bytes (which hold NaNs)
             fill<<<1024, 256, 0, stream>>>((bf16*)k, (long long)pool_bytes / 2, 5, 2.0f);
             fill<<<1024, 256, 0, stream>>>((bf16*)v, (long long)pool_bytes / 2, 7, 2.0f);
@@ -117,15 +109,9 @@ int main() {
                             f.name, rows, context, us, bytes / us * 1e-3, copy_us);
             }
         }
-        CHECK(cudaFree(k));
-        CHECK(cudaFree(v));
-        CHECK(cudaFree(copy));
+        free_all({k, v, copy});
     }
-    CHECK(cudaFree(q));
-    CHECK(cudaFree(partial));
-    CHECK(cudaFree(centroids));
-    CHECK(cudaFree(tables));
-    CHECK(cudaFree(lens));
+    free_all({q, partial, centroids, tables, lens});
     CHECK(cudaStreamSynchronize(stream));
     return 0;
 }

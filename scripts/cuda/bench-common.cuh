@@ -5,9 +5,11 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <initializer_list>
 #include <vector>
 
 #define CHECK(call)                                                                          \
@@ -21,15 +23,32 @@
 
 using bf16 = __nv_bfloat16;
 
+// Element i's hash under `seed`, for the fills.
+__device__ __forceinline__ unsigned hashed(long long i, unsigned seed) {
+    unsigned h = (unsigned)i * 2654435761u ^ seed;
+    h ^= h >> 13;
+    h *= 0x5bd1e995u;
+    h ^= h >> 15;
+    return h;
+}
+
 // Hashed values in [-range / 2, range / 2).
 __global__ void fill(bf16* p, long long n, unsigned seed, float range = 0.1f) {
     for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        unsigned h = (unsigned)i * 2654435761u ^ seed;
-        h ^= h >> 13;
-        h *= 0x5bd1e995u;
-        h ^= h >> 15;
-        p[i] = __float2bfloat16(((h & 0xffff) / 65536.0f - 0.5f) * range);
+        p[i] = __float2bfloat16(((hashed(i, seed) & 0xffff) / 65536.0f - 0.5f) * range);
     }
+}
+
+// Hashed bytes (any bit pattern: as codes they may read as NaN or infinity).
+__global__ void fill_bytes(uint8_t* p, long long n, unsigned seed) {
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        p[i] = (uint8_t)(hashed(i, seed) >> 24);
+    }
+}
+
+// Frees device buffers.
+static void free_all(std::initializer_list<void*> buffers) {
+    for (void* p : buffers) CHECK(cudaFree(p));
 }
 
 // `kernel` launched as a programmatic dependent of the launch before it, as strata launches its

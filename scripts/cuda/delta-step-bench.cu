@@ -86,13 +86,7 @@ static void run(cudaStream_t stream, Steps<S> kernel, const char* name) {
         }
     }
     for (S* pool : pools) CHECK(cudaFree(pool));
-    CHECK(cudaFree(copy));
-    CHECK(cudaFree(mixed));
-    CHECK(cudaFree(gates));
-    CHECK(cudaFree(out));
-    CHECK(cudaFree(a_log));
-    CHECK(cudaFree(dt_bias));
-    CHECK(cudaFree(slots));
+    free_all({copy, mixed, gates, out, a_log, dt_bias, slots});
 }
 
 int main() {

@@ -90,11 +90,11 @@ impl KvCacheArgs {
     pub fn policy(&self) -> Result<KvPolicy> {
         let format = match (self.kv_cache_dtype, self.kv_group_size) {
             (format, None) => format,
-            (format @ KvFormat::Affine { .. }, Some(group)) => format
-                .with_group(group)
-                .to_string()
-                .parse()
-                .map_err(|e: String| anyhow::anyhow!("--kv-group-size {group}: {e}"))?,
+            (format @ KvFormat::Affine { .. }, Some(group)) => {
+                let format = format.with_group(group);
+                format.check_limits().map_err(|e| anyhow::anyhow!("--kv-group-size {group}: `{format}`: {e}"))?;
+                format
+            }
             (format, Some(_)) => bail!("--kv-group-size applies to affine formats, not --kv-cache-dtype {format}"),
         };
         if !format.is_quantized() && (!self.kv_unquantized_layers.is_empty() || self.quantized_kv_start > 0) {

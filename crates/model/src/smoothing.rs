@@ -4,9 +4,9 @@
 //! channels over all of them, but a vector's error still grows with their size (+17%). In a
 //! model that normalises queries and keys per head (Gemma 3, Qwen3, Qwen3.5), a channel's size
 //! is set by weights: the projection's row for it (over inputs scaled by the input norm) and the
-//! per-head norm's weight. So, as SmoothQuant moves a matmul's outliers between its operands, the key
-//! norm's output is divided per channel by a factor and the query norm's multiplied by the
-//! same, the factor `sqrt(key size / query size)` relative to the head's median channel: every
+//! per-head norm's weight. So, as SmoothQuant moves a matmul's outliers between its operands,
+//! the key norm's output is divided per channel by a factor and the query norm's multiplied by
+//! the same, the factor `sqrt(key size / query size)` relative to the head's median channel: every
 //! score `q·k` is the same number, while the stored keys' channels are nearer one size. The two
 //! channels a rotary embedding turns together share a factor (the rotation commutes with it),
 //! and factors are powers of two, so scaling changes no bit of a score: a layer whose KV is not

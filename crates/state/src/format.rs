@@ -106,6 +106,16 @@ pub enum KvPart {
     Values,
 }
 
+impl KvPart {
+    /// `keys` for the keys, `values` for the values.
+    fn pick<T>(self, keys: T, values: T) -> T {
+        match self {
+            KvPart::Keys => keys,
+            KvPart::Values => values,
+        }
+    }
+}
+
 impl KvFormat {
     /// The group size affine formats take when none is named.
     pub const DEFAULT_GROUP: usize = 64;
@@ -115,6 +125,23 @@ impl KvFormat {
         match self {
             KvFormat::Affine { key_bits, value_bits, .. } => KvFormat::Affine { key_bits, value_bits, group },
             other => other,
+        }
+    }
+
+    /// The codecs' limits that do not depend on the model (its head dimension is checked on load).
+    pub fn check_limits(&self) -> std::result::Result<(), &'static str> {
+        match *self {
+            KvFormat::Affine { key_bits, value_bits, group }
+                if ![key_bits, value_bits].iter().all(|b| Affine::BITS.contains(b)) || !Affine::GROUPS.contains(&group) =>
+            {
+                Err("affine KV takes 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or 128")
+            }
+            KvFormat::Turbo { key_bits, key_inner_product, value_bits }
+                if !(1 + u32::from(key_inner_product)..=8).contains(&key_bits) || !(1..=8).contains(&value_bits) =>
+            {
+                Err("TurboQuant takes 1 to 8 bits (2 to 8 for inner-product keys)")
+            }
+            _ => Ok(()),
         }
     }
 
@@ -134,8 +161,7 @@ impl KvFormat {
         match *self {
             KvFormat::Auto => head_dim * dtype.size_in_bytes(),
             KvFormat::Affine { key_bits, value_bits, group } => {
-                let bits = if part == KvPart::Keys { key_bits } else { value_bits };
-                head_dim * bits as usize / 8 + 4 * (head_dim / group)
+                head_dim * part.pick(key_bits, value_bits) as usize / 8 + 4 * (head_dim / group)
             }
             KvFormat::Turbo { key_bits, key_inner_product, value_bits } => match part {
                 // The inner-product variant keeps the residual's norm next to the vector's.
@@ -151,8 +177,7 @@ impl KvFormat {
         match *self {
             KvFormat::Auto => Err(StateError::Format("unquantized KV has no codec".into())),
             KvFormat::Affine { key_bits, value_bits, group } => {
-                let bits = if part == KvPart::Keys { key_bits } else { value_bits };
-                Ok(HeadCodec::Affine(Affine::new(head_dim, bits, group).map_err(bad)?))
+                Ok(HeadCodec::Affine(Affine::new(head_dim, part.pick(key_bits, value_bits), group).map_err(bad)?))
             }
             KvFormat::Turbo { key_bits, key_inner_product, value_bits } => {
                 let (bits, variant) = match part {
@@ -235,20 +260,7 @@ impl FromStr for KvFormat {
         } else {
             return Err(format!("`{s}`: {expected}"));
         };
-        // Codec limits that do not depend on the model (its head dimension is checked on load).
-        match format {
-            KvFormat::Affine { key_bits, value_bits, group }
-                if ![key_bits, value_bits].iter().all(|b| Affine::BITS.contains(b)) || !Affine::GROUPS.contains(&group) =>
-            {
-                Err(format!("`{s}`: affine KV takes 2, 3, 4, 5, 6 or 8 bits in groups of 32, 64 or 128"))
-            }
-            KvFormat::Turbo { key_bits, key_inner_product, value_bits }
-                if !(1 + u32::from(key_inner_product)..=8).contains(&key_bits) || !(1..=8).contains(&value_bits) =>
-            {
-                Err(format!("`{s}`: TurboQuant takes 1 to 8 bits (2 to 8 for inner-product keys)"))
-            }
-            _ => Ok(format),
-        }
+        format.check_limits().map(|()| format).map_err(|e| format!("`{s}`: {e}"))
     }
 }
 
