@@ -7,7 +7,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: &[&str] = &["recurrent", "norm", "attention", "flash", "sampling", "matmul"];
+const KERNELS: &[&str] = &["recurrent", "norm", "attention", "flash", "sampling", "matmul", "experts"];
 
 fn main() {
     println!("cargo::rerun-if-changed=cuda");

@@ -76,6 +76,23 @@ __device__ void matmul_rows(const T* x, long long x_stride, const T* w, T* y, in
     }
 }
 
+// A mixture of experts' projection, y [P, N]: for each (token, expert) pair p, x's row p / per_input
+// (the token's, or the pair's own) times its expert's matrix in w [E, N, K]. Pairs go along the
+// grid's y dimension in `order` (grouped by expert: moe_route in experts.cu), so that the blocks
+// of one expert's pairs run one after another and read its weights from the L2 cache after the
+// first. Each pair is computed as one input row of matmul_rows, whose bits do not depend on the
+// other rows: a token's result is the same in any batch, and equal to its expert's own matmul.
+template <typename T, int SPLIT>
+__device__ void matmul_gathered(const T* x, long long x_stride, const T* w, T* y, int K, int N, int E,
+                                const unsigned* experts, const unsigned* order, int per_input) {
+    // Which weights to read comes from the kernel before.
+    await_previous_kernel();
+    const unsigned pair = order[blockIdx.y];
+    const unsigned expert = min(experts[pair], (unsigned)E - 1);
+    matmul_rows<T, 1, SPLIT>(x + (long long)(pair / per_input) * x_stride, x_stride, w + (long long)expert * N * K,
+                             y + (long long)pair * N, K, N);
+}
+
 // One kernel per row count and split, `matmul_rows{M}_s{SPLIT}_{dtype}`: as template parameters
 // they leave a kernel the registers of its own case (with both known only at run time, a one-row
 // block took the registers of four rows' sums and ran at half the occupancy).
@@ -87,7 +104,14 @@ __device__ void matmul_rows(const T* x, long long x_stride, const T* w, T* y, in
 #define INSTANTIATE_SPLIT(T, NAME, SPLIT)                                                                     \
     INSTANTIATE_ROWS(T, NAME, 1, SPLIT) INSTANTIATE_ROWS(T, NAME, 2, SPLIT) INSTANTIATE_ROWS(T, NAME, 3, SPLIT)  \
     INSTANTIATE_ROWS(T, NAME, 4, SPLIT)
+#define INSTANTIATE_GATHERED(T, NAME, SPLIT)                                                                  \
+    extern "C" __global__ void __launch_bounds__(ROWS_WARPS * 32) matmul_gathered_s##SPLIT##_##NAME(             \
+        const T* x, long long x_stride, const T* w, T* y, int K, int N, int E, const unsigned* experts,          \
+        const unsigned* order, int per_input) {                                                                  \
+        matmul_gathered<T, SPLIT>(x, x_stride, w, y, K, N, E, experts, order, per_input);                         \
+    }
 #define INSTANTIATE(T, NAME)                                                                                   \
     static_assert(MAX_INPUT_ROWS == 4 && ROWS_WARPS == 4, "one instance below per row count and split");       \
-    INSTANTIATE_SPLIT(T, NAME, 2) INSTANTIATE_SPLIT(T, NAME, 4)
+    INSTANTIATE_SPLIT(T, NAME, 2) INSTANTIATE_SPLIT(T, NAME, 4)                                                 \
+    INSTANTIATE_GATHERED(T, NAME, 2) INSTANTIATE_GATHERED(T, NAME, 4)
 STRATA_FOR_DTYPES(INSTANTIATE)

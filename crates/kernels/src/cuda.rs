@@ -31,6 +31,7 @@ pub(crate) const FLASH: Module = module!("flash");
 pub(crate) const SAMPLING: Module = module!("sampling");
 pub(crate) const NORM: Module = module!("norm");
 pub(crate) const MATMUL: Module = module!("matmul");
+pub(crate) const EXPERTS: Module = module!("experts");
 
 /// What is loaded, per device: modules, and kernels by (module, kernel, dtype instance).
 #[derive(Default)]

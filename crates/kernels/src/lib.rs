@@ -5,6 +5,8 @@
 //! - [`conv1d`]: depthwise causal conv1d + SiLU over a window, carrying the conv state.
 //! - [`attention`]: causal softmax attention with GQA over a row's KV history.
 //! - [`norm`]: RMSNorm (alone, after a residual add, gated per DeltaNet head) and SwiGLU's product.
+//! - [`experts`]: a mixture of experts' routes, gathered per-expert matmuls and weighted sums,
+//!   all on the device on a GPU.
 //! - [`matmul`]: weight-streaming `x W^T` for decode-sized inputs against bf16 weights on CPU.
 //! - [`rows`]: row copies between a batch and a pool's slots.
 //! - [`sampling`]: each row's next token (argmax or seeded draw after logit adjustments, within a
@@ -20,6 +22,7 @@ pub mod attention;
 pub mod conv1d;
 #[cfg(feature = "cuda")]
 mod cuda;
+pub mod experts;
 pub mod gated_delta;
 pub mod kv_quant;
 pub mod matmul;

@@ -11,6 +11,7 @@ use strata_kernels::attention::{
     sigmoid_gate, write_rows, DecodeRows, PagedDecodeRows, Scoring,
 };
 use strata_kernels::conv1d::{causal_conv1d_silu, causal_conv1d_silu_step_in_place};
+use strata_kernels::experts::{combine, matmul_gathered, route, Routes};
 use strata_kernels::gated_delta::{gated_delta_rule, gated_delta_rule_in_place, on_tensor_cores, Gating, Inputs};
 use strata_kernels::kv_quant::{Affine, KvCodec, LayerCodes, PartCodes, Turbo, TurboVariant};
 use strata_kernels::matmul::matmul_t;
@@ -370,6 +371,55 @@ fn matmul_t_on_gpu_matches_cpu() {
             let want = matmul_t(&x, &w).unwrap();
             let got = matmul_t(&x.to_device(&gpu).unwrap(), &w.to_device(&gpu).unwrap()).unwrap();
             assert_close(&format!("matmul {m}x{k}x{n}"), dtype, &got, &want);
+        }
+    }
+}
+
+/// A mixture of experts on the GPU against the host: each token's route (the same experts, the
+/// weights within float rounding; the pairs grouped by expert), each pair's gathered matmul
+/// bit for bit the streaming matmul of its token and expert alone, and the weighted sum the
+/// bits of the tensor-op twin on the same pairs.
+#[test]
+fn experts_on_gpu_route_gather_and_sum_as_the_host() {
+    let gpu = gpu();
+    let bits = |t: &Tensor| t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    // (tokens, experts, k, hidden, inter): the 35B-A3B's routing (8 of 256) and width, the
+    // widest route the kernel takes, and a batch of decode rows; both splits of the streaming
+    // kernel on each projection (below 2048 rows 4 warps a row, from there 2).
+    for (n, count, k, hidden, inter) in [(1, 256, 8, 2048, 64), (3, 1000, 32, 64, 96), (37, 12, 3, 256, 1024)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let logits = values(&[n, count], 4.0, 51).to_dtype(dtype).unwrap();
+            let host: Vec<Vec<(usize, f32)>> =
+                logits.to_dtype(DType::F32).unwrap().to_vec2::<f32>().unwrap().iter().map(|l| route(l, k)).collect();
+            let routes = Routes::on_device(&logits.to_device(&gpu).unwrap(), k).unwrap().expect("a GPU routes on the device");
+            let what = format!("{n} tokens, {k} of {count} experts, {dtype:?}");
+            let experts = routes.experts.to_vec1::<u32>().unwrap();
+            let weights = routes.weights.to_vec1::<f32>().unwrap();
+            for (t, want) in host.iter().enumerate() {
+                for (s, &(e, w)) in want.iter().enumerate() {
+                    let p = t * k + s;
+                    assert_eq!(experts[p] as usize, e, "{what}: token {t} pick {s}");
+                    assert!((weights[p] - w).abs() <= 1e-6, "{what}: token {t} weight {} against {w}", weights[p]);
+                }
+            }
+
+            let x = values(&[n, hidden], 1.0, 52).to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+            let gate_up = values(&[count, 2 * inter, hidden], 0.1, 53).to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+            let down = values(&[count, hidden, inter], 0.1, 54).to_dtype(dtype).unwrap().to_device(&gpu).unwrap();
+            let h = matmul_gathered(&x, &gate_up, &routes, k).unwrap();
+            let act = silu_mul(&h.narrow(1, 0, inter).unwrap(), &h.narrow(1, inter, inter).unwrap()).unwrap();
+            let y = matmul_gathered(&act, &down, &routes, 1).unwrap();
+            for (p, &e) in experts.iter().enumerate() {
+                let alone = matmul_t(&x.narrow(0, p / k, 1).unwrap(), &gate_up.get(e as usize).unwrap()).unwrap();
+                assert!(bits(&alone) == bits(&h.narrow(0, p, 1).unwrap()), "{what}: pair {p}'s gate-up");
+                let alone = matmul_t(&act.narrow(0, p, 1).unwrap(), &down.get(e as usize).unwrap()).unwrap();
+                assert!(bits(&alone) == bits(&y.narrow(0, p, 1).unwrap()), "{what}: pair {p}'s down");
+            }
+            // The sum against its twin, on the device's routes moved to the host.
+            let on_host: Vec<Vec<(usize, f32)>> =
+                (0..n).map(|t| (0..k).map(|s| (experts[t * k + s] as usize, weights[t * k + s])).collect()).collect();
+            let twin = combine(&y.to_device(&Device::Cpu).unwrap(), &Routes::from_host(&on_host, count, &Device::Cpu).unwrap());
+            assert!(bits(&combine(&y, &routes).unwrap()) == bits(&twin.unwrap()), "{what}: weighted sums");
         }
     }
 }

@@ -9,10 +9,18 @@
 //! (decode, verify; as every other projection of the layer), and its sum takes its experts in a
 //! fixed order. So batched rows equal solo ones and a verify forward equals decode steps, which
 //! exact speculative rollback needs.
+//!
+//! On a GPU, a forward of few positions per row (decode, verify) keeps the routes on the device
+//! ([`strata_kernels::experts`]): nothing is read back to the host, so the decode step can be
+//! recorded as a CUDA graph, and each (token, expert) pair runs as a row of its own of the
+//! batch-invariant kernel — the bits the host-routed path gives it. A long prefill chunk routes
+//! on the host and runs each expert on all its tokens at once.
 
 use candle_core::{DType, Tensor};
 use candle_nn::ops::sigmoid;
+use strata_kernels::experts::{self as kernels, Routes, MAX_EXPERTS, MAX_PER_TOKEN};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
+use strata_kernels::norm;
 
 use super::layers::{Linear, Matrix, Mlp};
 use crate::config::ExpertsConfig;
@@ -21,37 +29,72 @@ use crate::source::WeightSource;
 
 pub struct Experts {
     router: Linear,
+    /// Each expert's MLP; views of `stacked` where that is held.
     experts: Vec<Mlp>,
+    /// Every expert's weights in two tensors, where they are plain: what the GPU's gathered
+    /// matmuls read.
+    stacked: Option<Stacked>,
     shared: Mlp,
     shared_gate: Linear,
     top_k: usize,
 }
 
+/// `gate_up` `[E, 2·inter, hidden]` (each expert's gate rows, then its up rows), `down`
+/// `[E, hidden, inter]`.
+struct Stacked {
+    gate_up: Tensor,
+    down: Tensor,
+    inter: usize,
+}
+
 impl Experts {
     /// Loads `{prefix}.gate` (the router), the experts — fused as transformers holds them
     /// (`{prefix}.experts.gate_up_proj` `[E, 2I, H]`, `{prefix}.experts.down_proj` `[E, H, I]`)
-    /// or one by one as released checkpoints store them (`{prefix}.experts.N.{gate,up,down}_proj`)
-    /// — and the shared expert with its gate.
+    /// or one by one as released checkpoints store them (`{prefix}.experts.N.{gate,up,down}_proj`,
+    /// stacked into the fused layout where they are plain tensors) — and the shared expert with
+    /// its gate.
     pub fn load(src: &dyn WeightSource, prefix: &str, hidden: usize, cfg: &ExpertsConfig, dtype: DType) -> Result<Self> {
         let (count, inter) = (cfg.num_experts, cfg.moe_intermediate_size);
         if cfg.num_experts_per_tok == 0 || cfg.num_experts_per_tok > count {
             return Err(ModelError::Invalid(format!("{prefix}: {} experts per token out of {count}", cfg.num_experts_per_tok)));
         }
         let fused = format!("{prefix}.experts.gate_up_proj");
-        let experts = if src.contains(&fused) {
+        let (experts, stacked) = if src.contains(&fused) {
             let gate_up = src.get(&fused, &[count, 2 * inter, hidden], dtype)?;
             let down = src.get(&format!("{prefix}.experts.down_proj"), &[count, hidden, inter], dtype)?;
-            (0..count).map(|e| Ok(Mlp::joined(gate_up.get(e)?, inter, Matrix::Dense(down.get(e)?)))).collect::<Result<_>>()?
+            let stacked = Stacked { gate_up, down, inter };
+            (stacked.views()?, Some(stacked))
         } else {
-            (0..count).map(|e| Mlp::load(src, &format!("{prefix}.experts.{e}"), hidden, inter, dtype)).collect::<Result<_>>()?
+            let one = |e: usize, part: &str, rows: usize, cols: usize| {
+                Linear::load(src, &format!("{prefix}.experts.{e}.{part}_proj"), rows, cols, false, dtype)
+            };
+            let parts = (0..count)
+                .map(|e| Ok([one(e, "gate", inter, hidden)?, one(e, "up", inter, hidden)?, one(e, "down", hidden, inter)?]))
+                .collect::<Result<Vec<_>>>()?;
+            match Stacked::of(&parts, inter)? {
+                Some(stacked) => (stacked.views()?, Some(stacked)),
+                None => {
+                    let mlps =
+                        parts.into_iter().map(|[gate, up, down]| Mlp::from_parts(gate, up, down)).collect::<Result<_>>()?;
+                    (mlps, None)
+                }
+            }
         };
         Ok(Self {
             router: Linear::load(src, &format!("{prefix}.gate"), count, hidden, false, dtype)?,
             experts,
+            stacked,
             shared: Mlp::load(src, &format!("{prefix}.shared_expert"), hidden, cfg.shared_expert_intermediate_size, dtype)?,
             shared_gate: Linear::load(src, &format!("{prefix}.shared_expert_gate"), 1, hidden, false, dtype)?,
             top_k: cfg.num_experts_per_tok,
         })
+    }
+
+    /// Whether a forward of few positions per row runs on the device throughout (on a GPU):
+    /// plain weights within the route kernel's limits. A decode step is recorded as a CUDA
+    /// graph only then.
+    pub fn routes_on_device(&self) -> bool {
+        self.stacked.is_some() && self.experts.len() <= MAX_EXPERTS && self.top_k <= MAX_PER_TOKEN
     }
 
     /// `x` `[B, T, hidden]` (or `[B, hidden]`, one position per row).
@@ -60,8 +103,37 @@ impl Experts {
         let positions = if x.rank() == 3 { x.dim(1)? } else { 1 };
         let tokens = x.reshape(((), hidden))?;
         let n = tokens.dim(0)?;
-        let logits = self.router.forward(&tokens)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
-        let routes: Vec<Vec<(usize, f32)>> = logits.iter().map(|l| route(l, self.top_k)).collect();
+        let logits = self.router.forward(&tokens)?;
+        let routed = match self.routed_on_device(&tokens, &logits, positions)? {
+            Some(routed) => routed,
+            None => self.routed_on_host(&tokens, &logits, positions)?,
+        };
+        let shared = self.shared.forward(x)?.reshape((n, hidden))?;
+        let gate = sigmoid(&self.shared_gate.forward(x)?.reshape((n, 1))?)?;
+        Ok((routed + shared.broadcast_mul(&gate)?)?.reshape(x.shape())?)
+    }
+
+    /// The routed experts' sum `[n, hidden]` without leaving the GPU, where
+    /// [`Self::routes_on_device`] and the forward has few positions per row; `None` otherwise.
+    fn routed_on_device(&self, tokens: &Tensor, logits: &Tensor, positions: usize) -> Result<Option<Tensor>> {
+        let Some(stacked) = self.stacked.as_ref().filter(|_| positions <= MAX_EXACT_ROWS && self.routes_on_device()) else {
+            return Ok(None);
+        };
+        let Some(routes) = Routes::on_device(logits, self.top_k)? else { return Ok(None) };
+        let inter = stacked.inter;
+        let gate_up = kernels::matmul_gathered(tokens, &stacked.gate_up, &routes, self.top_k)?;
+        let act = norm::silu_mul(&gate_up.narrow(1, 0, inter)?, &gate_up.narrow(1, inter, inter)?)?;
+        let down = kernels::matmul_gathered(&act, &stacked.down, &routes, 1)?;
+        Ok(Some(kernels::combine(&down, &routes)?))
+    }
+
+    /// The routed experts' sum `[n, hidden]` with the routes read to the host: each expert on
+    /// all of its tokens at once.
+    fn routed_on_host(&self, tokens: &Tensor, logits: &Tensor, positions: usize) -> Result<Tensor> {
+        let hidden = tokens.dim(1)?;
+        let n = tokens.dim(0)?;
+        let logits = logits.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let routes: Vec<Vec<(usize, f32)>> = logits.iter().map(|l| kernels::route(l, self.top_k)).collect();
 
         // Each expert on its tokens, in ascending expert order, into one `[n·k, hidden]` tensor.
         let mut chosen: Vec<Vec<(u32, f32)>> = vec![Vec::new(); self.experts.len()];
@@ -70,7 +142,7 @@ impl Experts {
                 chosen[e].push((t as u32, w));
             }
         }
-        let device = x.device();
+        let device = tokens.device();
         let mut outputs = Vec::new();
         // Per token, the rows of its experts' contributions in the concatenation, in expert order.
         let mut rows_of = vec![Vec::with_capacity(self.top_k); n];
@@ -101,45 +173,28 @@ impl Experts {
         for k in 1..self.top_k {
             routed = (routed + slot(k)?)?;
         }
-        let shared = self.shared.forward(x)?.reshape((n, hidden))?;
-        let gate = sigmoid(&self.shared_gate.forward(x)?.reshape((n, 1))?)?;
-        Ok((routed + shared.broadcast_mul(&gate)?)?.reshape(x.shape())?)
+        Ok(routed)
     }
 }
 
-/// A token's route from its router logits: the `k` experts of highest softmax probability (the
-/// lower index first among equals), ascending by expert, each with its probability over the
-/// sum of the `k` (f32, as transformers computes them).
-fn route(logits: &[f32], k: usize) -> Vec<(usize, f32)> {
-    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let exps: Vec<f32> = logits.iter().map(|&l| (l - max).exp()).collect();
-    let total: f32 = exps.iter().sum();
-    let mut order: Vec<usize> = (0..logits.len()).collect();
-    order.sort_by(|&a, &b| exps[b].total_cmp(&exps[a]).then(a.cmp(&b)));
-    let top: Vec<(usize, f32)> = order[..k].iter().map(|&e| (e, exps[e] / total)).collect();
-    let kept: f32 = top.iter().map(|&(_, p)| p).sum();
-    let mut route: Vec<(usize, f32)> = top.into_iter().map(|(e, p)| (e, p / kept)).collect();
-    route.sort_by_key(|&(e, _)| e);
-    route
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_route_takes_the_top_k_renormalized_in_expert_order() {
-        let logits = [0.5f32, 2.0, -1.0, 2.0, 1.0];
-        let r = route(&logits, 3);
-        assert_eq!(r.iter().map(|&(e, _)| e).collect::<Vec<_>>(), vec![1, 3, 4]);
-        let (e2, e1) = (2.0f64.exp(), 1.0f64.exp());
-        let want = [e2 / (2.0 * e2 + e1), e2 / (2.0 * e2 + e1), e1 / (2.0 * e2 + e1)];
-        for (&(_, w), want) in r.iter().zip(want) {
-            assert!((f64::from(w) - want).abs() < 1e-6, "{r:?}");
+impl Stacked {
+    /// The experts' projections stacked, where every one is a plain tensor.
+    fn of(parts: &[[Linear; 3]], inter: usize) -> Result<Option<Self>> {
+        let plain = |l: &Linear| if let Matrix::Dense(w) = l.weight() { Some(w.clone()) } else { None };
+        let mut gate_up = Vec::with_capacity(parts.len());
+        let mut down = Vec::with_capacity(parts.len());
+        for [gate, up, d] in parts {
+            let (Some(gate), Some(up), Some(d)) = (plain(gate), plain(up), plain(d)) else { return Ok(None) };
+            gate_up.push(Tensor::cat(&[gate, up], 0)?);
+            down.push(d);
         }
-        assert!((r.iter().map(|&(_, w)| w).sum::<f32>() - 1.0).abs() < 1e-6);
-        // Ties go to the lower index; k = all keeps every expert.
-        assert_eq!(route(&[1.0, 1.0, 1.0], 2).iter().map(|&(e, _)| e).collect::<Vec<_>>(), vec![0, 1]);
-        assert_eq!(route(&logits, 5).len(), 5);
+        Ok(Some(Self { gate_up: Tensor::stack(&gate_up, 0)?, down: Tensor::stack(&down, 0)?, inter }))
+    }
+
+    /// Each expert's MLP as views of the stacked tensors.
+    fn views(&self) -> Result<Vec<Mlp>> {
+        (0..self.gate_up.dim(0)?)
+            .map(|e| Ok(Mlp::joined(self.gate_up.get(e)?, self.inter, Matrix::Dense(self.down.get(e)?))))
+            .collect()
     }
 }

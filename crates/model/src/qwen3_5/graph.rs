@@ -239,8 +239,8 @@ impl StepInputs {
 impl DecodeGraphs {
     /// Whether a step of `tokens` over `state` may run through a recorded graph: CUDA, graphs
     /// on, one token per row, last-position logits, no speculative round open, plain weights, a
-    /// dense feed-forward, the state in a pool with every attention layer's KV length at the
-    /// row's position.
+    /// feed-forward that stays on the device (dense, or experts routed there), the state in a
+    /// pool with every attention layer's KV length at the row's position.
     pub(super) fn apply(&self, model: &Qwen35, tokens: &Tensor, state: &BatchState, logits: Logits) -> bool {
         let rows = state.rows();
         let eligible = |layer: &LayerState| match layer {
@@ -253,8 +253,8 @@ impl DecodeGraphs {
             && logits == Logits::Last
             && tokens.dims() == [rows, 1]
             && model.plain_weights
-            // A mixture of experts routes on the host (each layer reads its router's logits).
-            && !matches!(model.cfg.feed_forward, crate::config::FeedForward::Experts(_))
+            // A mixture of experts whose routes stay on the device.
+            && model.layers.iter().all(|l| l.mlp.stays_on_device())
             && state.is_pooled()
             && state.layers.iter().all(eligible)
     }

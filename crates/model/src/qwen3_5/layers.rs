@@ -150,6 +150,11 @@ impl Projections {
     pub fn load(src: &dyn WeightSource, parts: &[(String, usize)], in_dim: usize, bias: bool, dtype: DType) -> Result<Self> {
         let parts =
             parts.iter().map(|(name, out)| Linear::load(src, name, *out, in_dim, bias, dtype)).collect::<Result<Vec<_>>>()?;
+        Self::new(parts)
+    }
+
+    /// Projections of one input, joined where every weight is a plain tensor.
+    pub fn new(parts: Vec<Linear>) -> Result<Self> {
         let plain: Option<Vec<&Tensor>> =
             parts.iter().map(|l| if let Matrix::Dense(w) = &l.weight { Some(w) } else { None }).collect();
         Ok(match plain {
@@ -280,6 +285,11 @@ impl Mlp {
             gate_up: Projections::load(src, &parts, hidden, false, dtype)?,
             down: Linear::load(src, &format!("{name}.down_proj"), hidden, inter, false, dtype)?,
         })
+    }
+
+    /// From its three projections (gate and up joined where plain).
+    pub fn from_parts(gate: Linear, up: Linear, down: Linear) -> Result<Self> {
+        Ok(Self { gate_up: Projections::new(vec![gate, up])?, down })
     }
 
     /// From a joined `[gate; up]` matrix (`[2·inter, hidden]`) and `down`.

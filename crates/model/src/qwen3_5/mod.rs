@@ -55,6 +55,15 @@ impl Mlps {
             Mlps::Experts(m) => m.forward(x),
         }
     }
+
+    /// Whether a decode step's pass through it stays on the GPU (what a CUDA graph records).
+    #[cfg(feature = "cuda")]
+    fn stays_on_device(&self) -> bool {
+        match self {
+            Mlps::Dense(_) => true,
+            Mlps::Experts(m) => m.routes_on_device(),
+        }
+    }
 }
 
 struct DecoderLayer {
@@ -366,8 +375,8 @@ impl Qwen35 {
     /// chunks such a step runs on its own: on a GPU, launched eagerly inside their forward it
     /// cost more in launches than sharing their weights' reads saved (an H100, 64 rows beside a
     /// 1,024-token chunk: a 33.7 ms forward, where a replayed 64-row step took 9.1 ms of GPU
-    /// time; docs/benchmarks.md). Where no graph can run it (quantized weights, experts), the
-    /// shared forward stays.
+    /// time; docs/benchmarks.md). Where no graph can run it (quantized weights), the shared
+    /// forward stays.
     pub fn replays_decode(&self, segment: &Segment<'_>, hidden: bool) -> bool {
         #[cfg(feature = "cuda")]
         {
