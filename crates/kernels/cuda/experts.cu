@@ -65,9 +65,13 @@ __device__ void moe_route(const T* logits, int n, int E, int k, unsigned* expert
             kept += prob;
             if (lane == s) mine = best_e, my_p = prob;
         }
-        // Ascending by expert: a pick's place is the number of picks of lower index.
+        // Ascending by expert: a pick's place is the number of picks of lower index (or of the
+        // same, picked earlier: only NaN logits repeat one), so every slot is written.
         int rank = 0;
-        for (int s = 0; s < k; ++s) rank += __shfl_sync(0xffffffffu, mine, s) < mine;
+        for (int s = 0; s < k; ++s) {
+            const int other = __shfl_sync(0xffffffffu, mine, s);
+            rank += other < mine || (other == mine && s < lane);
+        }
         if (lane < k) {
             experts[(long long)t * k + rank] = mine;
             weights[(long long)t * k + rank] = my_p / kept;

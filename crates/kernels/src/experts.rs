@@ -17,6 +17,8 @@ use crate::Result;
 /// token (a lane each).
 pub const MAX_EXPERTS: usize = 1024;
 pub const MAX_PER_TOKEN: usize = 32;
+/// (token, expert) pairs a gathered matmul takes on a GPU (one per block along the grid's y).
+pub const MAX_PAIRS: usize = 65535;
 
 /// A token's route from its router logits: the `k` experts of highest softmax probability (the
 /// lower index first among equals), ascending by expert, each with its probability over the
@@ -149,7 +151,7 @@ mod gpu {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::{DType, Tensor};
 
-    use super::{Routes, MAX_EXPERTS, MAX_PER_TOKEN};
+    use super::{Routes, MAX_EXPERTS, MAX_PAIRS, MAX_PER_TOKEN};
     use crate::cuda::{self, Arg};
     use crate::Result;
 
@@ -193,7 +195,7 @@ mod gpu {
         let ((_, k), (count, n, _)) = (x.dims2()?, w.dims3()?);
         let dtype = x.dtype();
         let pairs = routes.pairs();
-        if !x.device().is_cuda() || !cuda::supports(dtype) || w.dtype() != dtype || !w.is_contiguous() || pairs > 65535 {
+        if !x.device().is_cuda() || !cuda::supports(dtype) || w.dtype() != dtype || !w.is_contiguous() || pairs > MAX_PAIRS {
             return Ok(None);
         }
         let (x, x_stride) = cuda::row_strided(x)?;

@@ -18,7 +18,7 @@
 
 use candle_core::{DType, Tensor};
 use candle_nn::ops::sigmoid;
-use strata_kernels::experts::{self as kernels, Routes, MAX_EXPERTS, MAX_PER_TOKEN};
+use strata_kernels::experts::{self as kernels, Routes, MAX_EXPERTS, MAX_PAIRS, MAX_PER_TOKEN};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
 use strata_kernels::norm;
 
@@ -116,9 +116,8 @@ impl Experts {
     /// The routed experts' sum `[n, hidden]` without leaving the GPU, where
     /// [`Self::routes_on_device`] and the forward has few positions per row; `None` otherwise.
     fn routed_on_device(&self, tokens: &Tensor, logits: &Tensor, positions: usize) -> Result<Option<Tensor>> {
-        let Some(stacked) = self.stacked.as_ref().filter(|_| positions <= MAX_EXACT_ROWS && self.routes_on_device()) else {
-            return Ok(None);
-        };
+        let few = positions <= MAX_EXACT_ROWS && tokens.dim(0)? * self.top_k <= MAX_PAIRS;
+        let Some(stacked) = self.stacked.as_ref().filter(|_| few && self.routes_on_device()) else { return Ok(None) };
         let Some(routes) = Routes::on_device(logits, self.top_k)? else { return Ok(None) };
         let inter = stacked.inter;
         let gate_up = kernels::matmul_gathered(tokens, &stacked.gate_up, &routes, self.top_k)?;
