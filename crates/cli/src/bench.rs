@@ -318,7 +318,7 @@ pub fn run(mut a: Args) -> Result<()> {
                         "concurrency": c, "prompt_len": a.prompt_len, "gen_len": a.gen_len,
                         "prefill_tok_s": m.prefill_tok_s, "aggregate_decode_tok_s": m.aggregate_decode_tok_s,
                         "ttft_ms_p50": m.ttft_ms_p50, "itl_ms_p50": m.itl_ms_p50, "itl_ms_p99": m.itl_ms_p99,
-                        "draft": a.draft.describe().trim_start_matches(", "), "acceptance": m.run.acceptance(),
+                        "draft": a.draft.describe().trim_start_matches(", "), "acceptance": m.run.acceptance(), "draft_ms": m.run.draft_ms(),
                         "cuda_graphs": !a.no_cuda_graphs && device.is_cuda(),
                         "gen_len_min": a.gen_len_min.unwrap_or(a.gen_len),
                         "cuda_graph_recordings": m.run.graph_recordings, "cuda_graph_replays": m.run.graph_replays,

@@ -16,12 +16,21 @@ pub struct DraftArgs {
     /// Tokens drafted per step.
     #[arg(long, default_value_t = 4)]
     num_draft_tokens: usize,
+    /// With `--draft mtp`: draft only among these tokens, so a draft step reads their rows of
+    /// the output head instead of all of them — `N`, the N lowest token ids (a byte-level BPE
+    /// numbers its tokens about in order of frequency), or a JSON file holding a list of token
+    /// ids (a frequency-ranked hot vocabulary, as FR-Spec builds). Output is unchanged: the
+    /// target still verifies over the whole vocabulary; only what is drafted changes.
+    #[arg(long, value_name = "N|FILE")]
+    draft_vocab: Option<String>,
 }
 
 impl DraftArgs {
-    /// `, draft ngram ×4` for report headers (empty without speculation).
+    /// `, draft ngram ×4` (`, draft mtp ×4 among 32768`) for report headers (empty without
+    /// speculation).
     pub fn describe(&self) -> String {
-        self.draft.as_ref().map_or(String::new(), |d| format!(", draft {d} ×{}", self.num_draft_tokens))
+        let among = self.draft_vocab.as_ref().map_or(String::new(), |v| format!(" among {v}"));
+        self.draft.as_ref().map_or(String::new(), |d| format!(", draft {d} ×{}{among}", self.num_draft_tokens))
     }
 
     /// The speculation settings, loading a draft model with `load_self` (the target's own
@@ -37,9 +46,18 @@ impl DraftArgs {
         if self.num_draft_tokens == 0 || self.num_draft_tokens > 16 {
             bail!("--num-draft-tokens must be between 1 and 16");
         }
+        if self.draft_vocab.is_some() && draft != "mtp" {
+            bail!("--draft-vocab applies to --draft mtp, not --draft {draft}");
+        }
         let source = match draft.as_str() {
             "ngram" => DraftSource::Ngram,
-            "mtp" => DraftSource::Mtp(Box::new(load_mtp().context("--draft mtp")?)),
+            "mtp" => {
+                let mut head = load_mtp().context("--draft mtp")?;
+                if let Some(vocab) = &self.draft_vocab {
+                    head.restrict_drafts(draft_vocab(vocab, target_vocab)?).context("--draft-vocab")?;
+                }
+                DraftSource::Mtp(Box::new(head))
+            }
             "self" => DraftSource::Model(Box::new(load_self()?)),
             spec => match spec.strip_prefix("model:") {
                 Some(path) => {
@@ -54,5 +72,43 @@ impl DraftArgs {
             },
         };
         Ok(Some(Speculation { source, tokens: self.num_draft_tokens }))
+    }
+}
+
+/// `--draft-vocab`'s tokens: `0..N`, or the ids listed in a JSON file.
+fn draft_vocab(arg: &str, target_vocab: usize) -> Result<Vec<u32>> {
+    if let Ok(n) = arg.parse::<usize>() {
+        if n == 0 || n > target_vocab {
+            bail!("--draft-vocab {n}: expected between 1 and the vocabulary's {target_vocab} tokens");
+        }
+        return Ok((0..n as u32).collect());
+    }
+    let text =
+        std::fs::read_to_string(arg).with_context(|| format!("--draft-vocab {arg}: neither a count nor a readable file"))?;
+    serde_json::from_str(&text).with_context(|| format!("--draft-vocab {arg}: expected a JSON list of token ids"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::draft_vocab;
+
+    #[test]
+    fn a_draft_vocabulary_is_a_count_or_a_list_of_ids() {
+        assert_eq!(draft_vocab("3", 10).unwrap(), vec![0, 1, 2]);
+        assert!(draft_vocab("0", 10).unwrap_err().to_string().contains("between 1 and the vocabulary's 10"));
+        assert!(draft_vocab("11", 10).is_err());
+        let dir = std::env::temp_dir().join(format!("strata-draft-vocab-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let (list, bad) = (dir.join("hot.json"), dir.join("bad.json"));
+        std::fs::write(&list, "[5, 1, 9]").unwrap();
+        std::fs::write(&bad, "{\"tokens\": 1}").unwrap();
+        assert_eq!(draft_vocab(list.to_str().unwrap(), 10).unwrap(), vec![5, 1, 9]);
+        assert!(draft_vocab(bad.to_str().unwrap(), 10).unwrap_err().to_string().contains("a JSON list of token ids"));
+        let missing = dir.join("missing.json");
+        assert!(draft_vocab(missing.to_str().unwrap(), 10)
+            .unwrap_err()
+            .to_string()
+            .contains("neither a count nor a readable file"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -137,6 +137,9 @@ pub struct WorkerStats {
     pub draft_rounds: AtomicU64,
     pub drafted_tokens: AtomicU64,
     pub accepted_tokens: AtomicU64,
+    /// Host wall time of the decode steps' drafting (a draft model's or head's forwards, to the
+    /// drafts on the host), part of the steps' time outside the target's forward.
+    pub draft_ns: AtomicU64,
     /// Decode steps recorded as CUDA graphs, and replayed from one.
     pub graph_recordings: AtomicUsize,
     pub graph_replays: AtomicUsize,
@@ -193,6 +196,7 @@ counters!(
     draft_rounds,
     drafted_tokens,
     accepted_tokens,
+    draft_ns,
     structured_masks,
     structured_mask_ns,
     preemptions,
@@ -221,6 +225,11 @@ impl Counters {
 
     pub fn graph_replay_gpu_ms(&self) -> Option<f64> {
         mean_ms(self.graph_replay_gpu_ns, self.graph_replays)
+    }
+
+    /// Mean wall time of a decode step's drafting, where the steps drafted.
+    pub fn draft_ms(&self) -> Option<f64> {
+        (self.draft_ns > 0).then(|| mean_ms(self.draft_ns, self.decode_steps)).flatten()
     }
 
     /// Share of drafted tokens accepted, where any were drafted.

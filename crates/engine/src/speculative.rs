@@ -269,9 +269,7 @@ fn mtp_drafts(
             let input = Tensor::new(input, device)?.unsqueeze(1)?;
             last_y = head.forward(&input, &last_y, state)?;
         }
-        let logits = head.logits(&last_y)?;
-        let next = argmax_rows(&logits.reshape((logits.dim(0)?, ()))?, &[])?;
-        for (d, t) in drafts.iter_mut().zip(next) {
+        for (d, t) in drafts.iter_mut().zip(head.draft(&last_y)?) {
             d.push(t);
         }
     }

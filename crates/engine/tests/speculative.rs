@@ -41,16 +41,25 @@ fn engine(dir: &Path, cache: CacheConfig, speculation: Option<Speculation>) -> W
 
 /// The draft sources under test for a target fixture: prompt lookup, the target itself,
 /// another Qwen3.5 fixture and a dense Qwen3 (same tokenizer, different weights: drafts that
-/// are often wrong), and on Qwen3.5 the fixture's own multi-token-prediction head.
+/// are often wrong), and on Qwen3.5 the fixture's own multi-token-prediction head, over the
+/// whole vocabulary and over half of it.
 fn sources(dir: &Path) -> Vec<(&'static str, Speculation)> {
     let other = fixtures().into_iter().find(|d| d != dir).unwrap();
     let qwen3 = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/dense/qwen3-tiny-draft");
     let folder = ModelFolder::open(dir).unwrap();
-    let mtp = matches!(folder.config.arch, ArchConfig::Qwen35(_)).then(|| {
-        let head = folder.load_mtp(&load(dir)).ok().expect("every Qwen3.5 fixture has an MTP head");
-        ("mtp", Speculation { source: DraftSource::Mtp(Box::new(head)), tokens: 4 })
-    });
-    mtp.into_iter()
+    let mtp = |restricted: bool| {
+        let mut head = folder.load_mtp(&load(dir)).ok().expect("every Qwen3.5 fixture has an MTP head");
+        if restricted {
+            // The lower half of the vocabulary: drafts the target often rejects.
+            head.restrict_drafts((0..load(dir).vocab_size() as u32 / 2).collect()).unwrap();
+        }
+        Speculation { source: DraftSource::Mtp(Box::new(head)), tokens: 4 }
+    };
+    let qwen35 = matches!(folder.config.arch, ArchConfig::Qwen35(_));
+    let heads = qwen35.then(|| [("mtp", mtp(false)), ("mtp among half the vocabulary", mtp(true))]);
+    heads
+        .into_iter()
+        .flatten()
         .chain([
             ("ngram", Speculation { source: DraftSource::Ngram, tokens: 4 }),
             ("self", Speculation { source: DraftSource::Model(Box::new(load(dir))), tokens: 3 }),

@@ -66,6 +66,48 @@ fn mtp_head_matches_its_definition_on_transformers_layers() {
     }
 }
 
+/// A head restricted to a draft vocabulary drafts, at every position, the most likely of those
+/// tokens by the whole vocabulary's transformers-checked logits (the first among equals); the
+/// unrestricted head drafts their overall argmax. Bad vocabularies are refused by name.
+#[test]
+fn drafts_among_a_reduced_vocabulary_are_its_most_likely_tokens() {
+    for dir in fixtures() {
+        let name = dir.display();
+        let folder = ModelFolder::open(&dir).unwrap();
+        let model = folder.load(DType::F32, &Device::Cpu).unwrap();
+        let refs = reference(&dir);
+        let tokens: Vec<u32> = refs["tokens"].to_vec1::<i64>().unwrap().into_iter().map(|t| t as u32).collect();
+        let n = tokens.len();
+        let (_, hidden) = model.forward_with_hidden(&row(&tokens), &mut model.new_state(1).unwrap(), Logits::All).unwrap();
+        let mut head = folder.load_mtp(&model).unwrap();
+        let y = head.forward(&row(&tokens[1..]), &hidden.narrow(1, 0, n - 1).unwrap(), &mut head.new_state(1).unwrap()).unwrap();
+        let positions = y.squeeze(0).unwrap().unsqueeze(1).unwrap(); // each position a row
+        let full: Vec<Vec<f32>> = head.logits(&positions).unwrap().squeeze(1).unwrap().to_vec2().unwrap();
+        let best_among =
+            |ids: &[u32], l: &[f32]| *ids.iter().fold(&ids[0], |b, t| if l[*t as usize] > l[*b as usize] { t } else { b });
+        let all: Vec<u32> = (0..full[0].len() as u32).collect();
+        let want: Vec<u32> = full.iter().map(|l| best_among(&all, l)).collect();
+        assert_eq!(head.draft(&positions).unwrap(), want, "{name}: unrestricted drafts");
+
+        // Every third token, listed in a shuffled order; then the lowest ids.
+        let vocab = all.len();
+        let mut hot: Vec<u32> = (0..vocab as u32).filter(|t| t % 3 == 1).collect();
+        hot.reverse();
+        let middle = hot.len() / 2;
+        hot.swap(0, middle);
+        for ids in [hot, (0..vocab as u32 / 4).collect()] {
+            head.restrict_drafts(ids.clone()).unwrap();
+            assert_eq!(head.draft_vocab_size().unwrap(), ids.len());
+            let want: Vec<u32> = full.iter().map(|l| best_among(&ids, l)).collect();
+            assert_eq!(head.draft(&positions).unwrap(), want, "{name}: drafts among {} tokens", ids.len());
+        }
+        let mut refused = |ids: Vec<u32>| head.restrict_drafts(ids).unwrap_err().to_string();
+        assert!(refused(vec![1, vocab as u32]).contains("past the vocabulary"), "{name}");
+        assert!(refused(vec![4, 2, 4]).contains("token 4 is listed twice"), "{name}");
+        assert!(refused(vec![]).contains("no tokens"), "{name}");
+    }
+}
+
 #[test]
 fn mtp_head_refusals_name_what_is_missing() {
     let dense = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/dense/qwen3-tiny-draft");

@@ -264,7 +264,7 @@ impl Runner {
     ) -> strata_model::Result<Stepped> {
         let decode = match rows.is_empty() {
             true => None,
-            false => Some(self.decode_input(rows)?),
+            false => Some(self.decode_input(rows, stats)?),
         };
         // Prompts' segments: text jobs feeding equally many tokens together, in the order their
         // first job comes; a job with images alone (its embeddings and positions are its own).
@@ -383,7 +383,7 @@ impl Runner {
 
     /// The running rows' decode input: each row's last token and drafts, a speculative round
     /// opened where any row has drafts.
-    fn decode_input(&mut self, rows: &mut [Row]) -> strata_model::Result<DecodeInput> {
+    fn decode_input(&mut self, rows: &mut [Row], stats: &WorkerStats) -> strata_model::Result<DecodeInput> {
         let batch = self.batch.as_mut().expect("a row runs");
         let mut drafts = match &mut self.drafter {
             Some(drafter) => {
@@ -396,7 +396,10 @@ impl Runner {
                     .iter()
                     .map(|r| r.job.opts.max_tokens.saturating_sub(r.generated.len() + 1).min(width_cap).min(r.draft_len))
                     .collect();
-                drafter.propose(&contexts, &limits)?
+                let drafting = Instant::now();
+                let drafts = drafter.propose(&contexts, &limits)?;
+                stats.draft_ns.fetch_add(drafting.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                drafts
             }
             None => vec![Vec::new(); rows.len()],
         };

@@ -9,8 +9,14 @@
 //! `layer` is one full-attention Qwen3.5 decoder layer with its own KV history; `embed` and
 //! `lm_head` are the target's. A further draft step feeds the head's own `y` where `h` would be
 //! (the public definition as vLLM and SGLang serve it; transformers does not run the head).
+//!
+//! Drafting may read a reduced vocabulary ([`MtpHead::restrict_drafts`]): the output head is
+//! the largest matrix a draft step reads (Qwen3.5's 248K rows), and a draft only has to be the
+//! likely token, not every token's score (FR-Spec's observation). Verification still scores the
+//! whole vocabulary, so output is unchanged; only which tokens get drafted is.
 
 use candle_core::{DType, Device, Tensor};
+use strata_kernels::sampling::argmax_rows;
 use strata_state::{BatchState, KvPolicy, KvShape, LayerSpec, StateSpec};
 
 use super::layers::{Linear, Matrix, Residual, RmsNorm, Rotary};
@@ -22,6 +28,8 @@ use crate::source::WeightSource;
 pub struct MtpHead {
     embed: Matrix,
     lm_head: Linear,
+    /// The output head's rows for a reduced draft vocabulary, and those tokens.
+    drafts_among: Option<(Linear, Vec<u32>)>,
     embed_norm: RmsNorm,
     hidden_norm: RmsNorm,
     fc: Linear,
@@ -56,6 +64,7 @@ impl MtpHead {
         Ok(Self {
             embed: target.embed.clone(),
             lm_head: target.lm_head.clone(),
+            drafts_among: None,
             embed_norm: RmsNorm::load(src, "mtp.pre_fc_norm_embedding", hidden, eps)?,
             hidden_norm: RmsNorm::load(src, "mtp.pre_fc_norm_hidden", hidden, eps)?,
             fc: Linear::load(src, "mtp.fc", hidden, 2 * hidden, false, dtype)?,
@@ -109,9 +118,50 @@ impl MtpHead {
         Ok(self.norm.forward_stream(&x)?.1)
     }
 
-    /// f32 logits for `y` `[.., hidden]`.
+    /// f32 logits for `y` `[.., hidden]`, over the whole vocabulary.
     pub fn logits(&self, y: &Tensor) -> Result<Tensor> {
         Ok(self.lm_head.forward(y)?.to_dtype(DType::F32)?)
+    }
+
+    /// Drafts only among `tokens` (ids below the vocabulary size, each once): their rows of the
+    /// output head are copied out once (dequantized, for a block-quantized head), and a draft
+    /// step reads those instead of the whole head.
+    pub fn restrict_drafts(&mut self, tokens: Vec<u32>) -> Result<()> {
+        let vocab = self.lm_head.weight().rows()?;
+        let mut seen = vec![false; vocab];
+        for &t in &tokens {
+            match seen.get_mut(t as usize) {
+                None => return Err(ModelError::Invalid(format!("draft vocabulary: token {t} is past the vocabulary ({vocab})"))),
+                Some(true) => return Err(ModelError::Invalid(format!("draft vocabulary: token {t} is listed twice"))),
+                Some(s) => *s = true,
+            }
+        }
+        if tokens.is_empty() {
+            return Err(ModelError::Invalid("draft vocabulary: no tokens".into()));
+        }
+        let ids = Tensor::new(tokens.as_slice(), &self.device)?;
+        let rows = self.lm_head.weight().rows_at(&ids, self.dtype)?;
+        self.drafts_among = Some((Linear::from_weight(Matrix::Dense(rows)), tokens));
+        Ok(())
+    }
+
+    /// The tokens a draft step reads scores for: the restricted vocabulary's size, or all.
+    pub fn draft_vocab_size(&self) -> Result<usize> {
+        match &self.drafts_among {
+            Some((_, tokens)) => Ok(tokens.len()),
+            None => self.lm_head.weight().rows(),
+        }
+    }
+
+    /// Each row's draft for `y` `[R, 1, hidden]`: its most likely token (the first among
+    /// equals), among the draft vocabulary where one is set.
+    pub fn draft(&self, y: &Tensor) -> Result<Vec<u32>> {
+        let rows = y.dim(0)?;
+        let Some((head, tokens)) = &self.drafts_among else {
+            return Ok(argmax_rows(&self.logits(y)?.reshape((rows, ()))?, &[])?);
+        };
+        let logits = head.forward(y)?.to_dtype(DType::F32)?.reshape((rows, ()))?;
+        Ok(argmax_rows(&logits, &[])?.into_iter().map(|i| tokens[i as usize]).collect())
     }
 
     /// Opens a round: positions fed from here on can be dropped by [`MtpHead::close_round`].
