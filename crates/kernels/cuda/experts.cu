@@ -94,7 +94,9 @@ __device__ void moe_route(const T* logits, int n, int E, int k, unsigned* expert
 
 // out [n, H] = Σ_s weight[t·k + s] · y[t·k + s] over a token's k pairs in ascending expert order,
 // each weight rounded to T, each product and each partial sum stored in T: the bits of scaling
-// each expert's output by its weight and adding them one by one in T. One thread per element.
+// each expert's output by its weight and adding them one by one in T. The multiply and the add
+// are kept apart (__fmul_rn, __fadd_rn): in f32, where storing rounds nothing, the compiler
+// would fuse them into one rounding. One thread per element.
 template <typename T>
 __device__ void moe_combine(const T* y, const float* weights, T* out, int n, int H, int k) {
     await_previous_kernel();
@@ -103,10 +105,10 @@ __device__ void moe_combine(const T* y, const float* weights, T* out, int n, int
     if (t >= n || h >= H) return;
     const auto scaled = [&](int s) {
         const long long p = t * k + s;
-        return round_to<T>(to_f32(y[p * H + h]) * round_to<T>(weights[p]));
+        return round_to<T>(__fmul_rn(to_f32(y[p * H + h]), round_to<T>(weights[p])));
     };
     float sum = scaled(0);
-    for (int s = 1; s < k; ++s) sum = round_to<T>(sum + scaled(s));
+    for (int s = 1; s < k; ++s) sum = round_to<T>(__fadd_rn(sum, scaled(s)));
     out[t * H + h] = from_f32<T>(sum);
 }
 

@@ -195,7 +195,14 @@ mod gpu {
         let ((_, k), (count, n, _)) = (x.dims2()?, w.dims3()?);
         let dtype = x.dtype();
         let pairs = routes.pairs();
-        if !x.device().is_cuda() || !cuda::supports(dtype) || w.dtype() != dtype || !w.is_contiguous() || pairs > MAX_PAIRS {
+        let same_device = [w, &routes.experts, &routes.order].iter().all(|t| t.device().same_device(x.device()));
+        if !x.device().is_cuda()
+            || !same_device
+            || !cuda::supports(dtype)
+            || w.dtype() != dtype
+            || !w.is_contiguous()
+            || pairs > MAX_PAIRS
+        {
             return Ok(None);
         }
         let (x, x_stride) = cuda::row_strided(x)?;
@@ -206,7 +213,8 @@ mod gpu {
         if pairs == 0 || n == 0 {
             return Ok(Some(y));
         }
-        let (kernel, split) = if n < 2048 { ("matmul_gathered_s4", 4) } else { ("matmul_gathered_s2", 2) };
+        let split = crate::matmul::gpu::warps_per_row(n);
+        let kernel = if split == 4 { "matmul_gathered_s4" } else { "matmul_gathered_s2" };
         let blocks = u32::try_from((n * split).div_ceil(WARPS))
             .map_err(|_| candle_core::Error::Msg(format!("{n} weight rows exceed a CUDA grid")))?;
         let cfg =

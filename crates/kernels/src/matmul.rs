@@ -59,7 +59,7 @@ pub fn matmul_t_rowwise(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 #[cfg(feature = "cuda")]
-mod gpu {
+pub(crate) mod gpu {
     use candle_core::cuda_backend::cudarc::driver::LaunchConfig;
     use candle_core::Tensor;
 
@@ -79,10 +79,19 @@ mod gpu {
     fn kernel_for(m: usize, n: usize) -> (&'static str, usize) {
         const TWO: [&str; MAX_INPUT_ROWS] = ["matmul_rows1_s2", "matmul_rows2_s2", "matmul_rows3_s2", "matmul_rows4_s2"];
         const FOUR: [&str; MAX_INPUT_ROWS] = ["matmul_rows1_s4", "matmul_rows2_s4", "matmul_rows3_s4", "matmul_rows4_s4"];
+        match warps_per_row(n) {
+            4 => (FOUR[m - 1], 4),
+            _ => (TWO[m - 1], 2),
+        }
+    }
+
+    /// Warps per weight row for `n` weight rows: also the gathered experts' kernel's
+    /// (crate::experts), whose pairs so get the bits of this kernel's rows.
+    pub(crate) fn warps_per_row(n: usize) -> usize {
         if n < 2048 {
-            (FOUR[m - 1], 4)
+            4
         } else {
-            (TWO[m - 1], 2)
+            2
         }
     }
 

@@ -13,8 +13,9 @@
 //! On a GPU, a forward of few positions per row (decode, verify) keeps the routes on the device
 //! ([`strata_kernels::experts`]): nothing is read back to the host, so the decode step can be
 //! recorded as a CUDA graph, and each (token, expert) pair runs as a row of its own of the
-//! batch-invariant kernel — the bits the host-routed path gives it. A long prefill chunk routes
-//! on the host and runs each expert on all its tokens at once.
+//! batch-invariant kernel — its expert's own matmul's bits. (The device's route weights may
+//! differ from the host's in the last bits: its softmax sums in another order.) A long prefill
+//! chunk routes on the host and runs each expert on all its tokens at once.
 
 use candle_core::{DType, Tensor};
 use candle_nn::ops::sigmoid;
@@ -90,11 +91,19 @@ impl Experts {
         })
     }
 
-    /// Whether a forward of few positions per row runs on the device throughout (on a GPU):
-    /// plain weights within the route kernel's limits. A decode step is recorded as a CUDA
-    /// graph only then.
-    pub fn routes_on_device(&self) -> bool {
-        self.stacked.is_some() && self.experts.len() <= MAX_EXPERTS && self.top_k <= MAX_PER_TOKEN
+    /// Whether a forward of `tokens` tokens, few positions per row, runs on the device
+    /// throughout (on a GPU): plain weights within the kernels' limits (experts, picks, pairs)
+    /// whose rows are whole 16-byte pieces in every dtype the kernels take. A decode step is
+    /// recorded as a CUDA graph only then.
+    pub fn routes_on_device(&self, tokens: usize) -> bool {
+        let Some(stacked) = &self.stacked else { return false };
+        let pieces = |d: usize| d % 8 == 0;
+        let hidden = stacked.down.dim(1).unwrap_or(0);
+        self.experts.len() <= MAX_EXPERTS
+            && self.top_k <= MAX_PER_TOKEN
+            && tokens * self.top_k <= MAX_PAIRS
+            && pieces(hidden)
+            && pieces(stacked.inter)
     }
 
     /// `x` `[B, T, hidden]` (or `[B, hidden]`, one position per row).
@@ -116,8 +125,8 @@ impl Experts {
     /// The routed experts' sum `[n, hidden]` without leaving the GPU, where
     /// [`Self::routes_on_device`] and the forward has few positions per row; `None` otherwise.
     fn routed_on_device(&self, tokens: &Tensor, logits: &Tensor, positions: usize) -> Result<Option<Tensor>> {
-        let few = positions <= MAX_EXACT_ROWS && tokens.dim(0)? * self.top_k <= MAX_PAIRS;
-        let Some(stacked) = self.stacked.as_ref().filter(|_| few && self.routes_on_device()) else { return Ok(None) };
+        let few = positions <= MAX_EXACT_ROWS && self.routes_on_device(tokens.dim(0)?);
+        let Some(stacked) = self.stacked.as_ref().filter(|_| few) else { return Ok(None) };
         let Some(routes) = Routes::on_device(logits, self.top_k)? else { return Ok(None) };
         let inter = stacked.inter;
         let gate_up = kernels::matmul_gathered(tokens, &stacked.gate_up, &routes, self.top_k)?;

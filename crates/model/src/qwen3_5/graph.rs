@@ -254,7 +254,7 @@ impl DecodeGraphs {
             && tokens.dims() == [rows, 1]
             && model.plain_weights
             // A mixture of experts whose routes stay on the device.
-            && model.layers.iter().all(|l| l.mlp.stays_on_device())
+            && model.layers.iter().all(|l| l.mlp.stays_on_device(rows_bucket(rows)))
             && state.is_pooled()
             && state.layers.iter().all(eligible)
     }

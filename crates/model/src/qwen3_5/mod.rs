@@ -56,12 +56,13 @@ impl Mlps {
         }
     }
 
-    /// Whether a decode step's pass through it stays on the GPU (what a CUDA graph records).
+    /// Whether a decode step of `rows` rows passes through it on the GPU alone (what a CUDA
+    /// graph records).
     #[cfg(feature = "cuda")]
-    fn stays_on_device(&self) -> bool {
+    fn stays_on_device(&self, rows: usize) -> bool {
         match self {
             Mlps::Dense(_) => true,
-            Mlps::Experts(m) => m.routes_on_device(),
+            Mlps::Experts(m) => m.routes_on_device(rows),
         }
     }
 }
