@@ -128,11 +128,7 @@ impl Experts {
         let few = positions <= MAX_EXACT_ROWS && self.routes_on_device(tokens.dim(0)?);
         let Some(stacked) = self.stacked.as_ref().filter(|_| few) else { return Ok(None) };
         let Some(routes) = Routes::on_device(logits, self.top_k)? else { return Ok(None) };
-        let inter = stacked.inter;
-        let gate_up = kernels::matmul_gathered(tokens, &stacked.gate_up, &routes, self.top_k)?;
-        let act = norm::silu_mul(&gate_up.narrow(1, 0, inter)?, &gate_up.narrow(1, inter, inter)?)?;
-        let down = kernels::matmul_gathered(&act, &stacked.down, &routes, 1)?;
-        Ok(Some(kernels::combine(&down, &routes)?))
+        stacked.routed(tokens, &routes).map(Some)
     }
 
     /// The routed experts' sum `[n, hidden]` with the routes read to the host: each expert on
@@ -199,10 +195,53 @@ impl Stacked {
         Ok(Some(Self { gate_up: Tensor::stack(&gate_up, 0)?, down: Tensor::stack(&down, 0)?, inter }))
     }
 
+    /// The routed experts' sum `[n, hidden]` for `tokens` `[n, hidden]` over `routes`, pair by
+    /// pair: gate and up of each pair's token, SwiGLU, down, each token's pairs weighted and
+    /// summed.
+    fn routed(&self, tokens: &Tensor, routes: &Routes) -> Result<Tensor> {
+        let inter = self.inter;
+        let gate_up = kernels::matmul_gathered(tokens, &self.gate_up, routes, routes.per_token)?;
+        let act = norm::silu_mul(&gate_up.narrow(1, 0, inter)?, &gate_up.narrow(1, inter, inter)?)?;
+        let down = kernels::matmul_gathered(&act, &self.down, routes, 1)?;
+        Ok(kernels::combine(&down, routes)?)
+    }
+
     /// Each expert's MLP as views of the stacked tensors.
     fn views(&self) -> Result<Vec<Mlp>> {
         (0..self.gate_up.dim(0)?)
             .map(|e| Ok(Mlp::joined(self.gate_up.get(e)?, self.inter, Matrix::Dense(self.down.get(e)?))))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::Device;
+
+    use super::*;
+    use crate::source::RandomSource;
+
+    /// The device path's pipeline (routes as pairs, gathered projections, weighted sums), run
+    /// here through the kernels' CPU twins on the host's routes, gives the host path's bits: a
+    /// GPU session then only has the kernels themselves to check.
+    #[test]
+    fn pairs_give_the_host_paths_bits() {
+        let device = Device::Cpu;
+        let cfg = ExpertsConfig {
+            num_experts: 12,
+            num_experts_per_tok: 3,
+            moe_intermediate_size: 40,
+            shared_expert_intermediate_size: 24,
+        };
+        let experts = Experts::load(&RandomSource::new(device.clone(), 7), "mlp", 32, &cfg, DType::F32).unwrap();
+        let stacked = experts.stacked.as_ref().expect("random weights are plain");
+        let tokens = Tensor::randn(0f32, 1.0, (9, 32), &device).unwrap();
+        let logits = experts.router.forward(&tokens).unwrap();
+        let host = experts.routed_on_host(&tokens, &logits, 1).unwrap();
+        let routes: Vec<Vec<(usize, f32)>> = logits.to_vec2::<f32>().unwrap().iter().map(|l| kernels::route(l, 3)).collect();
+        let pairs = stacked.routed(&tokens, &Routes::from_host(&routes, 12, &device).unwrap()).unwrap();
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        assert_eq!(bits(&pairs), bits(&host));
+        assert!(experts.routes_on_device(9) && !experts.routes_on_device(MAX_PAIRS), "pairs past a launch route on the host");
     }
 }
