@@ -21,7 +21,7 @@ pub struct DraftArgs {
     /// numbers its tokens about in order of frequency), or a JSON file holding a list of token
     /// ids (a frequency-ranked hot vocabulary, as FR-Spec builds). Output is unchanged: the
     /// target still verifies over the whole vocabulary; only what is drafted changes.
-    #[arg(long, value_name = "N|FILE")]
+    #[arg(long, value_name = "N|FILE", requires = "draft")]
     draft_vocab: Option<String>,
 }
 

@@ -227,7 +227,8 @@ impl Counters {
         mean_ms(self.graph_replay_gpu_ns, self.graph_replays)
     }
 
-    /// Mean wall time of a decode step's drafting, where the steps drafted.
+    /// Drafting's wall time per decode step (steps that drafted nothing count too), where any
+    /// drafting was timed.
     pub fn draft_ms(&self) -> Option<f64> {
         (self.draft_ns > 0).then(|| mean_ms(self.draft_ns, self.decode_steps)).flatten()
     }

@@ -51,7 +51,7 @@ fn sources(dir: &Path) -> Vec<(&'static str, Speculation)> {
         let mut head = folder.load_mtp(&load(dir)).ok().expect("every Qwen3.5 fixture has an MTP head");
         if restricted {
             // The lower half of the vocabulary: drafts the target often rejects.
-            head.restrict_drafts((0..load(dir).vocab_size() as u32 / 2).collect()).unwrap();
+            head.restrict_drafts((0..folder.config.vocab_size as u32 / 2).collect()).unwrap();
         }
         Speculation { source: DraftSource::Mtp(Box::new(head)), tokens: 4 }
     };

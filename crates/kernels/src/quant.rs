@@ -82,6 +82,19 @@ impl QuantMatrix {
         &self.data[r * len..(r + 1) * len]
     }
 
+    /// Rows `ids`, in that order, as a matrix of their own still in blocks (a row's products
+    /// are the same bits in either matrix).
+    pub fn select_rows(&self, ids: &[u32]) -> Result<Self> {
+        let mut data = Vec::with_capacity(ids.len() * self.row_bytes());
+        for &id in ids {
+            if id as usize >= self.rows {
+                candle_core::bail!("row {id} of a {}-row matrix", self.rows);
+            }
+            data.extend_from_slice(self.row(id as usize));
+        }
+        Self::new(self.format, ids.len(), self.cols, data)
+    }
+
     /// Rows `ids` dequantized, `[ids.len(), cols]` f32 (an embedding lookup).
     pub fn gather(&self, ids: &[u32], device: &Device) -> Result<Tensor> {
         let (values, bytes) = self.format.block();

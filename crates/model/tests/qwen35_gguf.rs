@@ -489,6 +489,29 @@ fn mtp_head_reads_the_nextn_block() {
     assert!(d <= 1e-5, "MTP draft logits from the GGUF differ from the folder's by {d}");
 }
 
+/// A block-quantized (Q8_0) head drafting among a reduced vocabulary keeps those rows in blocks:
+/// each kept token's score is the whole head's, bit for bit, so every draft is the most likely
+/// of the kept tokens by the whole head (the first among equals).
+#[test]
+fn a_quantized_head_drafts_among_a_reduced_vocabulary_by_its_own_scores() {
+    let gguf = ModelFolder::open(&fixture("gguf/qwen3_5-tiny-a-q8_0.gguf")).unwrap();
+    let model = gguf.load(DType::F32, &Device::Cpu).unwrap();
+    let mut head = gguf.load_mtp(&model).unwrap();
+    let (prompt, _) = reference("qwen3_5-tiny-a");
+    let n = prompt.len().min(16);
+    let row = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let (_, hidden) = model.forward_with_hidden(&row(&prompt[..n]), &mut model.new_state(1).unwrap(), Logits::All).unwrap();
+    let y = head.forward(&row(&prompt[1..n]), &hidden.narrow(1, 0, n - 1).unwrap(), &mut head.new_state(1).unwrap()).unwrap();
+    let positions = y.squeeze(0).unwrap().unsqueeze(1).unwrap();
+    let full: Vec<Vec<f32>> = head.logits(&positions).unwrap().squeeze(1).unwrap().to_vec2().unwrap();
+    let mut kept: Vec<u32> = (0..gguf.config.vocab_size as u32).filter(|t| t % 3 != 0).collect();
+    kept.reverse();
+    head.restrict_drafts(kept.clone()).unwrap();
+    let want: Vec<u32> =
+        full.iter().map(|l| *kept.iter().fold(&kept[0], |b, t| if l[*t as usize] > l[*b as usize] { t } else { b })).collect();
+    assert_eq!(head.draft(&positions).unwrap(), want);
+}
+
 /// A file converted without the head (or missing its `eh_proj`) is refused by name.
 #[test]
 fn gguf_without_mtp_head_is_refused() {

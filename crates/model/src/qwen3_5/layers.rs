@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{QMatMul, QStorage, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use strata_kernels::norm::Activation;
 use strata_kernels::quant::QuantMatrix;
@@ -43,6 +43,30 @@ impl Matrix {
                 Ok(y.to_dtype(x.dtype())?)
             }
         }
+    }
+
+    /// Rows `ids`, in that order, as a matrix of their own in this one's form (blocks stay
+    /// blocks), so each row's products are the bits this matrix gives it.
+    pub fn select_rows(&self, ids: &[u32]) -> Result<Matrix> {
+        Ok(match self {
+            Matrix::Dense(w) => Matrix::Dense(w.index_select(&Tensor::new(ids, w.device())?, 0)?),
+            Matrix::Packed(w) => Matrix::Packed(Arc::new(w.select_rows(ids)?)),
+            Matrix::Quantized(w) => {
+                let (rows, cols) = w.shape().dims2()?;
+                let data = w.data()?;
+                let row_bytes = data.len() / rows;
+                let mut picked = Vec::with_capacity(ids.len() * row_bytes);
+                for &id in ids {
+                    let r = id as usize;
+                    if r >= rows {
+                        return Err(crate::error::ModelError::Invalid(format!("row {r} of a {rows}-row matrix")));
+                    }
+                    picked.extend_from_slice(&data[r * row_bytes..(r + 1) * row_bytes]);
+                }
+                let storage = QStorage::from_data(std::borrow::Cow::Owned(picked), &w.device(), w.dtype())?;
+                Matrix::Quantized(Arc::new(QTensor::new(storage, (ids.len(), cols))?))
+            }
+        })
     }
 
     /// Rows `ids` (`[N]` u32) as `[N, in]` in `dtype`: an embedding lookup.

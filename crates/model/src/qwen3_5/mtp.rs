@@ -124,8 +124,9 @@ impl MtpHead {
     }
 
     /// Drafts only among `tokens` (ids below the vocabulary size, each once): their rows of the
-    /// output head are copied out once (dequantized, for a block-quantized head), and a draft
-    /// step reads those instead of the whole head.
+    /// output head are copied out once, in the head's own form (blocks stay blocks, so each
+    /// token's score is the whole head's bits for it), and a draft step reads those instead of
+    /// the whole head. The whole vocabulary is no restriction.
     pub fn restrict_drafts(&mut self, tokens: Vec<u32>) -> Result<()> {
         let vocab = self.lm_head.weight().rows()?;
         let mut seen = vec![false; vocab];
@@ -139,9 +140,10 @@ impl MtpHead {
         if tokens.is_empty() {
             return Err(ModelError::Invalid("draft vocabulary: no tokens".into()));
         }
-        let ids = Tensor::new(tokens.as_slice(), &self.device)?;
-        let rows = self.lm_head.weight().rows_at(&ids, self.dtype)?;
-        self.drafts_among = Some((Linear::from_weight(Matrix::Dense(rows)), tokens));
+        self.drafts_among = match tokens.len() == vocab {
+            true => None,
+            false => Some((Linear::from_weight(self.lm_head.weight().select_rows(&tokens)?), tokens)),
+        };
         Ok(())
     }
 
