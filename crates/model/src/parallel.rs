@@ -275,7 +275,8 @@ impl TensorParallel {
         if name == "embed_tokens.weight" || name == "lm_head.weight" {
             return rows(dims.vocab, vec![self.vocab.scaled(1)]);
         }
-        let rest = name.strip_prefix("layers.")?.split_once('.')?.1;
+        // A decoder layer's tensor, the MTP head's (`mtp.layers.0.…`) among them.
+        let rest = name.strip_prefix("mtp.").unwrap_or(name).strip_prefix("layers.")?.split_once('.')?.1;
         let (d, q, kv) = (dims.head_dim, &self.query_heads, &self.kv_heads);
         let query_rows = dims.query_parts * d;
         let linear = dims.linear.unwrap_or(LinearDims { key_heads: 0, value_heads: 0, key_dim: 0, value_dim: 0 });

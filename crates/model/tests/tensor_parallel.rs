@@ -2,7 +2,7 @@
 //! split over 2 and 4 ranks (threads of a `LocalGroup`, which stands in for NCCL) gives the
 //! whole model's logits within 1e-5 (f32; relative where logits exceed 1) and its greedy tokens, through a batched prompt,
 //! decode steps and a speculative round rolled back; at 4 ranks the fixtures' 2 key/value (and
-//! some 2 DeltaNet value) heads are replicated.
+//! some 2 DeltaNet value) heads are replicated. Qwen3.5's MTP head splits with its model.
 
 use std::sync::Arc;
 
@@ -103,6 +103,65 @@ fn a_model_split_over_two_and_four_ranks_gives_the_whole_models_logits_and_token
                     assert!(diff <= 1e-5 * scale, "{what}: rank {rank}, forward {step}: logits differ by {diff}");
                     // Every rank sums and gathers the same shares in the same order.
                     assert_eq!(max_diff(got, &runs[0].logits[step]), 0.0, "{what}: rank {rank} against rank 0");
+                }
+            }
+        }
+    }
+}
+
+/// The MTP head's logits and drafts through a prompt in two pieces and a further draft step
+/// fed its own output.
+fn mtp_script(folder: &ModelFolder, model: &Model) -> (Vec<Tensor>, Vec<Vec<u32>>) {
+    let head = folder.load_mtp(model).unwrap();
+    let vocab = model.vocab_size() as u32;
+    let tokens: Vec<u32> = (0..14u32).map(|i| (i * 7919 + 5) % vocab).collect();
+    let row = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let (_, hidden) = model.forward_with_hidden(&row(&tokens), &mut model.new_state(1).unwrap(), Logits::All).unwrap();
+    let mut state = head.new_state(1).unwrap();
+    let (mut logits, mut drafts) = (Vec::new(), Vec::new());
+    let mut last = None;
+    for (from, to) in [(0, 6), (6, 13)] {
+        let y = head.forward(&row(&tokens[from + 1..to + 1]), &hidden.narrow(1, from, to - from).unwrap(), &mut state).unwrap();
+        let positions = y.squeeze(0).unwrap().unsqueeze(1).unwrap();
+        logits.push(head.logits(&positions).unwrap());
+        drafts.push(head.draft(&positions).unwrap());
+        last = Some(y.narrow(1, to - from - 1, 1).unwrap());
+    }
+    let draft = *drafts.last().unwrap().last().unwrap();
+    let y = head.forward(&row(&[draft]), &last.unwrap(), &mut state).unwrap();
+    logits.push(head.logits(&y.squeeze(0).unwrap()).unwrap());
+    drafts.push(head.draft(&y.squeeze(0).unwrap().unsqueeze(1).unwrap()).unwrap());
+    (logits, drafts)
+}
+
+/// Every Qwen3.5 fixture's MTP head split over 2 and 4 ranks, beside its split model: the whole
+/// head's logits within 1e-5 and its drafts.
+#[test]
+fn an_mtp_head_split_over_ranks_gives_the_whole_heads_logits_and_drafts() {
+    for dir in fixtures() {
+        let folder = ModelFolder::open(&dir).unwrap();
+        let (want, want_drafts) = mtp_script(&folder, &folder.load(DType::F32, &Device::Cpu).unwrap());
+        for ranks in [2, 4] {
+            let what = format!("{}'s MTP head over {ranks} ranks", dir.display());
+            let runs: Vec<(Vec<Tensor>, Vec<Vec<u32>>)> = std::thread::scope(|s| {
+                let handles: Vec<_> = LocalGroup::new(ranks)
+                    .into_iter()
+                    .map(|member| {
+                        let folder = &folder;
+                        s.spawn(move || {
+                            let model = folder.load_sharded(DType::F32, &Device::Cpu, Arc::new(member)).unwrap();
+                            mtp_script(folder, &model)
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, (logits, drafts)) in runs.iter().enumerate() {
+                assert_eq!(drafts, &want_drafts, "{what}: rank {rank}'s drafts");
+                for (step, (got, want)) in logits.iter().zip(&want).enumerate() {
+                    assert_eq!(got.dims(), want.dims(), "{what}: step {step}");
+                    let (diff, scale) = (max_diff(got, want), max_abs(want).max(1.0));
+                    assert!(diff <= 1e-5 * scale, "{what}: rank {rank}, step {step}: logits differ by {diff}");
                 }
             }
         }

@@ -638,12 +638,13 @@ impl Qwen35 {
     }
 
     /// The multi-token-prediction head shipped beside the model (`mtp.*` in `src`), sharing
-    /// its embedding and output head.
+    /// its embedding and output head; on a split model, this rank's share of it (its layer split
+    /// as the model's are, from `src`'s whole tensors).
     pub fn mtp_head(&self, src: &dyn WeightSource) -> Result<MtpHead> {
-        if self.parallel.get().is_some() {
-            return Err(ModelError::Invalid("the multi-token-prediction head does not run split over devices yet".into()));
+        match self.parallel.get() {
+            Some(parallel) => MtpHead::load(self, &ShardedSource { inner: src, parallel }),
+            None => MtpHead::load(self, src),
         }
-        MtpHead::load(self, src)
     }
 
     /// Embedding and decoder layers: the stream of pre-norm hidden states `[B, T, hidden]`.

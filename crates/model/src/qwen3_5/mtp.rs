@@ -23,6 +23,7 @@ use super::layers::{Linear, Matrix, Residual, RmsNorm, Rotary};
 use super::{DecoderLayer, Qwen35, Round};
 use crate::config::LayerKind;
 use crate::error::{ModelError, Result};
+use crate::parallel::Parallel;
 use crate::source::WeightSource;
 
 pub struct MtpHead {
@@ -30,6 +31,8 @@ pub struct MtpHead {
     lm_head: Linear,
     /// The output head's rows for a reduced draft vocabulary, and those tokens.
     drafts_among: Option<(Linear, Vec<u32>)>,
+    /// The target's split over devices, which the head's layer, embedding and output head share.
+    parallel: Parallel,
     embed_norm: RmsNorm,
     hidden_norm: RmsNorm,
     fc: Linear,
@@ -60,19 +63,20 @@ impl MtpHead {
                 )))
             }
         }
-        let (hidden, eps, dtype) = (cfg.hidden_size, cfg.rms_norm_eps, target.dtype);
+        let (hidden, eps, dtype, local) = (cfg.hidden_size, cfg.rms_norm_eps, target.dtype, &target.local);
         Ok(Self {
             embed: target.embed.clone(),
             lm_head: target.lm_head.clone(),
             drafts_among: None,
+            parallel: target.parallel.clone(),
             embed_norm: RmsNorm::load(src, "mtp.pre_fc_norm_embedding", hidden, eps)?,
             hidden_norm: RmsNorm::load(src, "mtp.pre_fc_norm_hidden", hidden, eps)?,
             fc: Linear::load(src, "mtp.fc", hidden, 2 * hidden, false, dtype)?,
-            layer: DecoderLayer::load(src, "mtp.layers.0", LayerKind::Full, cfg, dtype, Default::default())?,
+            layer: DecoderLayer::load(src, "mtp.layers.0", LayerKind::Full, local, dtype, target.parallel.clone())?,
             norm: RmsNorm::load(src, "mtp.norm", hidden, eps)?,
             rotary: Rotary::new(cfg.rotary_dim(), cfg.rope_theta),
             hidden,
-            kv_heads: cfg.num_key_value_heads,
+            kv_heads: local.num_key_value_heads,
             head_dim: cfg.head_dim,
             dtype,
             device: target.device.clone(),
@@ -106,7 +110,8 @@ impl MtpHead {
                 self.hidden
             )));
         }
-        let embedded = self.embed.rows_at(&tokens.flatten_all()?, self.dtype)?.reshape((b, t, self.hidden))?;
+        let rows = self.parallel.embed(&tokens.flatten_all()?, |ids| self.embed.rows_at(ids, self.dtype))?;
+        let embedded = rows.reshape((b, t, self.hidden))?;
         let joined =
             Tensor::cat(&[self.embed_norm.forward(&embedded)?, self.hidden_norm.forward(&hidden.to_dtype(self.dtype)?)?], 2)?;
         let x = self.fc.forward(&joined)?;
@@ -120,7 +125,7 @@ impl MtpHead {
 
     /// f32 logits for `y` `[.., hidden]`, over the whole vocabulary.
     pub fn logits(&self, y: &Tensor) -> Result<Tensor> {
-        Ok(self.lm_head.forward(y)?.to_dtype(DType::F32)?)
+        Ok(self.parallel.gather_vocab(self.lm_head.forward(y)?)?.to_dtype(DType::F32)?)
     }
 
     /// Drafts only among `tokens` (ids below the vocabulary size, each once): their rows of the
@@ -128,6 +133,9 @@ impl MtpHead {
     /// token's score is the whole head's bits for it), and a draft step reads those instead of
     /// the whole head. The whole vocabulary is no restriction.
     pub fn restrict_drafts(&mut self, tokens: Vec<u32>) -> Result<()> {
+        if self.parallel.get().is_some() {
+            return Err(ModelError::Invalid("a draft vocabulary is not taken by a model split over devices yet".into()));
+        }
         let vocab = self.lm_head.weight().rows()?;
         let mut seen = vec![false; vocab];
         for &t in &tokens {
@@ -149,9 +157,10 @@ impl MtpHead {
 
     /// The tokens a draft step reads scores for: the restricted vocabulary's size, or all.
     pub fn draft_vocab_size(&self) -> Result<usize> {
-        match &self.drafts_among {
-            Some((_, tokens)) => Ok(tokens.len()),
-            None => self.lm_head.weight().rows(),
+        match (&self.drafts_among, self.parallel.get()) {
+            (Some((_, tokens)), _) => Ok(tokens.len()),
+            (None, Some(p)) => Ok(p.group.size() * self.lm_head.weight().rows()?),
+            (None, None) => self.lm_head.weight().rows(),
         }
     }
 
