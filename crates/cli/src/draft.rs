@@ -1,8 +1,13 @@
-//! Speculative-decoding flags shared by `serve`, `generate` and `bench`.
+//! Speculative-decoding flags shared by `serve`, `generate` and `bench`, and `strata
+//! draft-vocab`, which lists a text's most used tokens for `--draft-vocab`.
+
+use std::path::PathBuf;
 
 use anyhow::{bail, Context, Result};
 use strata_engine::{DraftSource, Speculation};
 use strata_model::{Model, MtpHead};
+
+use crate::common::open_model;
 
 #[derive(Clone, clap::Args)]
 pub struct DraftArgs {
@@ -75,6 +80,65 @@ impl DraftArgs {
     }
 }
 
+/// `strata draft-vocab`: the tokens a text uses most, as `--draft-vocab FILE` reads them.
+#[derive(clap::Args)]
+pub struct VocabArgs {
+    /// A model folder, a .gguf file, or a Hugging Face repo id (its tokenizer counts the text).
+    #[arg(long)]
+    model: Option<String>,
+    /// Text files like the traffic to draft for (their tokens are counted together).
+    #[arg(long, required = true)]
+    file: Vec<PathBuf>,
+    /// Tokens to list.
+    #[arg(long, default_value_t = 32768)]
+    size: usize,
+    /// Where to write the JSON list (default: standard output).
+    #[arg(long)]
+    output: Option<PathBuf>,
+}
+
+pub fn run_vocab(a: VocabArgs) -> Result<()> {
+    let folder = open_model(&crate::hub::resolve_model(a.model.as_deref())?)?;
+    let vocab = folder.config.vocab_size;
+    if a.size == 0 || a.size > vocab {
+        bail!("--size {}: expected between 1 and the vocabulary's {vocab} tokens", a.size);
+    }
+    let mut counts = vec![0u64; vocab];
+    for path in &a.file {
+        let text = std::fs::read_to_string(path).with_context(|| format!("--file {}: cannot read", path.display()))?;
+        for id in folder.tokenizer.encode(&text)? {
+            // A tokenizer may know ids past the output head's rows (added tokens): never drafted.
+            if let Some(c) = counts.get_mut(id as usize) {
+                *c += 1;
+            }
+        }
+    }
+    let ids = most_frequent(&counts, a.size);
+    let (total, covered) = (counts.iter().sum::<u64>(), ids.iter().map(|&id| counts[id as usize]).sum::<u64>());
+    let used = counts.iter().filter(|&&c| c > 0).count();
+    eprintln!(
+        "{total} tokens, {used} distinct; the {} listed cover {:.1}% of them",
+        ids.len(),
+        if total == 0 { 0.0 } else { 100.0 * covered as f64 / total as f64 }
+    );
+    let json = serde_json::to_string(&ids)?;
+    match &a.output {
+        Some(path) => std::fs::write(path, json + "\n").with_context(|| format!("--output {}: cannot write", path.display()))?,
+        None => println!("{json}"),
+    }
+    Ok(())
+}
+
+/// The `size` ids counted most (the lower id first among equals), then, where the text used
+/// fewer, the lowest ids it did not use (a byte-level BPE numbers its tokens about in order of
+/// frequency).
+fn most_frequent(counts: &[u64], size: usize) -> Vec<u32> {
+    let mut ids: Vec<u32> = (0..counts.len() as u32).collect();
+    ids.sort_by(|&a, &b| counts[b as usize].cmp(&counts[a as usize]).then(a.cmp(&b)));
+    ids.truncate(size);
+    ids
+}
+
 /// `--draft-vocab`'s tokens: `0..N`, or the ids listed in a JSON file.
 fn draft_vocab(arg: &str, target_vocab: usize) -> Result<Vec<u32>> {
     if let Ok(n) = arg.parse::<usize>() {
@@ -90,7 +154,14 @@ fn draft_vocab(arg: &str, target_vocab: usize) -> Result<Vec<u32>> {
 
 #[cfg(test)]
 mod tests {
-    use super::draft_vocab;
+    use super::{draft_vocab, most_frequent};
+
+    #[test]
+    fn the_most_frequent_tokens_come_first_then_the_lowest_unused() {
+        let counts = [0, 5, 2, 5, 0, 9, 1];
+        assert_eq!(most_frequent(&counts, 3), vec![5, 1, 3]);
+        assert_eq!(most_frequent(&counts, 7), vec![5, 1, 3, 2, 6, 0, 4]);
+    }
 
     #[test]
     fn a_draft_vocabulary_is_a_count_or_a_list_of_ids() {

@@ -37,6 +37,8 @@ enum Command {
     Serve(serve::Args),
     /// Perplexity of a model over a text file, with tokens/s.
     Perplexity(perplexity::Args),
+    /// List the tokens a text uses most, for `--draft-vocab FILE`.
+    DraftVocab(draft::VocabArgs),
 }
 
 fn main() {
@@ -54,6 +56,7 @@ fn main() {
         Command::Bench(args) => bench::run(args),
         Command::Serve(args) => serve::run(args),
         Command::Perplexity(args) => perplexity::run(args),
+        Command::DraftVocab(args) => draft::run_vocab(args),
     };
     if let Err(e) = result {
         eprintln!("error: {}", one_line(&e));
