@@ -85,6 +85,7 @@ fn all_stats(state: &AppState) -> Value {
             "accepted_tokens": w.accepted_tokens.load(Ordering::Relaxed),
             "acceptance_rate": ratio(w.accepted_tokens.load(Ordering::Relaxed), w.drafted_tokens.load(Ordering::Relaxed)),
             "mean_accepted_per_round": ratio(w.accepted_tokens.load(Ordering::Relaxed), w.draft_rounds.load(Ordering::Relaxed)),
+            "draft_seconds": w.draft_ns.load(Ordering::Relaxed) as f64 / 1e9,
         },
     })
 }
@@ -161,7 +162,7 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
     let w = state.worker.stats();
     let s = state.worker.cache_stats();
     let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed) as f64;
-    let rows: [(&str, &str, &str, f64); 36] = [
+    let rows: [(&str, &str, &str, f64); 37] = [
         ("strata_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
         ("strata_http_requests_total", "counter", "HTTP requests received.", state.http_requests.load(Ordering::Relaxed) as f64),
         (
@@ -238,6 +239,12 @@ pub async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
         ("strata_draft_rounds_total", "counter", "Decode steps that verified drafted tokens.", n(&w.draft_rounds)),
         ("strata_drafted_tokens_total", "counter", "Tokens drafted for speculative decoding.", n(&w.drafted_tokens)),
         ("strata_accepted_tokens_total", "counter", "Drafted tokens the model accepted.", n(&w.accepted_tokens)),
+        (
+            "strata_draft_seconds_total",
+            "counter",
+            "Time spent drafting (a draft model's or head's forwards).",
+            n(&w.draft_ns) / 1e9,
+        ),
     ];
     let p = state.worker.pool_stats();
     let pool = [

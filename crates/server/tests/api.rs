@@ -318,6 +318,8 @@ async fn api_key_and_admin_endpoints() {
     let (_, r) = call(&app, "GET", "/metrics", Value::Null, &[]).await;
     let text = String::from_utf8(r).unwrap();
     assert!(text.contains("# TYPE strata_generated_tokens_total counter\nstrata_generated_tokens_total 12\n"), "{text}");
+    // Without a draft source no time goes to drafting.
+    assert!(text.contains("# TYPE strata_draft_seconds_total counter\nstrata_draft_seconds_total 0\n"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
