@@ -19,7 +19,7 @@
 
 use candle_core::{DType, Tensor};
 use candle_nn::ops::sigmoid;
-use strata_kernels::experts::{self as kernels, Routes, MAX_EXPERTS, MAX_PAIRS, MAX_PER_TOKEN};
+use strata_kernels::experts::{self as kernels, Routes, MAX_EXPERTS, MAX_PER_TOKEN};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
 use strata_kernels::norm;
 
@@ -27,6 +27,13 @@ use super::layers::{Linear, Matrix, Mlp};
 use crate::config::ExpertsConfig;
 use crate::error::{ModelError, Result};
 use crate::source::WeightSource;
+
+/// (token, expert) pairs up to which a forward routes on the device: each pair reads its
+/// expert's weights on its own (from the L2 cache where pairs share an expert), which for
+/// prefill-sized batches costs more than the host's grouping of each expert's tokens into one
+/// tensor-core matmul. 2,048 covers decode batches of 256 rows at 8 experts a token; where the
+/// two costs cross is not measured yet (scripts/cuda/moe-matmul-bench.cu measures the first).
+const MAX_DEVICE_PAIRS: usize = 2048;
 
 pub struct Experts {
     router: Linear,
@@ -92,8 +99,9 @@ impl Experts {
     }
 
     /// Whether a forward of `tokens` tokens, few positions per row, runs on the device
-    /// throughout (on a GPU): plain weights within the kernels' limits (experts, picks, pairs)
-    /// whose rows are whole 16-byte pieces in every dtype the kernels take. A decode step is
+    /// throughout (on a GPU): plain weights within the kernels' limits (experts, picks) whose
+    /// rows are whole 16-byte pieces in every dtype the kernels take, and at most
+    /// [`MAX_DEVICE_PAIRS`] pairs. A decode step is
     /// recorded as a CUDA graph only then.
     pub fn routes_on_device(&self, tokens: usize) -> bool {
         let Some(stacked) = &self.stacked else { return false };
@@ -101,7 +109,7 @@ impl Experts {
         let hidden = stacked.down.dim(1).unwrap_or(0);
         self.experts.len() <= MAX_EXPERTS
             && self.top_k <= MAX_PER_TOKEN
-            && tokens * self.top_k <= MAX_PAIRS
+            && tokens * self.top_k <= MAX_DEVICE_PAIRS
             && pieces(hidden)
             && pieces(stacked.inter)
     }
@@ -242,6 +250,9 @@ mod tests {
         let pairs = stacked.routed(&tokens, &Routes::from_host(&routes, 12, &device).unwrap()).unwrap();
         let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         assert_eq!(bits(&pairs), bits(&host));
-        assert!(experts.routes_on_device(9) && !experts.routes_on_device(MAX_PAIRS), "pairs past a launch route on the host");
+        assert!(
+            experts.routes_on_device(9) && !experts.routes_on_device(MAX_DEVICE_PAIRS),
+            "prefill-sized forwards route on the host"
+        );
     }
 }
