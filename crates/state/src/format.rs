@@ -22,6 +22,7 @@ use std::str::FromStr;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use candle_core::{DType, Tensor};
+use rayon::prelude::*;
 use strata_kernels::attention::{self, Scoring};
 use strata_kernels::kv_quant::{self, Affine, KvCodec, LayerCodes, PartCodes, Turbo, TurboVariant};
 
@@ -593,17 +594,27 @@ impl KvCoding {
     }
 
     /// Stored codes of `part` (a quantized layer's) turned into `[.., Hkv, T, D]` values in the
-    /// compute dtype, each vector by `decode` with its head's codec.
-    fn decode_with(&self, stored: &Tensor, part: KvPart, decode: impl Fn(&HeadCodec, &[u8], &mut [f32])) -> Result<Tensor> {
+    /// compute dtype, each vector by `decode` with its head's codec, blocks of vectors on all
+    /// threads (a CPU step decodes every row's whole history).
+    fn decode_with(
+        &self,
+        stored: &Tensor,
+        part: KvPart,
+        decode: impl Fn(&HeadCodec, &[u8], &mut [f32]) + Sync,
+    ) -> Result<Tensor> {
+        /// Vectors a task decodes.
+        const BLOCK: usize = 256;
         let codecs = self.codecs.as_ref().expect("called for quantized layers").of(part);
         let dims = stored.dims().to_vec();
         let (heads, t, width) = three_last(&dims)?;
         let d = codecs[0].get().dim();
         let codes = stored.flatten_all()?.to_vec1::<u8>()?;
         let mut out = vec![0f32; codes.len() / width * d];
-        for (i, (code, x)) in codes.chunks_exact(width).zip(out.chunks_exact_mut(d)).enumerate() {
-            decode(&codecs[i / t % heads], code, x);
-        }
+        out.par_chunks_mut(BLOCK * d).zip(codes.par_chunks(BLOCK * width)).enumerate().for_each(|(block, (out, codes))| {
+            for (i, (code, x)) in codes.chunks_exact(width).zip(out.chunks_exact_mut(d)).enumerate() {
+                decode(&codecs[(block * BLOCK + i) / t % heads], code, x);
+            }
+        });
         let mut shape = dims;
         *shape.last_mut().expect("three dims") = d;
         Ok(Tensor::from_vec(out, shape, stored.device())?.to_dtype(self.dtype)?)
