@@ -46,6 +46,17 @@ __global__ void fill_bytes(uint8_t* p, long long n, unsigned seed) {
     }
 }
 
+// Reads `n` 16-byte pieces from `p` (a grid-stride loop; `sink` keeps the loads): the GPU's read
+// bandwidth, which the benchmarks set their kernels beside.
+__global__ void read_all(const uint4* p, long long n, float* sink) {
+    float a = 0.0f;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
+        const uint4 v = __ldg(p + i);
+        a += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
+    }
+    if (a == 1234.5f) *sink = a;
+}
+
 // Frees device buffers.
 static void free_all(std::initializer_list<void*> buffers) {
     for (void* p : buffers) CHECK(cudaFree(p));

@@ -40,15 +40,6 @@ static void project(cudaStream_t stream, int split, const bf16* x, const bf16* w
     dependent(stream, grid, block, gathered(split), x, (long long)k, w, y, k, n, EXPERTS, experts, order, per_input);
 }
 
-__global__ void read_all(const uint4* p, long long n, float* sink) {
-    float a = 0.0f;
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x) {
-        const uint4 v = __ldg(p + i);
-        a += __uint_as_float(v.x ^ v.y ^ v.z ^ v.w);
-    }
-    if (a == 1234.5f) *sink = a;
-}
-
 int main() {
     cudaStream_t stream;
     CHECK(cudaStreamCreate(&stream));

@@ -20,6 +20,14 @@ pub const MAX_PER_TOKEN: usize = 32;
 /// (token, expert) pairs a gathered matmul takes on a GPU (one per block along the grid's y).
 pub const MAX_PAIRS: usize = 65535;
 
+/// Whether the device path takes a mixture of `count` experts, `per_token` of them a token, of
+/// width `hidden` and `inter`: within the route kernel's limits, and with rows in whole 16-byte
+/// pieces in every dtype the kernels take (which the gathered matmul reads them in).
+pub fn device_takes(count: usize, per_token: usize, hidden: usize, inter: usize) -> bool {
+    let pieces = |d: usize| d % 8 == 0;
+    count <= MAX_EXPERTS && per_token <= MAX_PER_TOKEN.min(count) && pieces(hidden) && pieces(inter)
+}
+
 /// A token's route from its router logits: the `k` experts of highest softmax probability (the
 /// lower index first among equals), ascending by expert, each with its probability over the
 /// sum of the `k` (f32, summed highest first, as transformers computes them).

@@ -764,18 +764,27 @@ fn deinterleave_rope_rows(q: &QTensor, heads: usize) -> Result<QTensor> {
     })
 }
 
-/// Row `r` of the result is stored row `source(r)` (along the first dimension; a 1-D tensor's
-/// elements are its rows). Rows move whole, so quantized blocks stay intact.
+/// Row `r` of the result is stored row `source(r)`.
 fn permute_rows(q: &QTensor, source: impl Fn(usize) -> usize) -> Result<QTensor> {
-    let rows = q.shape().dims()[0];
+    quantized_rows(q, (0..q.shape().dims()[0]).map(source), &Device::Cpu)
+}
+
+/// Rows `ids` of `q`, in that order, on `device` (along the first dimension; a 1-D tensor's
+/// elements are its rows). Rows move whole, so quantized blocks stay intact.
+pub(crate) fn quantized_rows(q: &QTensor, ids: impl ExactSizeIterator<Item = usize>, device: &Device) -> Result<QTensor> {
+    let mut shape = q.shape().dims().to_vec();
+    let rows = shape[0];
     let row_bytes = q.storage_size_in_bytes() / rows;
     let data = q.data()?;
-    let mut out = Vec::with_capacity(data.len());
-    for r in 0..rows {
-        let src = source(r);
-        out.extend_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+    let mut out = Vec::with_capacity(ids.len() * row_bytes);
+    shape[0] = ids.len();
+    for r in ids {
+        if r >= rows {
+            return Err(ModelError::Invalid(format!("row {r} of a {rows}-row matrix")));
+        }
+        out.extend_from_slice(&data[r * row_bytes..(r + 1) * row_bytes]);
     }
-    Ok(QTensor::new(QStorage::from_data(out.into(), &Device::Cpu, q.dtype())?, q.shape().clone())?)
+    Ok(QTensor::new(QStorage::from_data(out.into(), device, q.dtype())?, shape)?)
 }
 
 /// Columns in chunks of `chunk` (a multiple of the quantization block): chunk `c` of every row

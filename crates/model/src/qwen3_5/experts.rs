@@ -19,7 +19,7 @@
 
 use candle_core::{DType, Tensor};
 use candle_nn::ops::sigmoid;
-use strata_kernels::experts::{self as kernels, Routes, MAX_EXPERTS, MAX_PER_TOKEN};
+use strata_kernels::experts::{self as kernels, Routes};
 use strata_kernels::matmul::MAX_EXACT_ROWS;
 use strata_kernels::norm;
 
@@ -99,19 +99,13 @@ impl Experts {
     }
 
     /// Whether a forward of `tokens` tokens, few positions per row, runs on the device
-    /// throughout (on a GPU): plain weights within the kernels' limits (experts, picks) whose
-    /// rows are whole 16-byte pieces in every dtype the kernels take, and at most
-    /// [`MAX_DEVICE_PAIRS`] pairs. A decode step is
+    /// throughout (on a GPU): plain weights of a shape the kernels take
+    /// ([`kernels::device_takes`]), and at most [`MAX_DEVICE_PAIRS`] pairs. A decode step is
     /// recorded as a CUDA graph only then.
     pub fn routes_on_device(&self, tokens: usize) -> bool {
         let Some(stacked) = &self.stacked else { return false };
-        let pieces = |d: usize| d % 8 == 0;
         let hidden = stacked.down.dim(1).unwrap_or(0);
-        self.experts.len() <= MAX_EXPERTS
-            && self.top_k <= MAX_PER_TOKEN
-            && tokens * self.top_k <= MAX_DEVICE_PAIRS
-            && pieces(hidden)
-            && pieces(stacked.inter)
+        kernels::device_takes(self.experts.len(), self.top_k, hidden, stacked.inter) && tokens * self.top_k <= MAX_DEVICE_PAIRS
     }
 
     /// `x` `[B, T, hidden]` (or `[B, hidden]`, one position per row).

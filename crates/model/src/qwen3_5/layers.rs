@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use candle_core::quantized::{QMatMul, QStorage, QTensor};
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor};
 use strata_kernels::norm::Activation;
 use strata_kernels::quant::QuantMatrix;
@@ -52,19 +52,7 @@ impl Matrix {
             Matrix::Dense(w) => Matrix::Dense(w.index_select(&Tensor::new(ids, w.device())?, 0)?),
             Matrix::Packed(w) => Matrix::Packed(Arc::new(w.select_rows(ids)?)),
             Matrix::Quantized(w) => {
-                let (rows, cols) = w.shape().dims2()?;
-                let data = w.data()?;
-                let row_bytes = data.len() / rows;
-                let mut picked = Vec::with_capacity(ids.len() * row_bytes);
-                for &id in ids {
-                    let r = id as usize;
-                    if r >= rows {
-                        return Err(crate::error::ModelError::Invalid(format!("row {r} of a {rows}-row matrix")));
-                    }
-                    picked.extend_from_slice(&data[r * row_bytes..(r + 1) * row_bytes]);
-                }
-                let storage = QStorage::from_data(std::borrow::Cow::Owned(picked), &w.device(), w.dtype())?;
-                Matrix::Quantized(Arc::new(QTensor::new(storage, (ids.len(), cols))?))
+                Matrix::Quantized(Arc::new(crate::gguf::quantized_rows(w, ids.iter().map(|&id| id as usize), &w.device())?))
             }
         })
     }
